@@ -1,0 +1,341 @@
+"""Checkpoint sources: Hugging Face model directories or bare .safetensors files.
+
+``open_checkpoint(path)`` parses every header once and yields the tensor map (name -> file,
+absolute byte range, dtype, shape), the directory's non-weight files and each file's identity.
+All reads of tensor bytes go through :meth:`Checkpoint.read_ranges`, which coalesces adjacent
+ranges, uses ``os.pread`` and counts physical bytes per source. Thread-safe: reads may run on
+worker threads concurrently; nothing here may run on the trio thread (it blocks on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import xxhash
+
+from . import format as fmt
+from .errors import SourceChanged, SourceError
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_PREFIX_READ = 8 + fmt.HEADER_SIZE_CAP
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when we parsed it: a change in any field means the file changed."""
+
+    path: str
+    size_bytes: int
+    mtime_ns: int
+    header_xxh3: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "size_bytes": self.size_bytes,
+            "mtime_ns": self.mtime_ns,
+            "header_xxh3": self.header_xxh3,
+        }
+
+
+@dataclass(frozen=True)
+class TensorLoc:
+    """Where one tensor's bytes live: ``[start, end)`` are absolute offsets in ``file``."""
+
+    name: str
+    file: str
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    """A half-open byte range ``[start, end)`` of one file of a source."""
+
+    file: str
+    start: int
+    end: int
+
+
+class Counters:
+    """Physical read counters of one source; ``bytes_read`` counts bytes returned by pread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.reads = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+
+
+def _read_header(path: Path) -> tuple[fmt.Header, FileIdentity]:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = fmt.header_length(prefix, st.st_size)
+            prefix += f.read(n)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        header = fmt.parse_file_prefix(prefix, st.st_size)
+    except fmt.FormatError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    ident = FileIdentity(
+        str(path), st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(prefix)
+    )
+    return header, ident
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise SourceError(
+        f"{path}: pickle checkpoints are not read (mergefs reads safetensors only); convert it "
+        "with transformers' save_pretrained(..., safe_serialization=True)"
+    )
+
+
+class Checkpoint:
+    """One source: tensor map, non-weight files, identities, and the only way to read bytes."""
+
+    def __init__(
+        self,
+        root: Path,
+        files: Sequence[str],
+        tensors: dict[str, TensorLoc],
+        headers: dict[str, fmt.Header],
+        identities: dict[str, FileIdentity],
+        extra_files: Sequence[str],
+        index_json: dict | None,
+    ) -> None:
+        self.root = root
+        self.files = tuple(files)  # weight file names, relative to root (or the bare file name)
+        self.tensors = tensors
+        self.headers = headers
+        self.identities = identities
+        self.extra_files = tuple(extra_files)
+        self.index_json = index_json
+        self.counters = Counters()
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return str(self.root)
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file if self.root.is_dir() else self.root
+
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def identity_json(self) -> dict[str, object]:
+        return {"root": str(self.root), "files": [self.identities[f].to_json() for f in self.files]}
+
+    def identity_key(self) -> str:
+        """A short stable hash of all file identities."""
+        blob = json.dumps(self.identity_json(), sort_keys=True).encode()
+        return xxhash.xxh3_64_hexdigest(blob)
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChanged if any weight file's size or mtime differs from when opened."""
+        for f in self.files:
+            ident = self.identities[f]
+            try:
+                st = os.stat(self.path_of(f))
+            except OSError as exc:
+                raise SourceChanged(f"{self.path_of(f)}: source vanished: {exc.strerror}") from None
+            if st.st_size != ident.size_bytes or st.st_mtime_ns != ident.mtime_ns:
+                raise SourceChanged(
+                    f"{self.path_of(f)}: source changed since it was opened "
+                    f"(size {ident.size_bytes} -> {st.st_size}, mtime changed: "
+                    f"{st.st_mtime_ns != ident.mtime_ns})"
+                )
+
+    def _fd(self, file: str) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.path_of(file), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    raise SourceError(f"{self.path_of(file)}: cannot open: {exc.strerror}") from None
+                self._fds[file] = fd
+            return fd
+
+    def fds(self) -> dict[str, int]:
+        return {f: self._fd(f) for f in self.files}
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _pread(self, file: str, start: int, end: int) -> bytes:
+        fd = self._fd(file)
+        want = end - start
+        try:
+            data = os.pread(fd, want, start)
+            if len(data) < want:  # large or interrupted reads may come back short
+                parts = [data]
+                got = len(data)
+                while got < want:
+                    more = os.pread(fd, want - got, start + got)
+                    if not more:
+                        break
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+        except OSError as exc:
+            raise SourceError(f"{self.path_of(file)}: read failed: {exc.strerror}") from None
+        self.counters.add(len(data))
+        if len(data) != want:
+            raise SourceChanged(
+                f"{self.path_of(file)}: short read at [{start}, {end}): file was truncated"
+            )
+        return data
+
+    def read_ranges(self, ranges: Iterable[ReadRange]) -> list[memoryview]:
+        """Read each range, in order; adjacent or overlapping ranges of a file share one pread.
+
+        Returns one zero-copy view per requested range, in the order given.
+        """
+        ranges = list(ranges)
+        order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
+        out: list[memoryview | None] = [None] * len(ranges)
+        run: list[int] = []
+
+        def flush() -> None:
+            if not run:
+                return
+            first = ranges[run[0]]
+            end = max(ranges[k].end for k in run)
+            buf = memoryview(self._pread(first.file, first.start, end))
+            for k in run:
+                r = ranges[k]
+                out[k] = buf[r.start - first.start : r.end - first.start]
+            run.clear()
+
+        run_end = -1
+        for k in order:
+            r = ranges[k]
+            if run and (r.file != ranges[run[0]].file or r.start > run_end):
+                flush()
+            if not run:
+                run_end = r.end
+            run.append(k)
+            run_end = max(run_end, r.end)
+        flush()
+        return [m for m in out if m is not None]
+
+    def read_tensor(self, name: str) -> memoryview:
+        loc = self.tensors[name]
+        return self.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+
+
+def _weights_of_dir(root: Path) -> tuple[list[str], dict | None]:
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{index_path}: not a valid shard index: {exc}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise SourceError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if Path(f).is_absolute() or ".." in Path(f).parts:
+                raise SourceError(f"{index_path}: shard name {f!r} escapes the model directory")
+            if not (root / f).is_file():
+                raise SourceError(f"{index_path}: names shard {f!r}, which does not exist")
+        return files, index
+    if (root / SINGLE_NAME).is_file():
+        return [SINGLE_NAME], None
+    found = sorted(p.name for p in root.glob("*.safetensors"))
+    if len(found) == 1:
+        return found, None
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        _refuse_pickle(root / pickles[0])
+    if found:
+        raise SourceError(
+            f"{root}: {len(found)} .safetensors files but no {INDEX_NAME} to say how they shard"
+        )
+    raise SourceError(f"{root}: no model.safetensors or {INDEX_NAME} found")
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a model directory or a bare .safetensors file and parse every header."""
+    root = Path(path).absolute()
+    if root.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(root)
+    if root.is_dir():
+        files, index = _weights_of_dir(root)
+        extra = sorted(
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file()
+            and p.name not in set(files) | {INDEX_NAME}
+            and not p.name.endswith(".safetensors")
+            and p.suffix not in PICKLE_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        )
+    elif root.is_file():
+        if root.suffix != ".safetensors":
+            raise SourceError(f"{root}: not a .safetensors file or a model directory")
+        files, index, extra = [root.name], None, []
+    else:
+        raise SourceError(f"{root}: no such file or directory")
+
+    tensors: dict[str, TensorLoc] = {}
+    headers: dict[str, fmt.Header] = {}
+    identities: dict[str, FileIdentity] = {}
+    for f in files:
+        p = root / f if root.is_dir() else root
+        header, ident = _read_header(p)
+        headers[f] = header
+        identities[f] = ident
+        for t in header.tensors:
+            if t.name in tensors:
+                raise SourceError(f"{p}: tensor {t.name!r} also appears in {tensors[t.name].file}")
+            tensors[t.name] = TensorLoc(
+                t.name, f, header.data_start + t.start, header.data_start + t.end, t.dtype, t.shape
+            )
+    if index is not None:
+        weight_map = index["weight_map"]
+        for name, f in weight_map.items():
+            loc = tensors.get(name)
+            if loc is None:
+                raise SourceError(f"{root / INDEX_NAME}: names tensor {name!r}, missing from {f}")
+            if loc.file != f:
+                raise SourceError(
+                    f"{root / INDEX_NAME}: maps {name!r} to {f}, but it is in {loc.file}"
+                )
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise SourceError(
+                f"{root / INDEX_NAME}: tensor {unlisted[0]!r} is in a shard but not in weight_map"
+            )
+    return Checkpoint(root, files, tensors, headers, identities, extra, index)
