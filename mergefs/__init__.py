@@ -1,1 +1,3 @@
-"""mergefs."""
+"""mergefs: budgeted, lazy, verifiable merging of model checkpoints."""
+
+__version__ = "0.1.0"

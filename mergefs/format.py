@@ -234,7 +234,7 @@ def parse_header(header_bytes: bytes, data_start: int | None = None) -> Header:
         raise HeaderNotJson(f"header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise HeaderNotObject("header JSON is not an object")
-    if len(obj) > MAX_TENSORS + 1:
+    if len(obj) - ("__metadata__" in obj) > MAX_TENSORS:
         raise TooManyTensors(f"header lists {len(obj)} entries, more than {MAX_TENSORS}")
     metadata = obj.pop("__metadata__", None)
     if metadata is not None and (

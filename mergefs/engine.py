@@ -1,0 +1,408 @@
+"""The merge engine: executes a plan, one merge unit (a run of blocks, or a whole tensor) at a time.
+
+``Session`` opens a spec's family, loads or builds the index and makes the plan. ``Engine`` then
+reads the base range and only the planned expert ranges of a unit (each run of adjacent planned
+blocks is one pread), checks every block's bytes against the index hashes (a changed source is
+refused, never merged), merges in float32 (``ops``) and casts to the output dtype. Every range
+read and every unit produced is recorded in the manifest. ``materialise`` writes a Hugging Face
+directory whose files are byte-identical to what the mount serves (same ``output_layout``).
+
+Merging and reading block on disk and CPU: call from worker threads, never the trio thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from . import __version__
+from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint
+from .dtypes import decode_f32, encode
+from .errors import MergefsError, SourceChanged
+from .format import DTYPES, FLOAT_DTYPES, build_header
+from .index import BlockIndex, load_or_build
+from .manifest import SCHEMA_VERSION, ManifestWriter
+from .ops import OpParams, merge_additive, merge_gta, merge_slerp, resolve_params
+from .plan import Plan, make_plan, selected_runs
+from .spec import ADDITIVE, Spec, check_coordinates
+
+log = logging.getLogger(__name__)
+
+UNIT_ELEMS = 4 << 20  # materialise merges about this many elements per unit (elementwise ops)
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of an output file: absolute ``[start, end)`` in that file."""
+
+    name: str
+    file: str
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+    layout_index: int | None  # None: not merged (non-float), the base's bytes pass through
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    header: bytes
+    size_bytes: int
+    tensors: tuple[OutTensor, ...]  # in data order
+
+
+def output_dtype(spec: Spec, src_dtype: str) -> str:
+    if src_dtype in FLOAT_DTYPES and spec.out_dtype is not None:
+        return spec.out_dtype
+    return src_dtype
+
+
+def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
+                  ) -> tuple[list[OutFile], bytes | None]:
+    """The merged model's weight files (mirroring the base's sharding) and its shard index."""
+    files: list[OutFile] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    sharded = base.index_json is not None
+    for f in base.files:
+        names = [t.name for t in base.headers[f].tensors]
+        spec_map = {n: (output_dtype(spec, base.tensors[n].dtype), base.tensors[n].shape)
+                    for n in names}
+        header, lay = build_header(spec_map, {"format": "pt"})
+        out_name = f if sharded or base.root.is_dir() else SINGLE_NAME
+        tensors = tuple(
+            OutTensor(n, out_name, len(header) + lay[n].start, len(header) + lay[n].end,
+                      lay[n].dtype, lay[n].shape, layout_index.get(n))
+            for n in sorted(lay, key=lambda n: lay[n].start)
+        )
+        size = len(header) + max((t.end for t in lay.values()), default=0)
+        files.append(OutFile(out_name, header, size, tensors))
+        for t in tensors:
+            weight_map[t.name] = out_name
+            total += t.end - t.start
+    index_json = None
+    if sharded:
+        doc = {"metadata": {"total_size": total},
+               "weight_map": dict(sorted(weight_map.items()))}
+        index_json = (json.dumps(doc, indent=2) + "\n").encode()
+    return files, index_json
+
+
+def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+    base = open_checkpoint(spec.base)
+    experts = [open_checkpoint(e.path) for e in spec.experts]
+    check_coordinates(base, experts)
+    return base, experts
+
+
+class Engine:
+    """Merges units of a plan. Thread-safe: units may be merged concurrently."""
+
+    def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
+                 index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
+                 verify_index: bool = True) -> None:
+        self.spec = spec
+        self.base = base
+        self.experts = list(experts)
+        self.index = index
+        self.layout = index.layout
+        self.plan = plan
+        self.params: OpParams = resolve_params(spec)
+        self.manifest = manifest
+        self.verify_index = verify_index
+        self.tindex = self.layout.tensor_index()
+        self.out_files, self.index_json = output_layout(spec, base, self.tindex)
+        self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
+        self._lock = threading.Lock()
+        self.blocks_merged = 0
+        self.units_merged = 0
+
+    # -- units ---------------------------------------------------------------------------
+    def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
+        """Merge units of tensor ``name`` as block runs ``(b0, b1)``.
+
+        Whole-tensor operators: one unit. Elementwise: single blocks, or runs of about
+        ``unit_elems`` elements when given.
+        """
+        t = self.tindex[name]
+        blocks = self.layout.blocks_of(t)
+        if self.params.whole_tensor or not blocks:
+            return [(blocks.start, blocks.stop)]
+        out = []
+        b0 = blocks.start
+        for b in blocks:
+            if b > b0 and self.layout.elem_end[b] - self.layout.elem_start[b0] > unit_elems:
+                out.append((b0, b))
+                b0 = b
+        out.append((b0, blocks.stop))
+        return out
+
+    def unit_out_range(self, name: str, b0: int, b1: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of a unit within the tensor's output bytes."""
+        item = DTYPES[self.out_tensors[name].dtype][0]
+        return int(self.layout.elem_start[b0]) * item, int(self.layout.elem_end[b1 - 1]) * item
+
+    # -- reading -------------------------------------------------------------------------
+    def _range(self, src: Checkpoint, name: str, e0: int, e1: int) -> ReadRange:
+        loc = src.tensors[name]
+        item = self.layout.itemsize[self.tindex[name]]
+        return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
+
+    def _read(self, src: Checkpoint, label: str, name: str, rng: ReadRange,
+              b0: int, b1: int, hashes: np.ndarray) -> memoryview:
+        buf = src.read_ranges([rng])[0]
+        item = self.layout.itemsize[self.tindex[name]]
+        origin = int(self.layout.elem_start[b0])
+        for b in range(b0, b1) if self.verify_index else ():
+            lo = (int(self.layout.elem_start[b]) - origin) * item
+            hi = (int(self.layout.elem_end[b]) - origin) * item
+            if xxhash.xxh3_64_intdigest(buf[lo:hi]) != int(hashes[b]):
+                raise SourceChanged(
+                    f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
+                    f"(source changed since it was indexed); run `mergefs index` again"
+                )
+        digest = xxhash.xxh3_64_hexdigest(buf)
+        if self.manifest is not None:
+            self.manifest.write({"type": "read", "source": label, "file": rng.file,
+                                 "tensor": name, "start": rng.start, "end": rng.end,
+                                 "xxh3": digest})
+        return buf
+
+    # -- merging -------------------------------------------------------------------------
+    def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
+        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name``."""
+        lay = self.layout
+        e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
+        src_dtype = self.base.tensors[name].dtype
+        base_buf = self._read(self.base, "base", name, self._range(self.base, name, e0, e1),
+                              b0, b1, self.index.base_hash)
+        w0 = decode_f32(base_buf, src_dtype)
+        p = self.params
+        deltas: list[np.ndarray | None] = []
+        expert_values: np.ndarray | None = None
+        acc = np.zeros_like(w0) if p.method in ADDITIVE else None
+        for i, (src, row) in enumerate(zip(self.experts, self.plan.selected)):
+            runs = _runs(row, b0, b1)
+            if not runs:
+                deltas.append(None)
+                if p.method == "slerp":
+                    expert_values = w0.copy()
+                continue
+            full = None if acc is not None else (
+                w0.copy() if p.method == "slerp" else np.zeros_like(w0))
+            for r0, r1 in runs:
+                s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
+                buf = self._read(src, f"expert:{i}", name, self._range(src, name, s0, s1),
+                                 r0, r1, self.index.expert_hash[i])
+                wi = decode_f32(buf, src_dtype)
+                lo, hi = s0 - e0, s1 - e0
+                if acc is not None:  # additive: S += c_i * D_i, expert order, in place
+                    acc[lo:hi] += np.float32(p.coefficients[i]) * (wi - w0[lo:hi])
+                elif p.method == "slerp":
+                    full[lo:hi] = wi
+                else:
+                    full[lo:hi] = wi - w0[lo:hi]
+            if p.method == "slerp":
+                expert_values = full
+            deltas.append(full)
+        if acc is not None:
+            merged = (w0 + acc) if np.float32(p.base_scale) == 1 else np.float32(p.base_scale) * w0 + acc
+        elif p.method == "slerp":
+            merged = merge_slerp(p, w0, expert_values if expert_values is not None else w0)
+        else:
+            merged = merge_gta(p, w0, deltas, name, e0)
+        out = encode(merged, self.out_tensors[name].dtype)
+        with self._lock:
+            self.blocks_merged += b1 - b0
+            self.units_merged += 1
+        if self.manifest is not None:
+            start, end = self.unit_out_range(name, b0, b1)
+            self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
+                                 "start": start, "end": end,
+                                 "xxh3": xxhash.xxh3_64_hexdigest(out)})
+        return out
+
+    def passthrough(self, name: str) -> bytes:
+        """Bytes of a non-merged tensor (non-float): the base's, unchanged."""
+        loc = self.base.tensors[name]
+        return bytes(self.base.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0])
+
+    def tensor_pieces(self, name: str, unit_elems: int) -> list[Callable[[], bytes]]:
+        if self.out_tensors[name].layout_index is None:
+            return [lambda: self.passthrough(name)]
+        return [lambda b0=b0, b1=b1: self.merge_unit(name, b0, b1)
+                for b0, b1 in self.units(name, unit_elems)]
+
+    # -- materialising ---------------------------------------------------------------------
+    def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,
+                    threads: int = 2, overwrite: bool = False) -> dict[str, str]:
+        """Write the merged model to ``outdir``; returns {tensor: xxh3 of its output bytes}."""
+        out = Path(outdir)
+        if out.exists() and not out.is_dir():
+            raise MergefsError(f"{out}: exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()) and not overwrite:
+            raise MergefsError(f"{out}: directory is not empty (use --force to overwrite)")
+        out.mkdir(parents=True, exist_ok=True)
+        hashes: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mergefs-merge") as pool:
+            for f in self.out_files:
+                self._write_file(out, f, pool, hashes, on_bytes)
+        if self.index_json is not None:
+            _atomic_write(out / INDEX_NAME, [self.index_json])
+        for rel in self.base.extra_files:
+            dst = out / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(f".{dst.name}.partial")
+            shutil.copyfile(self.base.root / rel, tmp)
+            os.replace(tmp, dst)
+        return hashes
+
+    def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
+                    hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
+        pieces: list[tuple[str, Callable[[], bytes]]] = [
+            (t.name, fn) for t in f.tensors for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
+        tmp = out / f".{f.name}.partial"
+        hashers: dict[str, Any] = {}
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(f.header)
+                window: deque[tuple[str, Future[bytes]]] = deque()
+                it = iter(pieces)
+
+                def fill() -> None:
+                    while len(window) < 3:
+                        nxt = next(it, None)
+                        if nxt is None:
+                            return
+                        window.append((nxt[0], pool.submit(nxt[1])))
+
+                fill()
+                while window:
+                    name, fut = window.popleft()
+                    data = fut.result()
+                    fill()
+                    fh.write(data)
+                    hashers.setdefault(name, xxhash.xxh3_64()).update(data)
+                    if on_bytes is not None:
+                        on_bytes(len(data))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, out / f.name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        for t in f.tensors:
+            digest = hashers[t.name].hexdigest() if t.name in hashers else \
+                xxhash.xxh3_64_hexdigest(b"")
+            hashes[t.name] = digest
+            if self.manifest is not None:
+                self.manifest.write({"type": "tensor", "name": t.name, "file": f.name,
+                                     "size_bytes": t.end - t.start, "xxh3": digest})
+
+
+def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:
+    """Runs of True in row[b0:b1] as absolute block ranges."""
+    seg = row[b0:b1]
+    if not seg.any():
+        return []
+    padded = np.concatenate([[False], seg, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(b0 + int(a), b0 + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _atomic_write(path: Path, chunks: list[bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "wb") as fh:
+            for c in chunks:
+                fh.write(c)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class Session:
+    """A spec opened for work: family, index, plan, engine and the manifest header."""
+
+    def __init__(self, spec: Spec, *, budget_bytes: int | None = None,
+                 manifest: ManifestWriter | None = None,
+                 on_index_bytes: Callable[[int], None] | None = None,
+                 plan: Plan | None = None) -> None:
+        self.spec = spec
+        self.started = time.monotonic()
+        self.base, self.experts = open_family(spec)
+        self.index, self.index_built = load_or_build(
+            self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+        self.params = resolve_params(spec)
+        self.plan = plan if plan is not None else make_plan(spec, self.params, self.index,
+                                                            budget_bytes)
+        self.manifest = manifest
+        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest)
+        if manifest is not None:
+            manifest.write(self.header_record())
+
+    def header_record(self) -> dict[str, Any]:
+        return {
+            "type": "header",
+            "schema": SCHEMA_VERSION,
+            "mergefs_version": __version__,
+            "spec": dict(self.spec.raw),
+            "spec_file": self.spec.source,
+            "sources": {"base": self.base.identity_json(),
+                        **{f"expert:{i}": e.identity_json() for i, e in enumerate(self.experts)}},
+            "index_key": self.index.key,
+            "plan_hash": self.plan.plan_hash,
+            "budget_bytes": self.plan.budget_bytes,
+            "selected": selected_runs(self.plan.selected),
+            "created_unix": time.time(),
+        }
+
+    def source_bytes(self) -> dict[str, int]:
+        return {"base": self.base.counters.bytes_read,
+                **{f"expert:{i}": e.counters.bytes_read for i, e in enumerate(self.experts)}}
+
+    def totals_record(self) -> dict[str, Any]:
+        read = self.source_bytes()
+        expert_read = sum(v for k, v in read.items() if k != "base")
+        return {
+            "type": "totals",
+            "physical_bytes_read": read,
+            "expert_bytes_read": expert_read,
+            "expert_bytes_planned": self.plan.planned_bytes,
+            "expert_bytes_skipped": self.plan.total_expert_bytes - self.plan.planned_bytes,
+            "total_expert_bytes": self.plan.total_expert_bytes,
+            "blocks_merged": self.engine.blocks_merged,
+            "bound_tight": self.plan.bound_tight,
+            "bound_loose": self.plan.bound_loose,
+            "error_exact": self.plan.error_exact,
+            "update_norm": self.plan.update_norm,
+            "wall_seconds": round(time.monotonic() - self.started, 6),
+        }
+
+    def finish(self) -> dict[str, Any]:
+        totals = self.totals_record()
+        if self.manifest is not None:
+            self.manifest.write(totals)
+            self.manifest.close()
+        return totals
+
+    def close(self) -> None:
+        for c in [self.base, *self.experts]:
+            c.close()
+

@@ -1,0 +1,161 @@
+"""The planner: which (expert, block) deltas to read under a byte budget, and what that costs.
+
+Ranks non-zero ``(i, b)`` by ``|c_i| * ||D_ib||`` per byte (descending; ties by tensor, block,
+expert), takes them greedily while they fit, and skips ones that do not fit (a smaller one later
+may). Zero-delta blocks cost nothing and are never read. Reports the budget, planned bytes, the
+tight and loose bounds on ``||E||`` of design.md, the exact ``||E||`` and ``||sum c_i D_i||`` from
+the index's Gram matrices, and a plan hash. Pure and deterministic; no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .errors import BudgetError
+from .index import BlockIndex
+from .ops import OpParams
+from .spec import Spec
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A plan: ``selected[i, b]`` is True when expert i's block b is read."""
+
+    selected: np.ndarray  # (N, B) bool
+    budget_bytes: int
+    planned_bytes: int
+    total_expert_bytes: int
+    nonzero_expert_bytes: int
+    blocks_read: int
+    blocks_total: int
+    blocks_zero: int
+    bound_tight: float | None
+    bound_loose: float | None
+    error_exact: float | None
+    update_norm: float | None
+    plan_hash: str
+
+    def report(self) -> dict[str, Any]:
+        """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
+        rel = None
+        if self.bound_tight is not None and self.update_norm:
+            rel = self.bound_tight / self.update_norm
+        return {
+            "budget_bytes": self.budget_bytes,
+            "planned_expert_bytes": self.planned_bytes,
+            "total_expert_bytes": self.total_expert_bytes,
+            "nonzero_expert_bytes": self.nonzero_expert_bytes,
+            "blocks_read": self.blocks_read,
+            "blocks_total": self.blocks_total,
+            "blocks_zero": self.blocks_zero,
+            "bound_tight": self.bound_tight,
+            "bound_loose": self.bound_loose,
+            "error_exact": self.error_exact,
+            "update_norm": self.update_norm,
+            "bound_relative_to_update": rel,
+            "plan_hash": self.plan_hash,
+        }
+
+
+def selected_runs(selected: np.ndarray) -> list[list[list[int]]]:
+    """Per expert, the selected block indices as half-open runs ``[b0, b1)``."""
+    out = []
+    for row in selected:
+        padded = np.concatenate([[False], row, [False]]).astype(np.int8)
+        edges = np.flatnonzero(np.diff(padded))
+        out.append([[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2])])
+    return out
+
+
+def selected_from_runs(runs: list[list[list[int]]], n_blocks: int) -> np.ndarray:
+    sel = np.zeros((len(runs), n_blocks), dtype=bool)
+    for i, expert_runs in enumerate(runs):
+        for b0, b1 in expert_runs:
+            sel[i, b0:b1] = True
+    return sel
+
+
+def plan_hash(spec: Spec, index: BlockIndex, selected: np.ndarray) -> str:
+    blob = json.dumps(
+        {
+            "spec": {k: v for k, v in spec.raw.items() if k != "budget"},
+            "index": index.key,
+            "selected": selected_runs(selected),
+        },
+        sort_keys=True,
+    ).encode()
+    return xxhash.xxh3_128_hexdigest(blob)
+
+
+def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple[float, float,
+                                                                               float, float]:
+    """(tight, loose, exact error, update norm) for an additive merge."""
+    per_pair = np.abs(coeffs)[:, None] * index.norms * omitted  # (N, B)
+    loose = float(per_pair.sum())
+    tight = float(np.sqrt((per_pair.sum(axis=0) ** 2).sum()))
+    c_om = coeffs[:, None] * omitted  # (N, B): c_i where omitted, else 0
+    err_sq = np.einsum("ib,bij,jb->", c_om, index.gram, c_om)
+    upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
+    return tight, loose, float(np.sqrt(max(err_sq, 0.0))), float(np.sqrt(max(upd_sq, 0.0)))
+
+
+def make_plan(spec: Spec, params: OpParams, index: BlockIndex, budget_bytes: int | None = None
+              ) -> Plan:
+    """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given)."""
+    lay = index.layout
+    n, nb = index.norms.shape
+    block_bytes = lay.block_bytes()
+    total = int(block_bytes.sum()) * n
+    if budget_bytes is None:
+        budget_bytes = spec.budget.resolve(total)
+    if budget_bytes < 0:
+        raise BudgetError(f"budget must not be negative, got {budget_bytes} bytes")
+    if params.method == "slerp" and budget_bytes < total:
+        raise BudgetError("slerp has no base deltas to skip; it needs the full budget")
+    nonzero = ~index.zero
+    nonzero_bytes = int((block_bytes[None, :] * nonzero).sum())
+    coeffs = np.asarray(params.coefficients, dtype=np.float64)
+    selected = np.zeros((n, nb), dtype=bool)
+    if budget_bytes >= nonzero_bytes:
+        selected[:] = nonzero
+    else:
+        score = np.abs(coeffs)[:, None] * index.norms / np.maximum(block_bytes, 1)[None, :]
+        ii, bb = np.nonzero(nonzero)
+        # lexsort: last key is primary. Descending score, then tensor, block, expert ascending.
+        order = np.lexsort((ii, bb, lay.tensor_of[bb], -score[ii, bb]))
+        costs = block_bytes[bb[order]]
+        cum = np.cumsum(costs)
+        fits = int(np.searchsorted(cum, budget_bytes, side="right"))
+        take = list(order[:fits])
+        used = int(cum[fits - 1]) if fits else 0
+        for k in order[fits:]:  # fill the remainder with later blocks that still fit
+            c = int(block_bytes[bb[k]])
+            if used + c <= budget_bytes:
+                take.append(k)
+                used += c
+        selected[ii[take], bb[take]] = True
+    planned = int((block_bytes[None, :] * selected).sum())
+    assert planned <= max(budget_bytes, 0) or budget_bytes >= nonzero_bytes
+    tight = loose = exact = update = None
+    if spec.is_additive:
+        tight, loose, exact, update = _bounds(index, coeffs, nonzero & ~selected)
+    return Plan(
+        selected=selected,
+        budget_bytes=int(budget_bytes),
+        planned_bytes=planned,
+        total_expert_bytes=total,
+        nonzero_expert_bytes=nonzero_bytes,
+        blocks_read=int(selected.sum()),
+        blocks_total=n * nb,
+        blocks_zero=int(index.zero.sum()),
+        bound_tight=tight,
+        bound_loose=loose,
+        error_exact=exact,
+        update_norm=update,
+        plan_hash=plan_hash(spec, index, selected),
+    )
