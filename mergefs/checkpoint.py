@@ -81,6 +81,11 @@ class Counters:
         self.bytes_read = 0
         self.reads = 0
 
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = 0
+            self.reads = 0
+
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_read += nbytes
@@ -96,6 +101,8 @@ def _read_header(path: Path) -> tuple[fmt.Header, FileIdentity]:
             prefix += f.read(n)
     except OSError as exc:
         raise SourceError(f"{path}: cannot read: {exc.strerror}") from None
+    except fmt.FormatError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
     try:
         header = fmt.parse_file_prefix(prefix, st.st_size)
     except fmt.FormatError as exc:

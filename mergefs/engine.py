@@ -349,6 +349,8 @@ class Session:
         self.base, self.experts = open_family(spec)
         self.index, self.index_built = load_or_build(
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+        for c in [self.base, *self.experts]:  # count merge reads only, not indexing
+            c.counters.reset()
         self.params = resolve_params(spec)
         self.plan = plan if plan is not None else make_plan(spec, self.params, self.index,
                                                             budget_bytes)

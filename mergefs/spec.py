@@ -319,9 +319,13 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
         if mpath == base:
-            if "weight" in params_raw and method == "linear":
-                base_weight = _check_param(source, f"{key}.parameters.weight", "weight",
-                                           params_raw["weight"])
+            # The base listed among the models: for linear it joins the weighted sum (with its
+            # own weight, else the global default weight, as mergekit does); for the
+            # delta-based methods it is simply the base.
+            if method == "linear":
+                wb = params_raw.get("weight", model_defaults.get("weight"))
+                if wb is not None:
+                    base_weight = _check_param(source, f"{key}.parameters.weight", "weight", wb)
             continue
         params: dict[str, Any] = {}
         for name, value in params_raw.items():
@@ -345,6 +349,10 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         raise _err(source, "models", "no expert besides the base model")
     if len({e.path for e in experts}) != len(experts):
         raise _err(source, "models", "the same model is listed twice")
+    if method == "linear" and glob.get("normalize"):
+        total = (base_weight or 0.0) + sum(e.parameters["weight"] for e in experts)
+        if total == 0:
+            raise _err(source, "models", "linear with normalize: the weights sum to zero")
     if method == "slerp" and len(experts) != 1:
         raise _err(source, "models", f"slerp merges the base with exactly one model, got "
                    f"{len(experts)}")

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 DtypeName = Literal["float32", "float16", "bfloat16"]
 ExpertLayout = Literal["same", "single", "reversed"]
+FileLayout = Literal["single", "sharded", "reversed"]
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -120,7 +121,7 @@ def make_family(
     names = sorted(base)
     root.mkdir(parents=True, exist_ok=True)
     base_dir = root / "base"
-    base_layout = "sharded" if sharded else "single"
+    base_layout: FileLayout = "sharded" if sharded else "single"
     _write_model(base_dir, base, names, base_layout, dtype)
 
     expert_dirs = []
@@ -129,7 +130,7 @@ def make_family(
         for name, w0 in base_f32.items():
             if name not in zero_tensors:
                 expert[name] = _expert_tensor(rng, w0, base[name], zero_row_fraction)
-        layout = {"same": base_layout, "single": "single", "reversed": "reversed"}[expert_layout]
+        layout: FileLayout = base_layout if expert_layout == "same" else expert_layout
         expert_dir = root / f"expert-{i}"
         _write_model(expert_dir, expert, names, layout, dtype)
         expert_dirs.append(expert_dir)
@@ -156,7 +157,7 @@ def _write_model(
     model_dir: Path,
     tensors: Mapping[str, np.ndarray],
     names: Sequence[str],
-    layout: Literal["single", "sharded", "reversed"],
+    layout: FileLayout,
     dtype: str,
 ) -> None:
     """Write weights in ``layout`` plus ``config.json`` and ``tokenizer.json``."""

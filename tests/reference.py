@@ -7,8 +7,8 @@ and never imports mergefs.
 
 Scalar conventions the contract leaves implicit, fixed here (one place each):
 
-- weights, density, gamma and lambda are converted to float32 (``np.float32(x)``) before use;
-  the additive coefficients ``c_i`` are computed from the spec values in float64 and then cast;
+- the additive coefficients ``c_i`` (and ``a``) are computed from the spec values in float64,
+  then cast; elsewhere weights, density, gamma and lambda are ``np.float32(x)`` before use;
 - counts ``floor(fraction * numel)`` use the float32 fraction multiplied in float64
   (``math.floor(float(np.float32(fraction)) * numel)``, exact for numel < 2**29);
 - sums of spec weights in float64 run left to right from 0.0 (``w_b`` is added last, as
@@ -33,7 +33,6 @@ from safetensors import safe_open
 ADDITIVE_METHODS = ("linear", "task_arithmetic")
 GENERALISED_METHODS = ("ties", "dare_linear", "dare_ties", "breadcrumbs")
 CONSENSUS_METHODS = ("ties", "dare_ties")
-DARE_METHODS = ("dare_linear", "dare_ties")
 METHODS = ADDITIVE_METHODS + GENERALISED_METHODS + ("slerp",)
 
 #: Global parameter defaults per method (mergekit's names).
@@ -220,11 +219,10 @@ def _generalised(
     else:
         for x in xs:
             mixed = mixed + x
-        divisor = np.float32(0.0)
+        total = np.float32(0.0)
         for w in weights:
-            divisor = np.float32(divisor + w)
-        if abs(divisor) < 1e-8:
-            divisor = np.float32(1.0)
+            total = np.float32(total + w)
+        divisor = np.full_like(w0, total if abs(float(total)) >= 1e-8 else np.float32(1.0))
 
     if bool(params["normalize"]):
         mixed = mixed / divisor
@@ -292,7 +290,7 @@ def _slerp(v0: np.ndarray, experts: list[np.ndarray], t: float) -> np.ndarray:
     u0 = v0 / n0 if n0 > 1e-8 else v0
     u1 = v1 / n1 if n1 > 1e-8 else v1
     dot = np.sum(u0 * u1)
-    if abs(dot) > 0.9995:
+    if abs(float(dot)) > 0.9995:
         s0, s1 = 1.0 - t, t
     else:
         theta0 = np.arccos(np.float64(dot))
@@ -328,7 +326,8 @@ def _tensor_file(path: Path | str, name: str) -> Path:
         return path
     index = path / "model.safetensors.index.json"
     if index.exists():
-        return path / json.loads(index.read_text())["weight_map"][name]
+        filename: str = json.loads(index.read_text())["weight_map"][name]
+        return path / filename
     return path / "model.safetensors"
 
 
