@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"mergefs: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if args.debug:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"mergefs: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mergefs: interrupted", file=sys.stderr)
         return 130

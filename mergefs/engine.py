@@ -255,19 +255,28 @@ class Engine:
             raise MergefsError(f"{out}: exists and is not a directory")
         if out.is_dir() and any(out.iterdir()) and not overwrite:
             raise MergefsError(f"{out}: directory is not empty (use --force to overwrite)")
-        out.mkdir(parents=True, exist_ok=True)
         hashes: dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mergefs-merge") as pool:
-            for f in self.out_files:
-                self._write_file(out, f, pool, hashes, on_bytes)
-        if self.index_json is not None:
-            _atomic_write(out / INDEX_NAME, [self.index_json])
-        for rel in self.base.extra_files:
-            dst = out / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(f".{dst.name}.partial")
-            shutil.copyfile(self.base.root / rel, tmp)
-            os.replace(tmp, dst)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with ThreadPoolExecutor(max_workers=threads,
+                                    thread_name_prefix="mergefs-merge") as pool:
+                for f in self.out_files:
+                    self._write_file(out, f, pool, hashes, on_bytes)
+            if self.index_json is not None:
+                _atomic_write(out / INDEX_NAME, [self.index_json])
+            for rel in self.base.extra_files:
+                dst = out / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dst.with_name(f".{dst.name}.partial")
+                try:
+                    shutil.copyfile(self.base.root / rel, tmp)
+                    os.replace(tmp, dst)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            # e.g. ENOSPC: partial files were removed; nothing half-written has a final name.
+            where = exc.filename or out
+            raise MergefsError(f"{where}: cannot write the merged model: {exc.strerror}") from None
         return hashes
 
     def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,

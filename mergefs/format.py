@@ -305,6 +305,10 @@ def build_header(
     offset = 0
     for name in write_order(tensors):
         dtype, shape = tensors[name]
+        if name == "__metadata__":
+            raise InvalidTensorEntry("a tensor cannot be named __metadata__")
+        if not all(_is_int(d) and d >= 0 for d in shape) or len(shape) > MAX_RANK:
+            raise InvalidShape(f"tensor {name!r}: shape {list(shape)!r} is not valid")
         size = math.prod(shape) * DTYPES[dtype][0]
         layout[name] = TensorInfo(name, dtype, tuple(shape), offset, offset + size)
         obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}

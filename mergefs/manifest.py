@@ -30,8 +30,12 @@ class ManifestWriter:
         self._keep = keep_lines
         self.lines: list[str] = []
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w", encoding="utf-8")
+            _refuse_clobber(self.path)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "w", encoding="utf-8")
+            except OSError as exc:
+                raise ManifestError(f"{self.path}: cannot write manifest: {exc.strerror}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"), sort_keys=True)
@@ -53,6 +57,29 @@ class ManifestWriter:
                 os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
+
+
+def _refuse_clobber(path: Path) -> None:
+    """Never overwrite a file that is not a mergefs manifest (a spec must not be able to make
+    mergefs destroy arbitrary files through its ``manifest`` key)."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise ManifestError(f"{path}: manifest path exists and is not a regular file")
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 20)
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read existing file: {exc.strerror}") from None
+    if not first:
+        return
+    try:
+        rec = json.loads(first)
+    except ValueError:
+        rec = None
+    if not (isinstance(rec, dict) and rec.get("type") == "header" and "mergefs_version" in rec):
+        raise ManifestError(f"{path}: exists and is not a mergefs manifest; refusing to "
+                            "overwrite it (choose another manifest path)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Coverage-guided fuzzing of the safetensors header parser with atheris, for long runs.
+
+    .venv/bin/pip install atheris
+    .venv/bin/python scripts/fuzz_format.py -max_total_time=600 [corpus_dir]
+
+The law: any byte string either parses or raises mergefs.format.FormatError; nothing else may
+escape, and a parsed header must describe a buffer that tiles exactly. The test suite checks the
+same law with hypothesis on a fixed example budget (tests/test_format.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import atheris
+
+with atheris.instrument_imports():
+    from mergefs import format as fmt
+
+
+def one_input(data: bytes) -> None:
+    try:
+        header = fmt.parse_bytes(data)
+    except fmt.FormatError:
+        return
+    end = 0
+    for t in sorted(header.tensors, key=lambda t: t.start):
+        assert t.start == end, "parsed header with a hole or overlap"
+        assert t.end - t.start == t.numel * t.itemsize, "parsed header with a size mismatch"
+        end = t.end
+    assert header.data_start + end == len(data), "parsed header not ending at file end"
+
+
+def main() -> None:
+    seed = fmt.build_header({"a": ("F32", (2, 2)), "b": ("BF16", (3,))}, {"format": "pt"})[0]
+    sys.stderr.write(f"seed header: {len(seed)} bytes\n")
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
