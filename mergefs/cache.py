@@ -9,14 +9,17 @@ Memory bound: the bytes held by the LRU (``bytes_cached``, the sum of ``len(valu
 entries) never exceed ``capacity_bytes``; the least recently used entries are evicted first and a
 value larger than the capacity is returned without being cached. Beyond that bound, each unit
 being merged or loaded right now is held once more by the thread producing it (at most
-``merges_in_flight`` + disk loads in flight units), and callers hold the values they were given.
+``merges_in_flight`` + disk loads in flight units), entries queued for the disk tier hold at most
+``write_queue_bytes``, and callers hold the values they were given.
 
 Persistent tier (optional): ``<cache_dir>/<plan_hash>/<xxh3-128 of the unit key>.bin``. Each
 entry carries a small header (format magic, mergefs version, the unit key, payload length and
 the xxh3-128 of key and payload); an entry is served only when all of them verify. A corrupt or
 truncated entry is deleted and the unit merged again, never served. Entries are written to a
 temporary name, fsynced and renamed, so a crash or a full disk leaves no partial entry under a
-final name; a failed write only logs a warning (the cache is an optimisation).
+final name; a failed write only logs a warning (the cache is an optimisation). Writes happen on
+one background thread, so a reader never waits for an fsync; when more than
+``write_queue_bytes`` are queued, further entries are not written (``disk_writes_dropped``).
 
 Everything here blocks (locks, waits for other threads' merges, disk I/O): call it from worker
 threads, never from the trio thread.
@@ -29,9 +32,11 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
@@ -58,7 +63,8 @@ class CacheStats:
     - ``evictions``: entries dropped from memory to keep ``bytes_cached <= capacity_bytes``.
     - ``entries``, ``bytes_cached``: what the memory LRU holds now.
     - ``disk_writes``: persistent entries written; ``disk_corrupt``: entries that failed
-      verification and were deleted; ``disk_write_errors``: entries that could not be written.
+      verification and were deleted; ``disk_write_errors``: entries that could not be written;
+      ``disk_writes_dropped``: entries not written because the write queue was full.
     """
 
     capacity_bytes: int
@@ -74,6 +80,7 @@ class CacheStats:
     disk_writes: int
     disk_corrupt: int
     disk_write_errors: int
+    disk_writes_dropped: int
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +89,7 @@ class CacheStats:
 class _Flight:
     """One unit being produced; waiters block on ``done``."""
 
-    __slots__ = ("done", "value", "error")
+    __slots__ = ("done", "error", "value")
 
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -94,7 +101,7 @@ class UnitCache:
     """Byte-bounded LRU of merged units with single flight and an optional verified disk tier."""
 
     def __init__(self, capacity_bytes: int, cache_dir: str | Path | None = None,
-                 plan_hash: str | None = None) -> None:
+                 plan_hash: str | None = None, write_queue_bytes: int = 64 << 20) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -105,12 +112,18 @@ class UnitCache:
         self._hits = self._waits = self._misses = self._disk_hits = 0
         self._merges = self._in_flight = self._evictions = 0
         self._disk_writes = self._disk_corrupt = self._disk_write_errors = 0
+        self._disk_writes_dropped = 0
+        self._write_queue_max = write_queue_bytes
+        self._queued_bytes = 0
+        self._writer: ThreadPoolExecutor | None = None
         self.dir: Path | None = None
         if cache_dir is not None:
             if not plan_hash or not all(c in "0123456789abcdef" for c in plan_hash):
                 raise ValueError("a persistent cache needs the plan hash (hex) as its key")
             self.dir = Path(cache_dir) / plan_hash
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._writer = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix="mergefs-cache-writer")
 
     # -- public --------------------------------------------------------------------------
     def get(self, key: str, produce: Callable[[], bytes], persist: bool = True) -> bytes:
@@ -159,7 +172,17 @@ class UnitCache:
             return CacheStats(self.capacity_bytes, self._hits, self._waits, self._misses,
                               self._disk_hits, self._merges, self._in_flight, self._evictions,
                               len(self._lru), self._bytes, self._disk_writes, self._disk_corrupt,
-                              self._disk_write_errors)
+                              self._disk_write_errors, self._disk_writes_dropped)
+
+    def flush(self) -> None:
+        """Wait until every queued disk write is done."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish queued disk writes and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def clear(self) -> None:
         """Drop every memory entry (not counted as evictions)."""
@@ -185,8 +208,29 @@ class UnitCache:
             with self._lock:
                 self._in_flight -= 1
         if use_disk:
-            self._store(key, value)
+            self._queue_store(key, value)
         return value
+
+    def _queue_store(self, key: str, value: bytes) -> None:
+        assert self._writer is not None
+        with self._lock:
+            if self._queued_bytes + len(value) > self._write_queue_max:
+                self._disk_writes_dropped += 1
+                return
+            self._queued_bytes += len(value)
+        try:
+            self._writer.submit(self._store_queued, key, value)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._queued_bytes -= len(value)
+                self._disk_writes_dropped += 1
+
+    def _store_queued(self, key: str, value: bytes) -> None:
+        try:
+            self._store(key, value)
+        finally:
+            with self._lock:
+                self._queued_bytes -= len(value)
 
     def _insert(self, key: str, value: bytes) -> None:
         """Caller holds the lock."""

@@ -3,8 +3,10 @@
 ``open_checkpoint(path)`` parses every header once and yields the tensor map (name -> file,
 absolute byte range, dtype, shape), the directory's non-weight files and each file's identity.
 All reads of tensor bytes go through :meth:`Checkpoint.read_ranges`, which coalesces adjacent
-ranges, uses ``os.pread`` and counts physical bytes per source. Thread-safe: reads may run on
-worker threads concurrently; nothing here may run on the trio thread (it blocks on disk).
+ranges, uses ``os.pread`` and counts physical bytes per source. A source given as a URL
+(``s3://``, ``https://``, ``file://``) opens as :class:`mergefs.remote.RemoteCheckpoint`, the same
+interface over fsspec. Thread-safe: reads may run on worker threads concurrently; nothing here may
+run on the trio thread (it blocks on disk or network).
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import xxhash
 
 from . import format as fmt
 from .errors import SourceChanged, SourceError
+
+if TYPE_CHECKING:
+    from .remote import RemoteOptions
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +35,34 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_PREFIX_READ = 8 + fmt.HEADER_SIZE_CAP
+#: Published index sidecars (mergefs.sidecar) live beside weights; they are never weights.
+SIDECAR_RE = re.compile(r"(^|.*\.)mergefs-index\.[0-9a-f]+\.\d+\.safetensors$")
 
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What a file was when we parsed it: a change in any field means the file changed."""
+    """What a file was when we parsed it: a change in any field means the file changed.
+
+    ``etag`` is the store's entity tag of a remote object (None for local files and for stores
+    that send none); it is left out of the JSON when None, so local identities are unchanged.
+    """
 
     path: str
     size_bytes: int
     mtime_ns: int
     header_xxh3: str
+    etag: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "path": self.path,
             "size_bytes": self.size_bytes,
             "mtime_ns": self.mtime_ns,
             "header_xxh3": self.header_xxh3,
         }
+        if self.etag is not None:
+            out["etag"] = self.etag
+        return out
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,76 @@ class ReadRange:
     file: str
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One physical read ``[start, end)`` of ``file`` serving the requested ranges ``members``.
+
+    ``covered_bytes`` is how many of its bytes some requested range asked for; the rest are gap
+    bytes read only to save a request (remote sources with a gap threshold).
+    """
+
+    file: str
+    start: int
+    end: int
+    members: tuple[int, ...]
+    covered_bytes: int
+
+
+def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0) -> list[Run]:
+    """Group ranges of one file that overlap, touch, or lie at most ``gap_bytes`` apart.
+
+    Runs come in (file, start) order; ``members`` index into ``ranges``.
+    """
+    order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
+    runs: list[Run] = []
+    members: list[int] = []
+    start = end = covered = 0
+    for k in order:
+        r = ranges[k]
+        if members and (r.file != ranges[members[0]].file or r.start > end + gap_bytes):
+            runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
+            members = []
+        if not members:
+            start, end, covered = r.start, r.start, 0
+        covered += max(0, r.end - max(r.start, end))  # new bytes beyond the run's end so far
+        end = max(end, r.end)
+        members.append(k)
+    if members:
+        runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
+    return runs
+
+
+def slice_runs(ranges: Sequence[ReadRange], runs: Sequence[Run],
+               bufs: Sequence[memoryview]) -> list[memoryview]:
+    """One zero-copy view per requested range, in request order, cut from its run's buffer."""
+    out: list[memoryview | None] = [None] * len(ranges)
+    for run, buf in zip(runs, bufs):
+        for k in run.members:
+            r = ranges[k]
+            out[k] = buf[r.start - run.start : r.end - run.start]
+    return [m for m in out if m is not None]
+
+
+def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
+              ) -> list[list[memoryview]]:
+    """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
+
+    Local sources are read in the calling thread, in request order, exactly as
+    ``src.read_ranges(ranges)`` would.
+    """
+    out: list[list[memoryview] | None] = [None] * len(requests)
+    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote]
+    if len(remote) > 1:
+        from .remote import read_concurrently
+
+        for k, views in zip(remote, read_concurrently([requests[k] for k in remote])):
+            out[k] = views
+    for k, (src, ranges) in enumerate(requests):
+        if out[k] is None:
+            out[k] = src.read_ranges(ranges)
+    return [v for v in out if v is not None]
 
 
 class Counters:
@@ -123,6 +210,8 @@ def _refuse_pickle(path: Path) -> None:
 class Checkpoint:
     """One source: tensor map, non-weight files, identities, and the only way to read bytes."""
 
+    is_remote = False
+
     def __init__(
         self,
         root: Path,
@@ -150,6 +239,22 @@ class Checkpoint:
 
     def path_of(self, file: str) -> Path:
         return self.root / file if self.root.is_dir() else self.root
+
+    @property
+    def is_dir(self) -> bool:
+        """A model directory (True) or a bare .safetensors file (False)."""
+        return self.root.is_dir()
+
+    def read_extra(self, rel: str) -> bytes:
+        """The bytes of a non-weight file (``extra_files``), e.g. config.json."""
+        try:
+            return (self.root / rel).read_bytes()
+        except OSError as exc:
+            raise SourceError(f"{self.root / rel}: cannot read: {exc.strerror}") from None
+
+    def copy_extra(self, rel: str, dst: Path) -> None:
+        """Copy a non-weight file to ``dst`` (OSError on failure, as shutil.copyfile)."""
+        shutil.copyfile(self.root / rel, dst)
 
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
@@ -227,32 +332,9 @@ class Checkpoint:
         Returns one zero-copy view per requested range, in the order given.
         """
         ranges = list(ranges)
-        order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
-        out: list[memoryview | None] = [None] * len(ranges)
-        run: list[int] = []
-
-        def flush() -> None:
-            if not run:
-                return
-            first = ranges[run[0]]
-            end = max(ranges[k].end for k in run)
-            buf = memoryview(self._pread(first.file, first.start, end))
-            for k in run:
-                r = ranges[k]
-                out[k] = buf[r.start - first.start : r.end - first.start]
-            run.clear()
-
-        run_end = -1
-        for k in order:
-            r = ranges[k]
-            if run and (r.file != ranges[run[0]].file or r.start > run_end):
-                flush()
-            if not run:
-                run_end = r.end
-            run.append(k)
-            run_end = max(run_end, r.end)
-        flush()
-        return [m for m in out if m is not None]
+        runs = coalesce(ranges)
+        bufs = [memoryview(self._pread(run.file, run.start, run.end)) for run in runs]
+        return slice_runs(ranges, runs, bufs)
 
     def read_tensor(self, name: str) -> memoryview:
         loc = self.tensors[name]
@@ -280,7 +362,7 @@ def _weights_of_dir(root: Path) -> tuple[list[str], dict | None]:
         return files, index
     if (root / SINGLE_NAME).is_file():
         return [SINGLE_NAME], None
-    found = sorted(p.name for p in root.glob("*.safetensors"))
+    found = sorted(p.name for p in root.glob("*.safetensors") if not SIDECAR_RE.match(p.name))
     if len(found) == 1:
         return found, None
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -293,8 +375,16 @@ def _weights_of_dir(root: Path) -> tuple[list[str], dict | None]:
     raise SourceError(f"{root}: no model.safetensors or {INDEX_NAME} found")
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a model directory or a bare .safetensors file and parse every header."""
+def open_checkpoint(path: str | os.PathLike[str], remote: RemoteOptions | None = None
+                    ) -> Checkpoint:
+    """Open a model directory or a bare .safetensors file and parse every header.
+
+    A URL (``scheme://...``) opens a remote source through fsspec with ``remote``'s options.
+    """
+    if isinstance(path, str) and "://" in path:
+        from .remote import RemoteOptions, open_remote
+
+        return open_remote(path, remote or RemoteOptions())
     root = Path(path).absolute()
     if root.suffix in PICKLE_SUFFIXES:
         _refuse_pickle(root)

@@ -94,12 +94,19 @@ def cmd_index(args: argparse.Namespace) -> int:
     base, experts = open_family(spec)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with _progress("indexing", total) as tick:
+        # --rebuild and --publish read every source: sidecars are never built from sidecars.
         index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
-                                     rebuild=args.rebuild)
+                                     rebuild=args.rebuild,
+                                     sidecars=not (args.rebuild or args.publish))
     n_zero = int(index.zero.sum())
     print(f"{'built' if built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
           f"{len(experts)} experts x {index.layout.n_blocks} blocks of ~{_human(spec.block_size)}"
           f", {n_zero} zero-delta expert blocks")
+    if args.publish:
+        from .sidecar import publish
+
+        for where in publish(base, experts, index):
+            print(f"published {where}")
     return 0
 
 
@@ -121,8 +128,10 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     if rep["bound_tight"] is not None:
         table.add_row("||E|| tight bound", f"{rep['bound_tight']:.6g}")
         table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
-        table.add_row("||E|| exact (from index)", f"{rep['error_exact']:.6g}")
-        table.add_row("||sum c_i D_i|| (merge update)", f"{rep['update_norm']:.6g}")
+        exact, update = rep["error_exact"], rep["update_norm"]
+        table.add_row("||E|| exact (from index)",
+                      "- (index from sidecars)" if exact is None else f"{exact:.6g}")
+        table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
         rel = rep["bound_relative_to_update"]
         table.add_row("tight bound / update", "-" if rel is None else f"{rel:.3%}")
     else:
@@ -206,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "hashes and zero flags under index_dir. Reused while sources are unchanged.")
     s.add_argument("spec")
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
+    s.add_argument("--publish", action="store_true",
+                   help="also write each expert's block index beside it "
+                   "(mergefs-index.<base-key>.<block_size>.safetensors), so later plans over "
+                   "remote experts need not read them")
     s.set_defaults(func=cmd_index)
 
     s = sub.add_parser("plan", help="show which expert blocks a budget reads and its error bound",
@@ -265,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="mergefs: %(message)s", stream=sys.stderr)
+    for name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp"):
+        # Their debug logs show request headers (signatures, key ids): never on our stderr.
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except MergefsError as exc:

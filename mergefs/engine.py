@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -28,7 +27,8 @@ import numpy as np
 import xxhash
 
 from . import __version__
-from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint
+from .checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint,
+                         read_many)
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
@@ -82,7 +82,7 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
         spec_map = {n: (output_dtype(spec, base.tensors[n].dtype), base.tensors[n].shape)
                     for n in names}
         header, lay = build_header(spec_map, {"format": "pt"})
-        out_name = f if sharded or base.root.is_dir() else SINGLE_NAME
+        out_name = f if sharded or base.is_dir else SINGLE_NAME
         tensors = tuple(
             OutTensor(n, out_name, len(header) + lay[n].start, len(header) + lay[n].end,
                       lay[n].dtype, lay[n].shape, layout_index.get(n))
@@ -102,8 +102,8 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
 
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
-    base = open_checkpoint(spec.base)
-    experts = [open_checkpoint(e.path) for e in spec.experts]
+    base = open_checkpoint(spec.base, spec.source_options(spec.base))
+    experts = [open_checkpoint(e.path, spec.source_options(e.path)) for e in spec.experts]
     check_coordinates(base, experts)
     return base, experts
 
@@ -163,7 +163,11 @@ class Engine:
 
     def _read(self, src: Checkpoint, label: str, name: str, rng: ReadRange,
               b0: int, b1: int, hashes: np.ndarray) -> memoryview:
-        buf = src.read_ranges([rng])[0]
+        return self._check(src, label, name, rng, src.read_ranges([rng])[0], b0, b1, hashes)
+
+    def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
+               b0: int, b1: int, hashes: np.ndarray) -> memoryview:
+        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
         item = self.layout.itemsize[self.tindex[name]]
         origin = int(self.layout.elem_start[b0])
         for b in range(b0, b1) if self.verify_index else ():
@@ -187,26 +191,35 @@ class Engine:
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype
-        base_buf = self._read(self.base, "base", name, self._range(self.base, name, e0, e1),
-                              b0, b1, self.index.base_hash)
+        # One batch per unit: the base range and every planned expert run, fetched together
+        # (remote sources concurrently; local ones in this order, one pread per run).
+        base_rng = self._range(self.base, name, e0, e1)
+        runs = [_runs(row, b0, b1) for row in self.plan.selected]
+        ranges = [[self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
+                   for r0, r1 in src_runs] for src, src_runs in zip(self.experts, runs)]
+        got = read_many([(self.base, [base_rng]),
+                         *[(src, rs) for src, rs in zip(self.experts, ranges) if rs]])
+        base_buf = self._check(self.base, "base", name, base_rng, got[0][0], b0, b1,
+                               self.index.base_hash)
+        fetched = iter(got[1:])
+        expert_bufs = [next(fetched) if rs else [] for rs in ranges]
         w0 = decode_f32(base_buf, src_dtype)
         p = self.params
         deltas: list[np.ndarray | None] = []
         expert_values: np.ndarray | None = None
         acc = np.zeros_like(w0) if p.method in ADDITIVE else None
-        for i, (src, row) in enumerate(zip(self.experts, self.plan.selected)):
-            runs = _runs(row, b0, b1)
-            if not runs:
+        for i, src in enumerate(self.experts):
+            if not runs[i]:
                 deltas.append(None)
                 if p.method == "slerp":
                     expert_values = w0.copy()
                 continue
             full = None if acc is not None else (
                 w0.copy() if p.method == "slerp" else np.zeros_like(w0))
-            for r0, r1 in runs:
+            for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
                 s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
-                buf = self._read(src, f"expert:{i}", name, self._range(src, name, s0, s1),
-                                 r0, r1, self.index.expert_hash[i])
+                buf = self._check(src, f"expert:{i}", name, rng, raw, r0, r1,
+                                  self.index.expert_hash[i])
                 wi = decode_f32(buf, src_dtype)
                 lo, hi = s0 - e0, s1 - e0
                 if acc is not None:  # additive: S += c_i * D_i, expert order, in place
@@ -269,7 +282,7 @@ class Engine:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dst.with_name(f".{dst.name}.partial")
                 try:
-                    shutil.copyfile(self.base.root / rel, tmp)
+                    self.base.copy_extra(rel, tmp)
                     os.replace(tmp, dst)
                 finally:
                     tmp.unlink(missing_ok=True)
@@ -388,12 +401,19 @@ class Session:
         return {"base": self.base.counters.bytes_read,
                 **{f"expert:{i}": e.counters.bytes_read for i, e in enumerate(self.experts)}}
 
+    def source_requests(self) -> dict[str, int]:
+        """Read requests per source: preads (local) or requests sent, retries included (remote)."""
+        return {label: getattr(c.counters, "requests", c.counters.reads)
+                for label, c in [("base", self.base),
+                                 *((f"expert:{i}", e) for i, e in enumerate(self.experts))]}
+
     def totals_record(self) -> dict[str, Any]:
         read = self.source_bytes()
         expert_read = sum(v for k, v in read.items() if k != "base")
         return {
             "type": "totals",
             "physical_bytes_read": read,
+            "physical_requests": self.source_requests(),
             "expert_bytes_read": expert_read,
             "expert_bytes_planned": self.plan.planned_bytes,
             "expert_bytes_skipped": self.plan.total_expert_bytes - self.plan.planned_bytes,

@@ -10,7 +10,9 @@ exact error of a plan).
 
 The index is stored under ``index_dir`` as a safetensors file keyed by every source's identity,
 so it is reused while sources are unchanged and rebuilt when one changed. Building reads each
-file once, in order, on two worker threads. Nothing here runs on the trio thread.
+file once, in order, on two worker threads. A remote expert with a matching published sidecar
+(:mod:`mergefs.sidecar`) is not read at all: its statistics come from the sidecar, and the index
+then has only the Gram diagonal (``has_gram`` False). Nothing here runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import xxhash
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from .checkpoint import Checkpoint, ReadRange
-from .dtypes import decode_f32
+from .checkpoint import Checkpoint, ReadRange, read_many
+from .dtypes import NUMPY_DTYPES, decode_f32
 from .errors import SourceError
 from .format import FLOAT_DTYPES
 
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 
 INDEX_VERSION = "1"
 CHUNK_BYTES = 16 << 20  # read granularity while indexing, per source
+PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
+GRAM_COLS = 32768  # delta columns per Gram update (float64 rows of all experts stay in cache)
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,6 +121,7 @@ class BlockIndex:
     norms: np.ndarray  # (N, B) float64, ||D_ib||
     zero: np.ndarray  # (N, B) bool, expert bytes == base bytes
     gram: np.ndarray  # (B, N, N) float64, <D_ib, D_jb>
+    has_gram: bool = True  # False: only the diagonal is known (statistics from sidecars)
 
     @property
     def n_experts(self) -> int:
@@ -186,45 +192,101 @@ class _Builder:
         self.on_bytes = on_bytes
         self.lock = threading.Lock()
 
+    def prefetch(self, b0: int, b1: int) -> None:
+        """Ask the kernel to start reading blocks [b0, b1) of every local source (no wait)."""
+        for src in [self.base, *self.experts]:
+            if src.is_remote:
+                continue
+            r = _source_ranges(src, self.layout, b0, b1)
+            os.posix_fadvise(src.fds()[r.file], r.start, r.end - r.start,
+                             os.POSIX_FADV_WILLNEED)
+
     def chunk(self, b0: int, b1: int) -> None:
         lay = self.layout
         t = int(lay.tensor_of[b0])
         dtype = self.base.tensors[lay.tensors[t]].dtype
         item = lay.itemsize[t]
         origin = int(lay.elem_start[b0])
-        base_buf = self.base.read_ranges([_source_ranges(self.base, lay, b0, b1)])[0]
-        bufs = [e.read_ranges([_source_ranges(e, lay, b0, b1)])[0] for e in self.experts]
+        got = read_many([(src, [_source_ranges(src, lay, b0, b1)])
+                         for src in [self.base, *self.experts]])
+        base_buf, bufs = got[0][0], [g[0] for g in got[1:]]
         w0 = decode_f32(base_buf, dtype)
-        n = len(self.experts)
+        scratch = np.empty((len(self.experts), GRAM_COLS), dtype=np.float64)
         for b in range(b0, b1):
             lo = (int(lay.elem_start[b]) - origin) * item
             hi = (int(lay.elem_end[b]) - origin) * item
             bb = base_buf[lo:hi]
-            self.base_hash[b] = xxhash.xxh3_64_intdigest(bb)
-            deltas = np.zeros((n, (hi - lo) // item), dtype=np.float64)
+            base_hash = xxhash.xxh3_64_intdigest(bb)
+            self.base_hash[b] = base_hash
+            base_u8 = np.frombuffer(bb, dtype=np.uint8)
+            live: list[tuple[int, memoryview]] = []  # experts whose block differs from the base
             for i, buf in enumerate(bufs):
                 eb = buf[lo:hi]
                 h = xxhash.xxh3_64_intdigest(eb)
                 self.expert_hash[i, b] = h
-                if h == self.base_hash[b] and bytes(eb) == bytes(bb):
+                if h == base_hash and np.array_equal(np.frombuffer(eb, dtype=np.uint8), base_u8):
                     self.zero[i, b] = True
-                    continue
-                wi = decode_f32(eb, dtype)
-                deltas[i] = wi - w0[lo // item : hi // item]
-            g = deltas @ deltas.T
-            self.gram[b] = g
-            self.norms[:, b] = np.sqrt(np.diag(g))
+                else:
+                    live.append((i, eb))
+            if live:
+                self._gram(b, live, w0[lo // item : hi // item], dtype, item, scratch)
         if self.on_bytes is not None:
             with self.lock:
                 self.on_bytes(len(base_buf) + sum(len(x) for x in bufs))
 
+    def _gram(self, b: int, live: list[tuple[int, memoryview]], w0: np.ndarray, dtype: str,
+              item: int, scratch: np.ndarray) -> None:
+        """Gram matrix and norms of block b's non-zero deltas (zero-delta rows stay 0).
+
+        Deltas are float32 ``W_i - W0`` widened to float64 and accumulated in float64, as
+        always; they are made GRAM_COLS columns at a time so that they stay in the CPU cache.
+        """
+        rows = [i for i, _ in live]
+        g = np.zeros((len(rows), len(rows)), dtype=np.float64)
+        values = np.empty(GRAM_COLS, dtype=np.float32)
+        for s in range(0, w0.size, GRAM_COLS):
+            e = min(w0.size, s + GRAM_COLS)
+            d = scratch[: len(rows), : e - s]
+            for r, (_, eb) in enumerate(live):
+                wi = _decode_into(eb[s * item : e * item], dtype, values[: e - s])
+                np.subtract(wi, w0[s:e], out=d[r])  # float32 difference, stored as float64
+            g += d @ d.T
+        self.gram[b][np.ix_(rows, rows)] = g
+        self.norms[rows, b] = np.sqrt(np.diag(g))
+
+
+def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
+    """The float32 values of ``raw`` (exactly ``decode_f32``), in ``out`` unless no copy is
+    needed."""
+    if dtype == "F32":
+        return np.frombuffer(raw, dtype="<f4")
+    if dtype == "BF16":  # bf16 is the top half of a float32
+        np.left_shift(np.frombuffer(raw, dtype="<u2"), 16, out=out.view(np.uint32),
+                      dtype=np.uint32)
+        return out
+    np.copyto(out, np.frombuffer(raw, dtype=NUMPY_DTYPES[dtype]), casting="unsafe")
+    return out
+
 
 def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                 on_bytes: Callable[[int], None] | None = None, threads: int = 2) -> BlockIndex:
-    """Read every base and expert block once and compute the statistics."""
+    """Read every base and expert block once and compute the statistics.
+
+    While a worker computes, the kernel is already reading the chunks PREFETCH_CHUNKS ahead
+    (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU.
+    """
     builder = _Builder(base, experts, layout, on_bytes)
+    chunks = _chunks(layout)
+
+    def task(k: int) -> None:
+        if k + PREFETCH_CHUNKS < len(chunks):
+            builder.prefetch(*chunks[k + PREFETCH_CHUNKS])
+        builder.chunk(*chunks[k])
+
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mergefs-index") as pool:
-        for fut in [pool.submit(builder.chunk, b0, b1) for b0, b1 in _chunks(layout)]:
+        for k in range(min(PREFETCH_CHUNKS, len(chunks))):
+            builder.prefetch(*chunks[k])
+        for fut in [pool.submit(task, k) for k in range(len(chunks))]:
             fut.result()
     return BlockIndex(family_key(base, experts, layout.block_size), layout, builder.base_hash,
                       builder.expert_hash, builder.norms, builder.zero, builder.gram)
@@ -259,6 +321,8 @@ def _save(index: BlockIndex, path: Path, meta: dict[str, str]) -> None:
 def _load(path: Path, key: str, layout: BlockLayout) -> BlockIndex | None:
     try:
         arrays = load_file(str(path))
+        with safe_open(str(path), "np") as f:
+            has_gram = (f.metadata() or {}).get("gram", "full") == "full"
     except Exception as exc:  # a corrupt index is rebuilt, never trusted
         log.warning("ignoring unreadable index %s: %s", path, exc)
         return None
@@ -270,7 +334,7 @@ def _load(path: Path, key: str, layout: BlockLayout) -> BlockIndex | None:
         log.warning("ignoring index %s: block layout differs", path)
         return None
     return BlockIndex(key, layout, arrays["base_hash"], arrays["expert_hash"], arrays["norms"],
-                      arrays["zero"], arrays["gram"])
+                      arrays["zero"], arrays["gram"], has_gram)
 
 
 def _why_rebuilt(pointer: Path, base: Checkpoint, experts: Sequence[Checkpoint]) -> str:
@@ -286,10 +350,54 @@ def _why_rebuilt(pointer: Path, base: Checkpoint, experts: Sequence[Checkpoint])
     return "the previous index file is missing"
 
 
+def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
+                         on_bytes: Callable[[int], None] | None) -> BlockIndex:
+    """Read the base and the experts without a usable sidecar; take the rest from sidecars."""
+    from . import sidecar
+
+    found = sidecar.find(base, experts, layout)
+    rest = [i for i in range(len(experts)) if i not in found]
+    index = build_index(base, [experts[i] for i in rest], layout, on_bytes)
+    for i, stats in list(found.items()):
+        if not np.array_equal(stats.base_hash, index.base_hash):
+            log.warning("ignoring index sidecar of %s: published against a base whose bytes "
+                        "differ from %s", experts[i].root, base.root)
+            del found[i]
+    if not found:
+        if rest != list(range(len(experts))):  # every sidecar was stale: read all
+            return build_index(base, experts, layout, on_bytes)
+        return index
+    log.info("block index: %d of %d experts from published sidecars (not read)", len(found),
+             len(experts))
+    late = [i for i in range(len(experts)) if i not in found and i not in rest]
+    extra = build_index(base, [experts[i] for i in late], layout, on_bytes) if late else None
+    n, nb = len(experts), layout.n_blocks
+    expert_hash = np.zeros((n, nb), np.uint64)
+    norms = np.zeros((n, nb))
+    zero = np.zeros((n, nb), bool)
+    gram = np.zeros((nb, n, n))
+    for group, src in ((rest, index), (late, extra)):
+        if src is None:
+            continue
+        for k, i in enumerate(group):
+            expert_hash[i], norms[i], zero[i] = src.expert_hash[k], src.norms[k], src.zero[k]
+        sel = np.asarray(group, dtype=np.intp)
+        gram[:, sel[:, None], sel[None, :]] = src.gram  # cross terms within one read group
+    for i, stats in found.items():
+        expert_hash[i], norms[i], zero[i] = stats.expert_hash, stats.norms, stats.zero
+        gram[:, i, i] = stats.norms**2
+    return BlockIndex(family_key(base, experts, layout.block_size), layout, index.base_hash,
+                      expert_hash, norms, zero, gram, has_gram=False)
+
+
 def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
-                  rebuild: bool = False) -> tuple[BlockIndex, bool]:
-    """Return (index, built_now). Reuses a stored index while every source is unchanged."""
+                  rebuild: bool = False, sidecars: bool = True) -> tuple[BlockIndex, bool]:
+    """Return (index, built_now). Reuses a stored index while every source is unchanged.
+
+    With ``sidecars`` (the default), remote experts with a matching published sidecar are not
+    read; without, only an index read from every source (with the full Gram) is accepted.
+    """
     layout = build_layout(base, block_size)
     key = family_key(base, experts, block_size)
     folder = Path(index_dir)
@@ -297,15 +405,19 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     pointer = folder / f"family-{_pointer_key(base, experts, block_size)}.json"
     if path.is_file() and not rebuild:
         index = _load(path, key, layout)
-        if index is not None and index.n_experts == len(experts):
+        if index is not None and index.n_experts == len(experts) and (index.has_gram or sidecars):
             return index, False
     log.info("building block index: %s", "rebuild requested" if rebuild
              else _why_rebuilt(pointer, base, experts))
-    index = build_index(base, experts, layout, on_bytes)
+    if sidecars and any(e.is_remote for e in experts):
+        index = _build_with_sidecars(base, experts, layout, on_bytes)
+    else:
+        index = build_index(base, experts, layout, on_bytes)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _save(index, path, {"mergefs_index_version": INDEX_VERSION, "key": key,
-                            "block_size": str(block_size)})
+                            "block_size": str(block_size),
+                            "gram": "full" if index.has_gram else "diagonal"})
         sources = {str(s.root): s.identity_json() for s in [base, *experts]}
         tmp = pointer.with_name(pointer.name + ".tmp")
         tmp.write_text(json.dumps({"key": key, "sources": sources}, indent=1))

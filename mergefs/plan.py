@@ -4,7 +4,8 @@ Ranks non-zero ``(i, b)`` by ``|c_i| * ||D_ib||`` per byte (descending; ties by 
 expert), takes them greedily while they fit, and skips ones that do not fit (a smaller one later
 may). Zero-delta blocks cost nothing and are never read. Reports the budget, planned bytes, the
 tight and loose bounds on ``||E||`` of design.md, the exact ``||E||`` and ``||sum c_i D_i||`` from
-the index's Gram matrices, and a plan hash. Pure and deterministic; no I/O.
+the index's Gram matrices (null when the index came from published sidecars, which hold no cross
+terms), and a plan hash. Pure and deterministic; no I/O.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def make_plan(spec: Spec, params: OpParams, index: BlockIndex, budget_bytes: int
     tight = loose = exact = update = None
     if spec.is_additive:
         tight, loose, exact, update = _bounds(index, coeffs, nonzero & ~selected)
+        if not index.has_gram:  # statistics from sidecars: no cross terms, so no exact norms
+            exact = update = None
     return Plan(
         selected=selected,
         budget_bytes=int(budget_bytes),

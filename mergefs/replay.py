@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint import Checkpoint
 from .engine import Engine, open_family
 from .errors import ManifestError, SourceChanged
 from .index import BlockIndex, build_layout
@@ -29,7 +30,7 @@ class _Checker:
     """Stands in for a ManifestWriter: compares each record the engine produces to the manifest."""
 
     def __init__(self, reads: list[dict[str, Any]], outputs: list[dict[str, Any]],
-                 tensors: list[dict[str, Any]], sources: dict[str, str]) -> None:
+                 tensors: list[dict[str, Any]], sources: dict[str, Checkpoint]) -> None:
         self.reads = {(r["source"], r["file"], r["start"], r["end"]): r["xxh3"] for r in reads}
         self.outputs = {(o["tensor"], o["b0"], o["b1"]): o["xxh3"] for o in outputs}
         self.tensors = {t["name"]: t["xxh3"] for t in tensors}
@@ -46,10 +47,11 @@ class _Checker:
             if want is None:
                 raise ManifestError(f"replay read {key} that the manifest does not record")
             if want != rec["xxh3"]:
-                path = self.sources.get(rec["source"], rec["source"])
+                src = self.sources.get(rec["source"])
+                path = src.path_of(rec["file"]) if src is not None else rec["source"]
                 raise SourceChanged(
                     f"{path}: changed since the manifest was written: bytes [{rec['start']}, "
-                    f"{rec['end']}) of {rec['file']} ({rec['tensor']}) differ")
+                    f"{rec['end']}) ({rec['tensor']}) differ")
             self.checked_reads += 1
         elif kind == "output":
             want = self.outputs.get((rec["tensor"], rec["b0"], rec["b1"]))
@@ -85,7 +87,6 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
     try:
         recorded = h["sources"]
         labelled = {"base": base, **{f"expert:{i}": e for i, e in enumerate(experts)}}
-        paths = {label: str(c.root) for label, c in labelled.items()}
         for label, c in labelled.items():
             now = c.identity_json()
             was = recorded.get(label, {})
@@ -106,7 +107,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
                            np.zeros((layout.n_blocks, n, n)))
         plan = Plan(selected, h["budget_bytes"], 0, 0, 0, int(selected.sum()), selected.size, 0,
                     None, None, None, None, h["plan_hash"])
-        checker = _Checker(contents.reads, contents.outputs, contents.tensors, paths)
+        checker = _Checker(contents.reads, contents.outputs, contents.tensors, labelled)
         engine = Engine(spec, base, experts, index, plan, manifest=checker,  # type: ignore[arg-type]
                         verify_index=False)
         if out is not None:

@@ -13,10 +13,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import yaml
 
 from .errors import BudgetError, SpecError
+from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
 ADDITIVE = ("linear", "task_arithmetic")
 GTA = ("ties", "dare_linear", "dare_ties", "breadcrumbs")
@@ -45,7 +47,8 @@ _MODEL_DEFAULTS = {"density": 1.0, "gamma": 0.01}
 _IGNORED_PARAMS = ("int8_mask",)  # mergekit memory knobs with no effect on the result here
 
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype")
-_MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name")
+_MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
+                 "storage_options", "remote")
 _UNSUPPORTED_KEYS = (
     "slices",
     "tokenizer_source",
@@ -191,6 +194,8 @@ class Spec:
     cache_dir: str | None
     manifest: str
     raw: Mapping[str, Any] = field(repr=False)
+    # URL of each remote source -> how to reach it (holds credentials: never log or write it)
+    remote_sources: Mapping[str, RemoteOptions] = field(default_factory=dict, repr=False)
 
     @property
     def is_additive(self) -> bool:
@@ -201,6 +206,10 @@ class Spec:
         raw["budget"] = budget.describe()
         return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
 
+    def source_options(self, path: str) -> RemoteOptions | None:
+        """Options to open the source at ``path``: None for a local path."""
+        return self.remote_sources.get(path)
+
 
 def _err(source: str, key: str, message: str) -> SpecError:
     return SpecError(f"{source}: {key}: {message}")
@@ -209,6 +218,9 @@ def _err(source: str, key: str, message: str) -> SpecError:
 def _number(source: str, key: str, value: Any, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            raise _err(source, key, "per-tensor 'filter' values are not supported yet; "
+                                    "give one number")
         if isinstance(value, list):
             raise _err(source, key, "gradient lists are not supported yet; give one number")
         if isinstance(value, dict):
@@ -238,11 +250,14 @@ def _check_param(source: str, key: str, name: str, value: Any) -> Any:
     return _number(source, key, value)
 
 
-def _resolve_path(base_dir: Path, value: Any, source: str, key: str) -> str:
+def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
+                  allow_url: bool = False) -> str:
     if not isinstance(value, str) or not value:
         raise _err(source, key, f"expected a path, got {value!r}")
     if "://" in value:
-        raise _err(source, key, f"remote sources ({value}) are not supported yet; use a local path")
+        if not allow_url:
+            raise _err(source, key, f"must be a local path, got the URL {value}")
+        return _check_url(value, source, key)
     p = Path(value).expanduser()
     return str((p if p.is_absolute() else base_dir / p).resolve())
 
@@ -277,7 +292,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
                    f"{', '.join(METHODS)}")
     if "base_model" not in data:
         raise _err(source, "base_model", "required: mergefs merges deltas against a base model")
-    base = _resolve_path(base_dir, data["base_model"], source, "base_model")
+    base = _resolve_path(base_dir, data["base_model"], source, "base_model", allow_url=True)
+    top_options = _storage_options(data.get("storage_options"), source, "storage_options")
+    model_options: dict[str, dict[str, Any]] = {}  # per-model storage_options, by source
 
     global_raw = data.get("parameters") or {}
     if not isinstance(global_raw, dict):
@@ -311,10 +328,13 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         key = f"models[{k}]"
         if not isinstance(entry, dict) or "model" not in entry:
             raise _err(source, key, "expected a mapping with a 'model' path")
-        extra = set(entry) - {"model", "parameters"}
+        extra = set(entry) - {"model", "parameters", "storage_options"}
         if extra:
             raise _err(source, f"{key}.{sorted(extra)[0]}", "not supported")
-        mpath = _resolve_path(base_dir, entry["model"], source, f"{key}.model")
+        mpath = _resolve_path(base_dir, entry["model"], source, f"{key}.model", allow_url=True)
+        if "storage_options" in entry:
+            model_options[mpath] = _storage_options(entry["storage_options"], source,
+                                                    f"{key}.storage_options")
         params_raw = entry.get("parameters") or {}
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
@@ -392,9 +412,19 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         raise SpecError(f"{source}: {exc}") from None
     cache_dir = _resolve_path(base_dir, cache["dir"], source, "cache.dir") if "dir" in cache else None
 
-    models_raw = [{"model": e.path, "parameters": dict(e.parameters)} for e in experts]
+    models_raw: list[dict[str, Any]] = [{"model": e.path, "parameters": dict(e.parameters)}
+                                        for e in experts]
     if base_weight is not None:
         models_raw.insert(0, {"model": base, "parameters": {"weight": base_weight}})
+    for entry_raw in models_raw:
+        if entry_raw["model"] in model_options:
+            entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
+    remote_settings = _remote_settings(data.get("remote"), source)
+    remote_sources = {
+        p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
+                         **remote_settings)
+        for p in [base, *(e.path for e in experts)] if "://" in p
+    }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
         "base_model": base,
@@ -404,8 +434,119 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         "budget": budget.describe(),
         "block_size": block_size,
     }
+    if "storage_options" in data:  # redacted: credentials never reach a manifest or a log
+        raw["storage_options"] = redact_options(top_options)
+    if "remote" in data:
+        raw["remote"] = {"coalesce_gap": remote_settings["gap_bytes"],
+                         "concurrency": remote_settings["concurrency"],
+                         "retries": remote_settings["retries"]}
     return Spec(source, method, base, tuple(experts), base_weight, glob, out_dtype, budget,
-                block_size, index_dir, cache_memory, cache_dir, manifest, raw)
+                block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources)
+
+
+# -- remote sources -----------------------------------------------------------------------------
+REDACTED = "<redacted>"
+#: storage_options keys whose values are kept in ``Spec.raw`` (everything else is redacted).
+_PUBLIC_OPTIONS = frozenset({
+    "endpoint_url", "region_name", "anon", "use_ssl", "requester_pays", "version_aware",
+    "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions",
+    "max_concurrency", "client_kwargs", "config_kwargs", "s3", "addressing_style",
+    "signature_version", "block_size", "simple_links", "same_scheme", "size_policy", "encoded",
+    "retries", "connect_timeout", "read_timeout", "auto_mkdir",
+})
+#: Top-level storage_options keys that scope a mapping to one protocol (http also covers https).
+_PROTOCOL_KEYS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https",
+                            "file", "hf", "memory"})
+
+
+def _check_url(value: str, source: str, key: str) -> str:
+    parts = urlsplit(value)
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme or "") or not (
+            parts.netloc or parts.path.strip("/")):
+        raise _err(source, key, f"not a valid URL: {value}")
+    if "@" in parts.netloc:  # never echo the URL: it holds credentials
+        raise _err(source, key, "credentials in a URL are refused (they would be recorded); "
+                   "give them in storage_options or the environment")
+    if parts.query or parts.fragment:
+        raise _err(source, key, "a source URL may not have a query string or fragment "
+                   "(signed URLs are not supported; give credentials in storage_options)")
+    if parts.scheme == "file" and (parts.netloc not in ("", "localhost")
+                                   or not parts.path.startswith("/")):
+        raise _err(source, key, f"a file:// URL needs an absolute path (file:///...): {value}")
+    return value.rstrip("/")
+
+
+def _storage_options(value: Any, source: str, key: str) -> dict[str, Any]:
+    """Validate a storage_options mapping (values are not echoed: they may be secrets)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _err(source, key, "expected a mapping of fsspec storage options")
+    return _drop_redacted(value)
+
+
+def _drop_redacted(value: dict[str, Any]) -> dict[str, Any]:
+    """A recorded (redacted) spec re-parsed: redacted values come from the environment again."""
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if isinstance(v, dict):
+            v = _drop_redacted(v)
+        if v != REDACTED:
+            out[k] = v
+    return out
+
+
+def redact_options(value: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy safe to record: only known non-secret keys keep their values (deny by default)."""
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if isinstance(v, Mapping) and (k in _PUBLIC_OPTIONS or k in _PROTOCOL_KEYS):
+            out[k] = redact_options(v)
+        elif k in _PUBLIC_OPTIONS and not isinstance(v, Mapping):
+            out[k] = _redact_userinfo(v) if isinstance(v, str) else v
+        else:
+            out[k] = REDACTED
+    return out
+
+
+def _redact_userinfo(text: str) -> str:
+    parts = urlsplit(text) if "://" in text else None
+    if parts is None or "@" not in parts.netloc:
+        return text
+    return parts._replace(netloc=f"{REDACTED}@{parts.netloc.rsplit('@', 1)[1]}").geturl()
+
+
+def _options_for(url: str, top: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    """Options of one source: top-level ones, then its protocol's, then the model's own."""
+    protocol = url.split("://", 1)[0]
+    scopes = {protocol, "http"} if protocol == "https" else {protocol}
+    out = {k: v for k, v in top.items() if not (k in _PROTOCOL_KEYS and isinstance(v, dict))}
+    for k in sorted(scopes):
+        if isinstance(top.get(k), dict):
+            out.update(top[k])
+    out.update(model)
+    return out
+
+
+def _remote_settings(value: Any, source: str) -> dict[str, Any]:
+    """The ``remote`` key: coalesce_gap (a size), concurrency (>= 1), retries (>= 0)."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict) or set(value) - {"coalesce_gap", "concurrency", "retries"}:
+        raise _err(source, "remote", "expected a mapping with coalesce_gap (a size like 1MiB), "
+                   "concurrency and/or retries")
+    try:
+        gap = parse_size(value.get("coalesce_gap", DEFAULT_GAP_BYTES), "remote.coalesce_gap")
+    except ValueError as exc:
+        raise SpecError(f"{source}: {exc}") from None
+    out = {"gap_bytes": gap}
+    for name, default, lo in (("concurrency", DEFAULT_CONCURRENCY, 1),
+                              ("retries", DEFAULT_RETRIES, 0)):
+        v = value.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise _err(source, f"remote.{name}", f"expected an integer >= {lo}, got {v!r}")
+        out[name] = v
+    return out
 
 
 def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:

@@ -1,0 +1,451 @@
+"""The mount lifecycle, in one place: ``mergefs mount``, ``mergefs umount``, ``mergefs stats``.
+
+``run_mount`` checks the mountpoint, makes sure the block index exists (with a progress bar),
+then serves in the foreground or forks a daemon and returns once the mount answers. Serving
+(:func:`serve`) opens the session (its manifest is written live to the spec's ``manifest`` path,
+one flushed line per record, so even a killed process leaves whole lines), builds the cache and
+the view, then runs trio: ``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM ->
+``pyfuse3.terminate()``), a readiness probe, ``await pyfuse3.main()``, and ``pyfuse3.close()`` in
+a ``finally``. When the main loop ends (signal or external unmount) the manifest gets its totals
+record and is closed.
+
+Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
+before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from .cache import UnitCache
+from .engine import Session, open_family
+from .errors import MergefsError
+from .fuse import Operations, mount_options
+from .index import build_layout, index_bytes_total, load_or_build
+from .manifest import ManifestWriter
+from .spec import Spec, parse_size
+from .view import STATE_DIR, STATS_NAME, View
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_CAP = 8 << 30
+UMOUNT_WAIT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    mountpoint: Path
+    cache_bytes: int
+    cache_dir: Path | None
+    allow_other: bool
+    threads: int
+    log_file: Path
+
+
+def default_cache_bytes() -> int:
+    """A quarter of physical memory, at most 8 GiB."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        ram = 4 << 30
+    return min(ram // 4, DEFAULT_CACHE_CAP)
+
+
+def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
+    if getattr(args, "cache_size", None):
+        try:
+            cache_bytes = parse_size(args.cache_size, "--cache-size")
+        except ValueError as exc:
+            raise MergefsError(str(exc)) from None
+    elif spec.cache_memory_bytes is not None:
+        cache_bytes = spec.cache_memory_bytes
+    else:
+        cache_bytes = default_cache_bytes()
+    cache_dir = getattr(args, "cache_dir", None) or spec.cache_dir
+    return MountConfig(
+        mountpoint=Path(os.path.abspath(args.mountpoint)),
+        cache_bytes=cache_bytes,
+        cache_dir=Path(os.path.abspath(cache_dir)) if cache_dir else None,
+        allow_other=bool(getattr(args, "allow_other", False)),
+        threads=max(4, 2 * (os.cpu_count() or 1)),
+        log_file=Path(spec.manifest).with_suffix(".log"),
+    )
+
+
+# -- mountpoints ---------------------------------------------------------------------------
+def _unescape(field: str) -> str:
+    """/proc/self/mountinfo escapes space, tab, newline and backslash as octal."""
+    out, k = [], 0
+    while k < len(field):
+        if field[k] == "\\" and k + 3 < len(field) and field[k + 1:k + 4].isdigit():
+            out.append(chr(int(field[k + 1:k + 4], 8)))
+            k += 4
+        else:
+            out.append(field[k])
+            k += 1
+    return "".join(out)
+
+
+def is_mounted(path: str | Path) -> bool:
+    """Whether something is mounted at ``path`` (also true for a dead FUSE mount)."""
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            return any(_unescape(line.split()[4]) == target for line in f if line.strip())
+    except OSError:
+        return os.path.ismount(target)
+
+
+def check_mountpoint(path: str | Path) -> Path:
+    """An absolute, existing, empty directory with nothing mounted on it, or MergefsError."""
+    p = Path(os.path.abspath(path))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise MergefsError(f"{p}: mountpoint does not exist (create an empty directory)") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MergefsError(f"{p}: a dead mount is still attached (its process exited); "
+                               f"run `mergefs umount {p}` first") from None
+        raise MergefsError(f"{p}: cannot use as mountpoint: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MergefsError(f"{p}: mountpoint is not a directory")
+    if is_mounted(p):
+        try:
+            os.listdir(p)
+            state = "already mounted"
+        except OSError as exc:
+            state = "a dead mount is still attached (its process exited)" \
+                if exc.errno == errno.ENOTCONN else "already mounted"
+        raise MergefsError(f"{p}: {state}; run `mergefs umount {p}` first")
+    with os.scandir(p) as it:
+        if any(True for _ in it):
+            raise MergefsError(f"{p}: mountpoint is not empty")
+    return p
+
+
+# -- mount ---------------------------------------------------------------------------------
+def ensure_index(spec: Spec, progress: bool = True) -> None:
+    """Build the block index now if needed, so the session opens fast and its counters only
+    count the mount's own reads."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    base, experts = open_family(spec)
+    try:
+        total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
+        console = Console(stderr=True)
+        with Progress(TextColumn("[bold]indexing"), BarColumn(), DownloadColumn(),
+                      TimeRemainingColumn(), console=console,
+                      disable=not (progress and console.is_terminal)) as prog:
+            task = prog.add_task("indexing", total=total)
+            _, built = load_or_build(base, experts, spec.block_size, spec.index_dir,
+                                     lambda n: prog.advance(task, n))
+        if built:
+            log.info("index built in %s", spec.index_dir)
+    finally:
+        for c in [base, *experts]:
+            c.close()
+
+
+def run_mount(args: argparse.Namespace, spec: Spec) -> int:
+    cfg = make_config(args, spec)
+    check_mountpoint(cfg.mountpoint)
+    ensure_index(spec)
+    if args.foreground:
+        def ready() -> None:
+            print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (Ctrl-C or `mergefs "
+                  f"umount {cfg.mountpoint}` unmounts)", flush=True)
+
+        totals = serve(spec, cfg, ready)
+        print(f"mergefs: unmounted {cfg.mountpoint}: read {_human(totals['expert_bytes_read'])}"
+              f" of {_human(totals['total_expert_bytes'])} expert bytes; manifest "
+              f"{spec.manifest}", flush=True)
+        return 0
+    return _daemonize(spec, cfg)
+
+
+def _daemonize(spec: Spec, cfg: MountConfig) -> int:
+    """Fork a detached server; return 0 once the mount answers, or raise its startup error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(r)
+        code = 1
+        try:
+            os.setsid()
+            os.chdir("/")
+            _redirect_output(cfg.log_file)
+            serve(spec, cfg, lambda: _tell(w, b"ok\n"))
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting parent
+            msg = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
+            log.error("mount failed: %s", msg)
+            _tell(w, b"error " + msg.encode(errors="replace") + b"\n")
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        answer = pipe.readline()
+    if answer.startswith(b"ok"):
+        print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (pid {pid}, log "
+              f"{cfg.log_file}); `mergefs umount {cfg.mountpoint}` unmounts")
+        return 0
+    os.waitpid(pid, 0)
+    text = answer.decode(errors="replace").strip()
+    raise MergefsError(text[len("error "):] if text.startswith("error ")
+                       else f"the mount process exited before the mount was ready "
+                            f"(see {cfg.log_file})")
+
+
+def _tell(fd: int, msg: bytes) -> None:
+    try:
+        os.write(fd, msg)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _redirect_output(log_file: Path) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setFormatter(logging.Formatter("%(asctime)s mergefs[%(process)d]: %(message)s"))
+
+
+def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, Any]:
+    """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
+    with _manifest_lock(Path(spec.manifest)):
+        manifest = ManifestWriter(spec.manifest)
+        try:
+            session = Session(spec, manifest=manifest)
+            try:
+                cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
+                view = View(session, cache)
+                try:
+                    trio.run(_serve_fuse, view, cfg, ready)
+                finally:
+                    view.close()
+                totals = session.finish()
+            finally:
+                session.close()
+        finally:
+            manifest.close()
+    stats = view.stats()
+    log.info("unmounted %s: served %d weight bytes; read %d expert bytes of %d; cache %d hits, "
+             "%d misses", cfg.mountpoint, stats["served_bytes"]["weights"],
+             stats["expert_bytes_read"], stats["total_expert_bytes"], stats["cache"]["hits"],
+             stats["cache"]["misses"])
+    return totals
+
+
+@contextmanager
+def _manifest_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock beside the manifest while serving: two mounts of one spec would
+    otherwise write the same manifest file."""
+    lock_path = path.with_name(f".{path.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise MergefsError(f"{lock_path}: cannot create lock: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MergefsError(f"{path}: manifest in use by another mount of this spec; set "
+                               "another `manifest:` path in the spec to mount it twice") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+    ops = Operations(view, trio.CapacityLimiter(cfg.threads))
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            pyfuse3.init(ops, str(cfg.mountpoint), mount_options(cfg.allow_other))
+        except RuntimeError as exc:
+            raise MergefsError(f"{cfg.mountpoint}: cannot mount: {exc}") from None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals, signals)
+                nursery.start_soon(_announce_when_ready, cfg.mountpoint, ready)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+
+
+async def _watch_signals(signals: Any) -> None:
+    async for signum in signals:
+        log.info("received %s: unmounting", signal.Signals(signum).name)
+        pyfuse3.terminate()
+        return
+
+
+async def _announce_when_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
+    """Call ``ready`` once the kernel routes requests to us (a stat through the mount)."""
+    await trio.to_thread.run_sync(os.stat, mountpoint / STATE_DIR / STATS_NAME)
+    log.info("mounted at %s", mountpoint)
+    ready()
+
+
+# -- umount --------------------------------------------------------------------------------
+def _server_pid(mountpoint: Path) -> int | None:
+    try:
+        pid = int(json.loads((mountpoint / STATE_DIR / STATS_NAME).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if b"mergefs" in cmdline and pid != os.getpid() else None
+
+
+def run_umount(args: argparse.Namespace) -> int:
+    mnt = Path(os.path.abspath(args.mountpoint))
+    if not is_mounted(mnt):
+        raise MergefsError(f"{mnt}: not mounted")
+    pid = _server_pid(mnt)
+    first = _fusermount(["-u", str(mnt)])
+    if first.returncode != 0:
+        lazy = _fusermount(["-u", "-z", str(mnt)])
+        if lazy.returncode != 0:
+            raise MergefsError(f"{mnt}: cannot unmount: "
+                               f"{(lazy.stderr or first.stderr).strip() or 'fusermount3 failed'}")
+        log.info("%s was busy or its process died (%s): detached lazily", mnt,
+                 first.stderr.strip())
+    if pid is not None:  # wait for the server to write the manifest's totals and exit
+        deadline = time.monotonic() + UMOUNT_WAIT_SECONDS
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            log.warning("mount process %d still running after %.0fs", pid, UMOUNT_WAIT_SECONDS)
+    print(f"mergefs: unmounted {mnt}")
+    return 0
+
+
+def _fusermount(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(["fusermount3", *argv], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise MergefsError("fusermount3 not found (install the fuse3 package)") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (our own unreaped child) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# -- stats ---------------------------------------------------------------------------------
+def read_stats(mountpoint: str | Path) -> dict[str, Any]:
+    p = Path(mountpoint) / STATE_DIR / STATS_NAME
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MergefsError(f"{mountpoint}: not a mergefs mount (no {STATE_DIR}/{STATS_NAME})"
+                           ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MergefsError(f"{mountpoint}: the mount's process died; run `mergefs umount "
+                               f"{mountpoint}`") from None
+        raise MergefsError(f"{p}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MergefsError(f"{p}: not valid JSON: {exc}") from None
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return str(x)
+
+
+def _pct(a: float, b: float) -> str:
+    return f"  ({100 * a / b:.1f}%)" if b else ""
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    data = read_stats(args.mountpoint)
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    c = data["cache"]
+    read = data["physical_bytes_read"]
+    table = Table(title=f"mergefs {args.mountpoint}  ({data['method']}, plan "
+                        f"{data['plan_hash'][:16]})", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    full = data["base_tensor_bytes"] + data["total_expert_bytes"]
+    table.add_row("weight bytes served", f"{_human(data['served_bytes']['weights'])} (weight "
+                  f"files: {_human(data['weight_file_bytes'])})")
+    table.add_row("source bytes read", f"{_human(sum(read.values()))} of {_human(full)} for a "
+                  f"full merge{_pct(sum(read.values()), full)}")
+    table.add_row("base bytes read", f"{_human(read.get('base', 0))}")
+    table.add_row("expert bytes read", f"{_human(data['expert_bytes_read'])} of "
+                  f"{_human(data['total_expert_bytes'])}"
+                  f"{_pct(data['expert_bytes_read'], data['total_expert_bytes'])}")
+    for label, n in sorted(read.items()):
+        if label != "base":
+            table.add_row(f"  {label}", _human(n))
+    table.add_row("expert bytes planned (budget)", f"{_human(data['planned_expert_bytes'])} "
+                  f"({_human(data['budget_bytes'])})")
+    table.add_row("units / blocks merged", f"{data['units_merged']} / {data['blocks_merged']}")
+    table.add_row("cache", f"{_human(c['bytes_cached'])} of {_human(c['capacity_bytes'])}, "
+                  f"{c['entries']} units")
+    table.add_row("cache hits / misses / waits", f"{c['hits']} / {c['misses']} / {c['waits']}")
+    table.add_row("cache evictions", str(c["evictions"]))
+    table.add_row("merges in flight", str(c["merges_in_flight"]))
+    if c["disk_hits"] or c["disk_writes"] or c["disk_corrupt"]:
+        table.add_row("disk cache hits / writes / corrupt",
+                      f"{c['disk_hits']} / {c['disk_writes']} / {c['disk_corrupt']}")
+    table.add_row("readahead units", str(data["readahead"]["units_scheduled"]))
+    table.add_row("read errors", str(data["read_errors"]))
+    table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
+    Console().print(table)
+    return 0

@@ -1,0 +1,624 @@
+"""Remote sources against real servers on 127.0.0.1: moto's S3 server and a Range HTTP server.
+
+Byte and request counts are taken at the servers (tests/servers.py), never from mergefs alone.
+Every remote merge is compared bit for bit with the same merge of the same family read locally.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from families import Family, make_family
+from servers import CountingMotoServer, RangeHTTPServer, upload_tree
+
+pytest.importorskip("fsspec")
+pytest.importorskip("s3fs")
+pytest.importorskip("aiohttp")
+pytest.importorskip("moto")
+
+from mergefs import cli  # noqa: E402
+from mergefs.engine import Session  # noqa: E402
+from mergefs.errors import MergefsError, SourceChanged, SourceError, SpecError  # noqa: E402
+from mergefs.remote import HEADER_PROBE_BYTES  # noqa: E402
+from mergefs.spec import load_spec  # noqa: E402
+
+pytestmark = pytest.mark.remote
+
+BLOCK = 512
+BUCKET = "models"
+SECRET = "s3cr3t-never-to-be-written-9f1c"
+KEY_ID = "AKIDNEVERWRITTEN77"
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return make_family(tmp_path_factory.mktemp("remote_fam"), n_experts=3, seed=11)
+
+
+@pytest.fixture(scope="module")
+def fam_sharded(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return make_family(tmp_path_factory.mktemp("remote_sharded"), n_experts=2, seed=12,
+                       sharded=True, expert_layout="reversed")
+
+
+@pytest.fixture(scope="module")
+def aws_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+            mp.delenv(k, raising=False)
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def s3(aws_env: None, fam: Family, fam_sharded: Family) -> Iterator[CountingMotoServer]:
+    import s3fs
+
+    srv = CountingMotoServer().start()
+    fs = s3fs.S3FileSystem(endpoint_url=srv.endpoint, skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    upload_tree(fs, fam.root, f"{BUCKET}/fam")
+    upload_tree(fs, fam_sharded.root, f"{BUCKET}/sharded")
+    srv.fs = fs  # type: ignore[attr-defined]
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http_root(tmp_path_factory: pytest.TempPathFactory, fam: Family) -> Path:
+    root = tmp_path_factory.mktemp("http_root")
+    shutil.copytree(fam.root, root / "fam")
+    return root
+
+
+@pytest.fixture(scope="module")
+def http_server(http_root: Path) -> Iterator[RangeHTTPServer]:
+    srv = RangeHTTPServer(http_root).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def http(http_server: RangeHTTPServer) -> RangeHTTPServer:
+    http_server.log.reset()
+    http_server.log.faults.clear()
+    http_server.log.deny.clear()
+    return http_server
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def write_spec(path: Path, base: str, experts: list[str], **extra: Any) -> Path:
+    weights = [0.5, -0.3, 0.8][: len(experts)]
+    doc: dict[str, Any] = {
+        "merge_method": "task_arithmetic",
+        "base_model": base,
+        "models": [{"model": e, "parameters": {"weight": w}} for e, w in zip(experts, weights)],
+        "parameters": {"lambda": 0.9},
+        "block_size": BLOCK,
+        "index_dir": str(path.parent / f"{path.stem}-index"),
+    }
+    doc.update(extra)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def merge(spec_path: Path, out: Path, manifest: Any = None) -> tuple[Session, dict[str, Any]]:
+    session = Session(load_spec(spec_path), manifest=manifest)
+    try:
+        session.engine.materialise(out)
+        return session, session.finish()
+    finally:
+        session.close()
+
+
+def local_merge(tmp: Path, family: Family, name: str = "local", **extra: Any
+                ) -> tuple[Session, Path]:
+    spec = write_spec(tmp / f"{name}.yaml", str(family.base),
+                      [str(e) for e in family.experts], **extra)
+    out = tmp / f"{name}-out"
+    session, _ = merge(spec, out)
+    return session, out
+
+
+def assert_same_dir(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def planned_runs(session: Session, i: int) -> set[tuple[str, int, int]]:
+    """Byte ranges of expert i's planned blocks, runs of adjacent blocks of a tensor merged."""
+    lay, src = session.index.layout, session.experts[i]
+    out: set[tuple[str, int, int]] = set()
+    for t, name in enumerate(lay.tensors):
+        loc, item = src.tensors[name], lay.itemsize[t]
+        run: list[int] | None = None
+        for b in list(lay.blocks_of(t)) + [None]:
+            if b is not None and session.plan.selected[i, b]:
+                s0 = loc.start + int(lay.elem_start[b]) * item
+                e0 = loc.start + int(lay.elem_end[b]) * item
+                run = [run[0], e0] if run else [s0, e0]
+            elif run:
+                out.add((loc.file, run[0], run[1]))
+                run = None
+    return out
+
+
+def served_ranges(log: Any, prefix: str) -> set[tuple[str, int, int]]:
+    got = set()
+    for s in log.requests(prefix, "GET"):
+        if s.path.endswith(".safetensors") and "mergefs-index" not in s.path:
+            got.add((s.path.rsplit("/", 1)[1], s.start, s.end))
+    return got
+
+
+# -- HTTP ---------------------------------------------------------------------------------------
+def test_http_budgeted_merge_reads_only_planned_ranges(tmp_path: Path, fam: Family,
+                                                       http: RangeHTTPServer) -> None:
+    local, local_out = local_merge(tmp_path, fam, budget="40%")
+    urls = [f"{http.url}/fam/expert-{i}" for i in range(3)]
+    spec = write_spec(tmp_path / "http.yaml", str(fam.base), urls, budget="40%",
+                      remote={"coalesce_gap": 0})
+    session = Session(load_spec(spec))  # opens and indexes (reads the experts once)
+    http.log.reset()
+    try:
+        session.engine.materialise(tmp_path / "out")
+        totals = session.finish()
+    finally:
+        session.close()
+    assert np.array_equal(session.plan.selected, local.plan.selected)
+    assert 0 < session.plan.planned_bytes < session.plan.total_expert_bytes
+    for i in range(3):
+        want = planned_runs(session, i)
+        got = served_ranges(http.log, f"/fam/expert-{i}/")
+        assert got == want, i  # exactly the planned runs, each once
+        assert len(http.log.requests(f"/fam/expert-{i}/", "GET")) == len(want)
+    served = http.log.body_bytes("/fam/expert-")
+    assert served == session.plan.planned_bytes == totals["expert_bytes_read"]
+    assert sum(totals["physical_requests"][f"expert:{i}"] for i in range(3)) == \
+        len(http.log.requests("/fam/expert-", "GET"))
+    assert http.log.requests("/fam/expert-", "HEAD") == []  # nothing re-probed while merging
+    assert_same_dir(tmp_path / "out", local_out)
+
+
+def test_http_gap_threshold_trades_bytes_for_requests(tmp_path: Path, fam: Family,
+                                                      http: RangeHTTPServer) -> None:
+    urls = [f"{http.url}/fam/expert-{i}" for i in range(3)]
+    spec = write_spec(tmp_path / "gap.yaml", str(fam.base), urls, budget="40%",
+                      method="ties", remote={"coalesce_gap": "64KiB"})
+    # ties merges whole tensors: all of a tensor's planned runs go out in one read_ranges call
+    doc = yaml.safe_load(spec.read_text())
+    doc.pop("method")
+    doc["merge_method"] = "ties"
+    for m in doc["models"]:
+        m["parameters"]["density"] = 0.5
+    doc["parameters"] = {}
+    spec.write_text(yaml.safe_dump(doc))
+    session = Session(load_spec(spec))
+    http.log.reset()
+    try:
+        session.engine.materialise(tmp_path / "out")
+    finally:
+        session.close()
+    runs = sum(len(planned_runs(session, i)) for i in range(3))
+    gets = len(http.log.requests("/fam/expert-", "GET"))
+    served = http.log.body_bytes("/fam/expert-")
+    gap = sum(e.counters.gap_bytes for e in session.experts)
+    assert gets < runs  # neighbouring runs shared a request
+    assert served == session.plan.planned_bytes + gap and gap > 0
+    local_spec = write_spec(tmp_path / "gap-local.yaml", str(fam.base),
+                            [str(e) for e in fam.experts])
+    local_doc = dict(doc, base_model=str(fam.base),
+                     models=[dict(m, model=str(e)) for m, e in zip(doc["models"], fam.experts)],
+                     index_dir=str(tmp_path / "gap-local-index"))
+    local_spec.write_text(yaml.safe_dump(local_doc))
+    merge(local_spec, tmp_path / "local-out")
+    assert_same_dir(tmp_path / "out", tmp_path / "local-out")
+
+
+def test_http_transient_errors_are_retried(tmp_path: Path, fam: Family,
+                                           http: RangeHTTPServer,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    urls = [f"{http.url}/fam/expert-{i}" for i in range(3)]
+    spec = write_spec(tmp_path / "retry.yaml", str(fam.base), urls, budget="full",
+                      remote={"coalesce_gap": 0})
+    session = Session(load_spec(spec))
+    http.log.reset()
+    http.log.faults["/fam/expert-1/model.safetensors"] = ["503", "reset", "502"]
+    caplog.set_level(logging.WARNING, logger="mergefs")
+    try:
+        session.engine.materialise(tmp_path / "out")
+    finally:
+        session.close()
+    assert session.experts[1].counters.retries == 3
+    assert len(http.log.requests("/fam/expert-1/", "GET")) == \
+        session.experts[1].counters.reads + 3
+    assert sum("retrying" in r.getMessage() and "/fam/expert-1/" in r.getMessage()
+               for r in caplog.records) == 3
+    _, local_out = local_merge(tmp_path, fam, budget="full")
+    assert_same_dir(tmp_path / "out", local_out)
+
+
+def test_http_gives_up_naming_the_url(tmp_path: Path, fam: Family,
+                                      http: RangeHTTPServer) -> None:
+    urls = [f"{http.url}/fam/expert-{i}" for i in range(3)]
+    spec = write_spec(tmp_path / "giveup.yaml", str(fam.base), urls,
+                      remote={"retries": 1, "coalesce_gap": 0})
+    session = Session(load_spec(spec))
+    http.log.faults["/fam/expert-2/model.safetensors"] = ["503"] * 50
+    try:
+        with pytest.raises(SourceError) as err:
+            session.engine.materialise(tmp_path / "out")
+    finally:
+        session.close()
+    msg = str(err.value)
+    assert f"{http.url}/fam/expert-2/model.safetensors" in msg
+    assert "503" in msg and "gave up after 2 attempts" in msg
+
+
+def test_http_403_and_404_are_clear(tmp_path: Path, fam: Family, http: RangeHTTPServer,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    http.log.deny.add("/fam/expert-1/")
+    urls = [f"{http.url}/fam/expert-0", f"{http.url}/fam/expert-1"]
+    spec = write_spec(tmp_path / "denied.yaml", str(fam.base), urls)
+    assert cli.main(["plan", str(spec)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert f"{http.url}/fam/expert-1" in err and "access denied (403)" in err
+
+    missing = write_spec(tmp_path / "missing.yaml", str(fam.base),
+                         [f"{http.url}/fam/expert-0", f"{http.url}/fam/nope"])
+    with pytest.raises(SourceError, match=r"/fam/nope: no model.safetensors"):
+        Session(load_spec(missing))
+    bare = write_spec(tmp_path / "bare.yaml", str(fam.base),
+                      [f"{http.url}/fam/nope/model.safetensors"])
+    with pytest.raises(SourceError, match=r"/fam/nope/model.safetensors: not found \(404\)"):
+        Session(load_spec(bare))
+
+
+def test_http_replaced_object_is_detected(tmp_path: Path, http_root: Path,
+                                          http: RangeHTTPServer) -> None:
+    fam2 = make_family(http_root / "replace", n_experts=2, seed=21)
+    urls = [f"{http.url}/replace/expert-{i}" for i in range(2)]
+    spec = write_spec(tmp_path / "replace.yaml", str(fam2.base), urls)
+    session = Session(load_spec(spec))
+    try:
+        target = fam2.experts[0] / "model.safetensors"
+        data = (fam2.experts[1] / "model.safetensors").read_bytes()
+        assert len(data) == target.stat().st_size  # same size, same header: only the ETag moves
+        target.write_bytes(data)
+        os.utime(target, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+        with pytest.raises(SourceChanged, match=r"replace/expert-0/model.safetensors: object "
+                                                 r"replaced"):
+            session.engine.materialise(tmp_path / "out")
+        with pytest.raises(SourceChanged):
+            session.experts[0].check_unchanged()
+    finally:
+        session.close()
+
+
+def test_http_without_etag_replaced_object_fails_the_hash_check(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.mktemp("noetag")
+    fam2 = make_family(root / "f", n_experts=2, seed=22)
+    srv = RangeHTTPServer(root, etags=False).start()
+    try:
+        urls = [f"{srv.url}/f/expert-{i}" for i in range(2)]
+        spec = write_spec(tmp_path / "noetag.yaml", str(fam2.base), urls)
+        session = Session(load_spec(spec))
+        try:
+            (fam2.experts[0] / "model.safetensors").write_bytes(
+                (fam2.experts[1] / "model.safetensors").read_bytes())
+            with pytest.raises(SourceChanged, match="differ from the index"):
+                session.engine.materialise(tmp_path / "out")
+        finally:
+            session.close()
+    finally:
+        srv.stop()
+
+
+# -- S3 -----------------------------------------------------------------------------------------
+def s3_options(srv: CountingMotoServer, secret: bool = False) -> dict[str, Any]:
+    opts: dict[str, Any] = {"s3": {"endpoint_url": srv.endpoint}}
+    if secret:
+        opts["s3"].update(key=KEY_ID, secret=SECRET)
+    return opts
+
+
+def test_s3_all_remote_merge_equals_local_and_reads_only_the_plan(
+        tmp_path: Path, fam: Family, s3: CountingMotoServer) -> None:
+    local, local_out = local_merge(tmp_path, fam, budget="35%")
+    spec = write_spec(tmp_path / "s3.yaml", f"s3://{BUCKET}/fam/base",
+                      [f"s3://{BUCKET}/fam/expert-{i}" for i in range(3)], budget="35%",
+                      storage_options=s3_options(s3), remote={"coalesce_gap": 0})
+    session = Session(load_spec(spec))
+    s3.log.reset()
+    try:
+        session.engine.materialise(tmp_path / "out")
+        totals = session.finish()
+    finally:
+        session.close()
+    assert np.array_equal(session.plan.selected, local.plan.selected)
+    for i in range(3):
+        assert served_ranges(s3.log, f"/fam/expert-{i}/") == planned_runs(session, i)
+    assert s3.log.body_bytes("/fam/expert-") == session.plan.planned_bytes == \
+        totals["expert_bytes_read"]
+    assert_same_dir(tmp_path / "out", local_out)  # weights, config.json, tokenizer.json
+
+
+def test_s3_sharded_full_budget_is_bit_identical(tmp_path: Path, fam_sharded: Family,
+                                                 s3: CountingMotoServer) -> None:
+    _, local_out = local_merge(tmp_path, fam_sharded)
+    spec = write_spec(tmp_path / "s3sh.yaml", f"s3://{BUCKET}/sharded/base",
+                      [f"s3://{BUCKET}/sharded/expert-{i}" for i in range(2)],
+                      storage_options=s3_options(s3))
+    merge(spec, tmp_path / "out")
+    assert_same_dir(tmp_path / "out", local_out)
+
+
+def test_s3_403_404_and_replaced_object(tmp_path: Path, fam: Family,
+                                        s3: CountingMotoServer) -> None:
+    opts = s3_options(s3)
+    spec = write_spec(tmp_path / "nf.yaml", str(fam.base),
+                      [f"s3://{BUCKET}/fam/expert-0", f"s3://{BUCKET}/nothing-here"],
+                      storage_options=opts)
+    with pytest.raises(SourceError, match=rf"s3://{BUCKET}/nothing-here: no such directory"):
+        Session(load_spec(spec))
+    spec = write_spec(tmp_path / "nb.yaml", str(fam.base), ["s3://no-such-bucket/m"],
+                      storage_options=opts)
+    with pytest.raises(SourceError, match=r"s3://no-such-bucket/m: not found \(404\)"):
+        Session(load_spec(spec))
+    s3.log.deny.add(f"/{BUCKET}/fam/expert-2/model.safetensors")
+    try:
+        spec = write_spec(tmp_path / "deny.yaml", str(fam.base),
+                          [f"s3://{BUCKET}/fam/expert-2/model.safetensors"],
+                          storage_options=opts)
+        with pytest.raises(SourceError, match=r"fam/expert-2/model.safetensors: access denied"):
+            Session(load_spec(spec))
+    finally:
+        s3.log.deny.clear()
+
+    # A replaced object: S3 answers 412 to the If-Match of the ETag recorded at open.
+    s3.fs.copy(f"{BUCKET}/fam/expert-0/model.safetensors", f"{BUCKET}/victim/model.safetensors")
+    spec = write_spec(tmp_path / "victim.yaml", str(fam.base), [f"s3://{BUCKET}/victim"],
+                      storage_options=opts)
+    session = Session(load_spec(spec))
+    try:
+        s3.fs.put_file(str(fam.experts[1] / "model.safetensors"),
+                       f"{BUCKET}/victim/model.safetensors")
+        with pytest.raises(SourceChanged, match=r"victim/model.safetensors: object replaced"):
+            session.engine.materialise(tmp_path / "out")
+    finally:
+        session.close()
+
+
+# -- published index sidecars -------------------------------------------------------------------
+def test_s3_sidecars_plan_without_reading_experts(tmp_path: Path, fam: Family,
+                                                  s3: CountingMotoServer,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    s3.fs.copy(f"{BUCKET}/fam/", f"{BUCKET}/pub/", recursive=True)
+    experts = [f"s3://{BUCKET}/pub/expert-{i}" for i in range(3)]
+    opts = s3_options(s3)
+    pub = write_spec(tmp_path / "pub.yaml", str(fam.base), experts, storage_options=opts)
+    assert cli.main(["index", str(pub), "--publish"]) == 0
+    names = [n for n in s3.fs.ls(f"{BUCKET}/pub/expert-0") if "mergefs-index." in n]
+    assert len(names) == 1 and names[0].endswith(f".{BLOCK}.safetensors")
+    assert s3.fs.size(names[0]) < 16 << 10  # small
+
+    local, local_out = local_merge(tmp_path, fam, budget="30%")
+    spec = write_spec(tmp_path / "use.yaml", str(fam.base), experts, budget="30%",
+                      storage_options=opts, remote={"coalesce_gap": 0})  # fresh index_dir
+    s3.log.reset()
+    caplog.set_level(logging.INFO, logger="mergefs")
+    session = Session(load_spec(spec))
+    try:
+        for i in range(3):  # planning read each expert's header probe and sidecar, no more
+            weights = s3.log.body_bytes(f"/pub/expert-{i}/model.safetensors")
+            size = (fam.experts[i] / "model.safetensors").stat().st_size
+            assert weights == min(size, HEADER_PROBE_BYTES) < size
+            assert s3.log.body_bytes(f"/pub/expert-{i}/mergefs-index.") > 0
+        assert "3 of 3 experts from published sidecars" in caplog.text
+        assert not session.index.has_gram
+        plan = session.plan
+        assert np.array_equal(plan.selected, local.plan.selected)
+        assert plan.bound_tight == pytest.approx(local.plan.bound_tight, rel=1e-12)
+        assert plan.error_exact is None and plan.update_norm is None
+        s3.log.reset()
+        session.engine.materialise(tmp_path / "out")
+    finally:
+        session.close()
+    for i in range(3):
+        assert served_ranges(s3.log, f"/pub/expert-{i}/") == planned_runs(session, i)
+    assert_same_dir(tmp_path / "out", local_out)
+
+    # A replaced expert (same size and header, new ETag): its sidecar is ignored, it is read.
+    s3.fs.copy(f"{BUCKET}/fam/expert-2/model.safetensors",
+               f"{BUCKET}/pub/expert-1/model.safetensors")
+    caplog.clear()
+    again = write_spec(tmp_path / "again.yaml", str(fam.base), experts, budget="30%",
+                       storage_options=opts)
+    s3.log.reset()
+    session = Session(load_spec(again))
+    session.close()
+    assert "ignoring stale index sidecar" in caplog.text and "ETag differs" in caplog.text
+    assert s3.log.body_bytes("/pub/expert-1/model.safetensors") == \
+        (fam.experts[1] / "model.safetensors").stat().st_size + HEADER_PROBE_BYTES
+    assert s3.log.body_bytes("/pub/expert-0/model.safetensors") == HEADER_PROBE_BYTES
+
+
+def test_file_url_sidecar_for_another_base_is_ignored(tmp_path: Path, fam: Family,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # A second family with the same shapes: its base has the same header but other bytes.
+    other = make_family(tmp_path / "other", n_experts=1, seed=99)
+    copy = tmp_path / "copy"
+    shutil.copytree(fam.experts[0], copy)
+    spec = write_spec(tmp_path / "a.yaml", str(fam.base), [f"file://{copy}"])
+    assert cli.main(["index", str(spec), "--publish"]) == 0
+    assert len(list(copy.glob("mergefs-index.*.safetensors"))) == 1
+    assert open_is_unaffected(copy)
+    spec_b = write_spec(tmp_path / "b.yaml", str(other.base), [f"file://{copy}"])
+    caplog.set_level(logging.INFO, logger="mergefs")
+    session = Session(load_spec(spec_b))
+    session.close()
+    assert "published against a base whose bytes differ" in caplog.text
+    assert session.index.has_gram  # read in full instead, exact Gram
+    assert session.plan.error_exact is not None
+
+
+def open_is_unaffected(model_dir: Path) -> bool:
+    from mergefs.checkpoint import open_checkpoint
+
+    return open_checkpoint(model_dir).files == ("model.safetensors",)
+
+
+def test_publish_to_http_is_refused(tmp_path: Path, fam: Family, http: RangeHTTPServer,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path / "p.yaml", str(fam.base), [f"{http.url}/fam/expert-0"])
+    assert cli.main(["index", str(spec), "--publish"]) == 1
+    assert "HTTP sources are read-only" in capsys.readouterr().err
+
+
+# -- credentials and spec validation ------------------------------------------------------------
+def test_credentials_are_never_written(tmp_path: Path, fam: Family, s3: CountingMotoServer,
+                                       caplog: pytest.LogCaptureFixture,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path / "cred.yaml", str(fam.base),
+                      [f"s3://{BUCKET}/fam/expert-{i}" for i in range(3)], budget="50%",
+                      storage_options=s3_options(s3, secret=True),
+                      manifest=str(tmp_path / "cred.manifest.jsonl"))
+    loaded = load_spec(spec)
+    raw = json.dumps(loaded.raw)
+    assert SECRET not in raw and KEY_ID not in raw and s3.endpoint in raw
+    assert SECRET not in repr(loaded)
+    caplog.set_level(logging.DEBUG)
+    assert cli.main(["--debug", "merge", str(spec), str(tmp_path / "out")]) == 0
+    assert cli.main(["replay", str(tmp_path / "cred.manifest.jsonl")]) == 0  # creds from env
+    out, err = capsys.readouterr()
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "cred.yaml"]
+    assert any(p.suffix == ".jsonl" for p in written)
+    assert any("index" in str(p) for p in written)
+    for p in written:
+        data = p.read_bytes()
+        assert SECRET.encode() not in data and KEY_ID.encode() not in data, p
+    for text in (out, err, caplog.text):
+        assert SECRET not in text and KEY_ID not in text
+
+
+@pytest.mark.parametrize("doc, key, absent", [
+    ({"base_model": "s3://user:pw@bucket/base"}, "base_model", "pw"),
+    ({"base_model": "https://host/base?X-Amz-Signature=abc"}, "base_model", "abc"),
+    ({"index_dir": "s3://bucket/idx"}, "index_dir", None),
+    ({"storage_options": ["secret"]}, "storage_options", "secret"),
+    ({"models": [{"model": "s3://b/m", "storage_options": "key=secret"}]},
+     "models[0].storage_options", "secret"),
+    ({"remote": {"coalesce_gap": "lots"}}, "remote.coalesce_gap", None),
+    ({"remote": {"retries": -1}}, "remote.retries", None),
+    ({"base_model": "file://relative/base"}, "base_model", None),
+])
+def test_spec_remote_errors_name_the_key(tmp_path: Path, doc: dict[str, Any], key: str,
+                                         absent: str | None) -> None:
+    base: dict[str, Any] = {"merge_method": "task_arithmetic", "base_model": "./base",
+                            "models": [{"model": "s3://b/m", "parameters": {"weight": 1.0}}]}
+    if "models" in doc:
+        doc = {"models": [dict(doc["models"][0], parameters={"weight": 1.0})]}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**base, **doc}))
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    msg = str(err.value)
+    assert f"{key}:" in msg, msg
+    if absent is not None:
+        assert absent not in msg.split(f"{key}:", 1)[1]
+
+
+def test_storage_options_scoping(tmp_path: Path) -> None:
+    path = write_spec(tmp_path / "s.yaml", "s3://b/base",
+                      ["https://h/e0", "s3://b/e1"],
+                      storage_options={"anon": False, "s3": {"endpoint_url": "http://x:1",
+                                                             "secret": SECRET},
+                                       "http": {"headers": {"Authorization": SECRET}}})
+    doc = yaml.safe_load(path.read_text())
+    doc["models"][1]["storage_options"] = {"key": KEY_ID}
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_spec(path)
+    assert dict(spec.source_options("s3://b/e1").storage_options) == {
+        "anon": False, "endpoint_url": "http://x:1", "secret": SECRET, "key": KEY_ID}
+    assert dict(spec.source_options("https://h/e0").storage_options) == {
+        "anon": False, "headers": {"Authorization": SECRET}}
+    assert spec.source_options("s3://b/base").storage_options["endpoint_url"] == "http://x:1"
+    assert spec.raw["storage_options"] == {"anon": False, "s3": {
+        "endpoint_url": "http://x:1", "secret": "<redacted>"}, "http": "<redacted>"} or \
+        spec.raw["storage_options"]["http"] == {"headers": "<redacted>"}
+    assert spec.raw["models"][1]["storage_options"] == {"key": "<redacted>"}
+    assert SECRET not in json.dumps(spec.raw) and KEY_ID not in json.dumps(spec.raw)
+    assert spec.source_options(str(tmp_path)) is None
+
+
+def test_remote_without_fsspec_extra_is_a_clear_error(tmp_path: Path, fam: Family,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec -> ImportError
+    spec = write_spec(tmp_path / "nofs.yaml", str(fam.base), ["s3://b/m"])
+    with pytest.raises(MergefsError, match=r"mergefs\[remote\]"):
+        Session(load_spec(spec))
+
+
+# -- mount --------------------------------------------------------------------------------------
+@pytest.mark.mount
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,
+                    reason="needs /dev/fuse and fusermount3")
+def test_mount_with_remote_experts_serves_the_local_merge(
+        tmp_path: Path, fam: Family, s3: CountingMotoServer, http: RangeHTTPServer,
+        request: pytest.FixtureRequest) -> None:
+    _, local_out = local_merge(tmp_path, fam, budget="40%")
+    experts = [f"s3://{BUCKET}/fam/expert-0", f"{http.url}/fam/expert-1",
+               f"s3://{BUCKET}/fam/expert-2"]
+    spec = write_spec(tmp_path / "mnt.yaml", str(fam.base), experts, budget="40%",
+                      storage_options=s3_options(s3, secret=True))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    log = tmp_path / "mount.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli", "mount", str(spec),
+                                 str(mnt), "--foreground"], stdout=fh, stderr=subprocess.STDOUT)
+
+    def unmount() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+
+    request.addfinalizer(unmount)
+    deadline = time.monotonic() + 60
+    while not (mnt / ".mergefs" / "stats.json").exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    for p in sorted(local_out.rglob("*")):
+        if p.is_file():
+            assert (mnt / p.relative_to(local_out)).read_bytes() == p.read_bytes(), p.name
+    state = b"".join(p.read_bytes() for p in (mnt / ".mergefs").iterdir() if p.is_file())
+    assert SECRET.encode() not in state and KEY_ID.encode() not in state
+    unmount()
+    assert SECRET not in log.read_text()
