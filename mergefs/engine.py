@@ -27,8 +27,7 @@ import numpy as np
 import xxhash
 
 from . import __version__
-from .checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint,
-                         read_many)
+from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
@@ -40,7 +39,7 @@ from .spec import ADDITIVE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
 
-UNIT_ELEMS = 4 << 20  # materialise merges about this many elements per unit (elementwise ops)
+UNIT_ELEMS = 1 << 20  # materialise merges about this many elements per unit (elementwise ops)
 
 
 @dataclass(frozen=True)
@@ -161,10 +160,6 @@ class Engine:
         item = self.layout.itemsize[self.tindex[name]]
         return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
 
-    def _read(self, src: Checkpoint, label: str, name: str, rng: ReadRange,
-              b0: int, b1: int, hashes: np.ndarray) -> memoryview:
-        return self._check(src, label, name, rng, src.read_ranges([rng])[0], b0, b1, hashes)
-
     def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
                b0: int, b1: int, hashes: np.ndarray) -> memoryview:
         """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
@@ -223,7 +218,9 @@ class Engine:
                 wi = decode_f32(buf, src_dtype)
                 lo, hi = s0 - e0, s1 - e0
                 if acc is not None:  # additive: S += c_i * D_i, expert order, in place
-                    acc[lo:hi] += np.float32(p.coefficients[i]) * (wi - w0[lo:hi])
+                    wi -= w0[lo:hi]  # D_i (float32); wi is a fresh array, so no copies
+                    wi *= np.float32(p.coefficients[i])
+                    acc[lo:hi] += wi
                 elif p.method == "slerp":
                     full[lo:hi] = wi
                 else:
@@ -232,7 +229,10 @@ class Engine:
                 expert_values = full
             deltas.append(full)
         if acc is not None:
-            merged = (w0 + acc) if np.float32(p.base_scale) == 1 else np.float32(p.base_scale) * w0 + acc
+            if np.float32(p.base_scale) == 1:
+                merged = np.add(w0, acc, out=acc)  # W0 + S, in place
+            else:
+                merged = np.float32(p.base_scale) * w0 + acc
         elif p.method == "slerp":
             merged = merge_slerp(p, w0, expert_values if expert_values is not None else w0)
         else:

@@ -210,7 +210,6 @@ class _Builder:
         got = read_many([(src, [_source_ranges(src, lay, b0, b1)])
                          for src in [self.base, *self.experts]])
         base_buf, bufs = got[0][0], [g[0] for g in got[1:]]
-        w0 = decode_f32(base_buf, dtype)
         scratch = np.empty((len(self.experts), GRAM_COLS), dtype=np.float64)
         for b in range(b0, b1):
             lo = (int(lay.elem_start[b]) - origin) * item
@@ -229,7 +228,7 @@ class _Builder:
                 else:
                     live.append((i, eb))
             if live:
-                self._gram(b, live, w0[lo // item : hi // item], dtype, item, scratch)
+                self._gram(b, live, decode_f32(bb, dtype), dtype, item, scratch)
         if self.on_bytes is not None:
             with self.lock:
                 self.on_bytes(len(base_buf) + sum(len(x) for x in bufs))
@@ -243,7 +242,7 @@ class _Builder:
         """
         rows = [i for i, _ in live]
         g = np.zeros((len(rows), len(rows)), dtype=np.float64)
-        values = np.empty(GRAM_COLS, dtype=np.float32)
+        values = np.zeros(GRAM_COLS, dtype=np.float32)
         for s in range(0, w0.size, GRAM_COLS):
             e = min(w0.size, s + GRAM_COLS)
             d = scratch[: len(rows), : e - s]
@@ -257,12 +256,12 @@ class _Builder:
 
 def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
     """The float32 values of ``raw`` (exactly ``decode_f32``), in ``out`` unless no copy is
-    needed."""
+    needed. For BF16, ``out`` must be all zero bits on the first call and only ever used
+    here for BF16."""
     if dtype == "F32":
         return np.frombuffer(raw, dtype="<f4")
-    if dtype == "BF16":  # bf16 is the top half of a float32
-        np.left_shift(np.frombuffer(raw, dtype="<u2"), 16, out=out.view(np.uint32),
-                      dtype=np.uint32)
+    if dtype == "BF16":  # bf16 is the top half of a float32; the low halves of out stay 0
+        out.view("<u2")[1::2] = np.frombuffer(raw, dtype="<u2")
         return out
     np.copyto(out, np.frombuffer(raw, dtype=NUMPY_DTYPES[dtype]), casting="unsafe")
     return out

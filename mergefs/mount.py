@@ -424,8 +424,8 @@ def run_stats(args: argparse.Namespace) -> int:
     full = data["base_tensor_bytes"] + data["total_expert_bytes"]
     table.add_row("weight bytes served", f"{_human(data['served_bytes']['weights'])} (weight "
                   f"files: {_human(data['weight_file_bytes'])})")
-    table.add_row("source bytes read", f"{_human(sum(read.values()))} of {_human(full)} for a "
-                  f"full merge{_pct(sum(read.values()), full)}")
+    table.add_row("source bytes read / full merge", f"{_human(sum(read.values()))} of "
+                  f"{_human(full)}{_pct(sum(read.values()), full)}")
     table.add_row("base bytes read", f"{_human(read.get('base', 0))}")
     table.add_row("expert bytes read", f"{_human(data['expert_bytes_read'])} of "
                   f"{_human(data['total_expert_bytes'])}"

@@ -21,24 +21,45 @@ trio thread. fsspec and the store's driver (s3fs, aiohttp) are imported only whe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any
 
 import xxhash
 
 from . import format as fmt
-from .checkpoint import (INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_RE, SINGLE_NAME, Checkpoint,
-                         Counters, FileIdentity, ReadRange, TensorLoc, coalesce, slice_runs)
+from .checkpoint import (
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SIDECAR_RE,
+    SINGLE_NAME,
+    Checkpoint,
+    FileIdentity,
+    ReadRange,
+    TensorLoc,
+    coalesce,
+    slice_runs,
+)
 from .errors import SourceChanged, SourceError
+from .stores import (
+    ObjectInfo,
+    RemoteCounters,
+    RemoteDenied,
+    RemoteNotFound,
+    Store,
+    make_store,
+    retrying,
+    run,
+)
+
+__all__ = ["RemoteCheckpoint", "RemoteCounters", "RemoteDenied", "RemoteNotFound",
+           "RemoteOptions", "open_remote", "read_concurrently"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 DEFAULT_GAP_BYTES = 1 << 20
 DEFAULT_CONCURRENCY = 16
@@ -52,7 +73,6 @@ HTTP_EXTRA_NAMES = (
     "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "preprocessor_config.json",
 )
-_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -71,299 +91,13 @@ class RemoteOptions:
     backoff_seconds: float = 0.2
 
 
-class RemoteCounters(Counters):
-    """Counters of a remote source.
-
-    ``bytes_read``/``reads``: bytes received and successful ranged GETs of tensor data (as for
-    local sources); ``gap_bytes``: the part of ``bytes_read`` no requested range asked for;
-    ``requests``: every request sent for this source (HEAD, LIST, GET; retries included);
-    ``retries``: requests re-sent after a transient error.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gap_bytes = 0
-        self.requests = 0
-        self.retries = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes_read = self.reads = self.gap_bytes = self.requests = self.retries = 0
-
-    def bump(self, requests: int = 0, retries: int = 0, gap_bytes: int = 0) -> None:
-        with self._lock:
-            self.requests += requests
-            self.retries += retries
-            self.gap_bytes += gap_bytes
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    size_bytes: int
-    etag: str | None
-    mtime_ns: int
-
-
-class _Transient(Exception):
-    """A failure worth retrying (kept internal; never escapes this module)."""
-
-
-class RemoteNotFound(SourceError):
-    """The store says the object does not exist (404, 410)."""
-
-
-class RemoteDenied(SourceError):
-    """The store refuses access (401, 403)."""
-
-
-def _denied(url: str, status: int | str) -> SourceError:
-    return RemoteDenied(f"{url}: access denied ({status}); check credentials or "
-                        "storage_options")
-
-
-def _not_found(url: str, status: int | str = 404) -> SourceError:
-    return RemoteNotFound(f"{url}: not found ({status})")
-
-
-def _status_error(url: str, status: int, reason: str = "") -> Exception:
-    if status in (401, 403):
-        return _denied(url, status)
-    if status in (404, 410):
-        return _not_found(url, status)
-    if status == 412:
-        return SourceChanged(f"{url}: object replaced since it was opened (412 on If-Match)")
-    if status in _TRANSIENT_STATUS or status >= 500:
-        return _Transient(f"{url}: HTTP {status} {reason}".rstrip())
-    return SourceError(f"{url}: HTTP {status} {reason}".rstrip())
-
-
-def _classify(exc: BaseException, url: str) -> Exception:
-    """Map a driver exception to _Transient or a MergefsError naming the URL."""
-    if isinstance(exc, (SourceError, _Transient)):
-        return exc
-    if isinstance(exc, FileNotFoundError):
-        return _not_found(url)
-    if isinstance(exc, PermissionError):
-        return _denied(url, 403)
-    for e in (exc, exc.__cause__, exc.__context__):
-        resp = getattr(e, "response", None)
-        if isinstance(resp, dict) and "ResponseMetadata" in resp:  # botocore ClientError
-            status = int(resp["ResponseMetadata"].get("HTTPStatusCode") or 0)
-            code = str(resp.get("Error", {}).get("Code", ""))
-            if code in ("PreconditionFailed", "412") or status == 412:
-                return _status_error(url, 412)
-            if status:
-                return _status_error(url, status, code)
-        status = getattr(e, "status", None)  # aiohttp ClientResponseError
-        if isinstance(status, int) and status >= 400:
-            return _status_error(url, status, str(getattr(e, "message", "")))
-    names = {c.__name__ for c in type(exc).__mro__}
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)) or names & {
-        "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError",
-        "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-        "ConnectTimeoutError", "IncompleteReadError",
-    }:
-        return _Transient(f"{url}: {type(exc).__name__}: {exc}")
-    return SourceError(f"{url}: {type(exc).__name__}: {exc}")
-
-
-# -- stores: one fsspec filesystem and how to talk to it ----------------------------------------
-class _Store:
-    """Info, listing, ranged GET and PUT against one fsspec filesystem (coroutines)."""
-
-    writable = True
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-
-    async def info(self, url: str) -> ObjectInfo:
-        self.fs.invalidate_cache(url)  # listings are cached by fsspec: always ask the store
-        if getattr(self.fs, "async_impl", False):
-            d = await self.fs._info(url)
-        else:
-            d = await asyncio.to_thread(self.fs.info, url)
-        if d.get("type") == "directory":
-            raise SourceError(f"{url}: is a directory, expected a file")
-        return _object_info(d)
-
-    async def listing(self, url: str) -> dict[str, ObjectInfo] | None:
-        """Every file under ``url`` (relative name -> info); None if the store cannot list."""
-        self.fs.invalidate_cache(url)
-        if getattr(self.fs, "async_impl", False):
-            found = await self.fs._find(url, detail=True)
-        else:
-            found = await asyncio.to_thread(self.fs.find, url, detail=True)
-        prefix = self.fs._strip_protocol(url).rstrip("/") + "/"
-        return {name[len(prefix):]: _object_info(d) for name, d in found.items()
-                if name.startswith(prefix) and d.get("type", "file") == "file"}
-
-    async def get(self, url: str, start: int, end: int, etag: str | None) -> bytes:
-        if getattr(self.fs, "async_impl", False):
-            return bytes(await self.fs._cat_file(url, start=start, end=end))
-        return bytes(await asyncio.to_thread(self.fs.cat_file, url, start, end))
-
-    async def put(self, url: str, data: bytes) -> None:
-        if getattr(self.fs, "async_impl", False):
-            await self.fs._pipe_file(url, data)
-        else:
-            await asyncio.to_thread(self.fs.pipe_file, url, data)
-
-
-class _S3Store(_Store):
-    async def get(self, url: str, start: int, end: int, etag: str | None) -> bytes:
-        bucket, key, _ = self.fs.split_path(url)
-        kw = {"IfMatch": etag} if etag else {}
-        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
-                                      Range=f"bytes={start}-{end - 1}", **kw)
-        try:
-            return bytes(await resp["Body"].read())
-        finally:
-            resp["Body"].close()
-
-
-class _HttpStore(_Store):
-    """Plain HTTP(S) with Range requests over fsspec's aiohttp session; cannot list or write."""
-
-    writable = False
-
-    def _kwargs(self, extra_headers: Mapping[str, str]) -> dict[str, Any]:
-        kw = dict(self.fs.kwargs)
-        kw["headers"] = {**kw.get("headers", {}), **extra_headers}
-        return kw
-
-    async def info(self, url: str) -> ObjectInfo:
-        session = await self.fs.set_session()
-        kw = self._kwargs({"Accept-Encoding": "identity"})
-        async with session.head(self.fs.encode_url(url), allow_redirects=True, **kw) as r:
-            if r.status == 200 and "Content-Length" in r.headers:
-                return ObjectInfo(int(r.headers["Content-Length"]), r.headers.get("ETag"),
-                                  _http_mtime(r.headers.get("Last-Modified")))
-            if r.status not in (200, 405, 501):
-                raise _status_error(url, r.status, r.reason or "")
-        # No usable HEAD: ask for one byte and read the size from Content-Range.
-        kw = self._kwargs({"Range": "bytes=0-0", "Accept-Encoding": "identity"})
-        async with session.get(self.fs.encode_url(url), **kw) as r:
-            if r.status != 206 or "/" not in r.headers.get("Content-Range", ""):
-                raise _status_error(url, r.status, r.reason or "") if r.status >= 400 else \
-                    SourceError(f"{url}: server reports no size (no Content-Length on HEAD, "
-                                "no Content-Range on a ranged GET)")
-            return ObjectInfo(int(r.headers["Content-Range"].rsplit("/", 1)[1]),
-                              r.headers.get("ETag"), _http_mtime(r.headers.get("Last-Modified")))
-
-    async def listing(self, url: str) -> dict[str, ObjectInfo] | None:
-        return None
-
-    async def get(self, url: str, start: int, end: int, etag: str | None) -> bytes:
-        session = await self.fs.set_session()
-        kw = self._kwargs({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-        async with session.get(self.fs.encode_url(url), **kw) as r:
-            if r.status == 200 and start != 0:
-                # Reading on would download the whole object: refuse instead.
-                raise SourceError(f"{url}: server ignored the Range request (HTTP 200); "
-                                  "mergefs needs Range support to read planned blocks")
-            if r.status not in (200, 206):
-                raise _status_error(url, r.status, r.reason or "")
-            got = r.headers.get("ETag")
-            if etag and got and _strong(got) != _strong(etag):
-                raise SourceChanged(f"{url}: object replaced since it was opened "
-                                    f"(ETag {etag} -> {got})")
-            if r.status == 200:
-                return bytes(await r.content.readexactly(end)) if end else b""
-            return bytes(await r.read())
-
-    async def put(self, url: str, data: bytes) -> None:
-        raise SourceError(f"{url}: HTTP sources are read-only; publish index sidecars where the "
-                          "expert can be written (a local copy, file:// or s3://)")
-
-
-def _strong(etag: str) -> str:
-    return etag[2:] if etag.startswith("W/") else etag
-
-
-def _http_mtime(value: str | None) -> int:
-    if not value:
-        return 0
-    try:
-        return int(parsedate_to_datetime(value).timestamp()) * 1_000_000_000
-    except (TypeError, ValueError):
-        return 0
-
-
-def _object_info(d: Mapping[str, Any]) -> ObjectInfo:
-    etag = d.get("ETag") or d.get("etag")
-    mtime = d.get("LastModified") or d.get("last_modified") or d.get("mtime") or d.get("updated")
-    mtime_ns = 0
-    if hasattr(mtime, "timestamp"):
-        mtime_ns = int(mtime.timestamp() * 1e9)
-    elif isinstance(mtime, (int, float)):
-        mtime_ns = int(mtime * 1e9)
-    return ObjectInfo(int(d.get("size") or 0), str(etag) if etag else None, mtime_ns)
-
-
-def _make_store(url: str, options: RemoteOptions) -> _Store:
-    try:
-        import fsspec
-    except ImportError:
-        raise SourceError(f"{url}: remote sources need fsspec: pip install 'mergefs[remote]'"
-                          ) from None
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        fs = fsspec.filesystem(protocol, **dict(options.storage_options))
-    except ImportError as exc:
-        raise SourceError(f"{url}: {exc} (pip install 'mergefs[remote]')") from None
-    except (TypeError, ValueError) as exc:
-        # Never echo the options themselves: they may hold credentials.
-        raise SourceError(f"{url}: invalid storage_options for {protocol}: "
-                          f"{type(exc).__name__}") from None
-    if protocol in ("http", "https"):
-        return _HttpStore(fs)
-    if protocol in ("s3", "s3a"):
-        return _S3Store(fs)
-    return _Store(fs)
-
-
-def _loop(store: _Store) -> asyncio.AbstractEventLoop:
-    from fsspec.asyn import get_loop
-
-    return store.fs.loop if getattr(store.fs, "async_impl", False) else get_loop()
-
-
-def _run(store: _Store, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    from fsspec.asyn import sync
-
-    return sync(_loop(store), fn, *args)
-
-
-async def _retrying(what: str, options: RemoteOptions, counters: RemoteCounters,
-                    op: Callable[[], Awaitable[T]]) -> T:
-    """Run ``op`` (one request), retrying transient failures with jittered exponential backoff."""
-    for attempt in range(options.retries + 1):
-        counters.bump(requests=1)
-        try:
-            return await op()
-        except BaseException as exc:  # noqa: BLE001 - classified and re-raised below
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
-                raise
-            err = _classify(exc, what)
-            if not isinstance(err, _Transient):
-                raise err from None
-            if attempt == options.retries:
-                raise SourceError(f"{err} (gave up after {attempt + 1} attempts)") from None
-            delay = min(10.0, options.backoff_seconds * 2**attempt) * random.uniform(0.5, 1.5)
-            log.warning("%s; retrying in %.2fs (attempt %d of %d)", err, delay, attempt + 2,
-                        options.retries + 1)
-            counters.bump(retries=1)
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
-
-
 # -- the checkpoint ---------------------------------------------------------------------------
 class RemoteCheckpoint(Checkpoint):
     """A checkpoint whose files are objects behind a URL. ``root`` is the URL (a str)."""
 
     is_remote = True
 
-    def __init__(self, url: str, is_dir: bool, store: _Store, options: RemoteOptions,
+    def __init__(self, url: str, is_dir: bool, store: Store, options: RemoteOptions,
                  files: Sequence[str], tensors: dict[str, TensorLoc],
                  headers: dict[str, fmt.Header], identities: dict[str, FileIdentity],
                  extra_files: Sequence[str], index_json: dict | None) -> None:
@@ -393,7 +127,7 @@ class RemoteCheckpoint(Checkpoint):
         async def infos() -> list[ObjectInfo]:
             return await asyncio.gather(*(self._info(self.path_of(f)) for f in self.files))
 
-        for f, now in zip(self.files, _run(self.store, infos)):
+        for f, now in zip(self.files, run(self.store, infos)):
             was = self.identities[f]
             if now.size_bytes != was.size_bytes or (was.etag and now.etag != was.etag):
                 raise SourceChanged(f"{self.path_of(f)}: object replaced since it was opened "
@@ -401,10 +135,10 @@ class RemoteCheckpoint(Checkpoint):
                                     f"ETag {was.etag} -> {now.etag})")
 
     async def _info(self, url: str) -> ObjectInfo:
-        return await _retrying(url, self.options, self.counters, lambda: self.store.info(url))
+        return await retrying(url, self.options, self.counters, lambda: self.store.info(url))
 
     async def _get(self, url: str, start: int, end: int, etag: str | None) -> bytes:
-        data = await _retrying(url, self.options, self.counters,
+        data = await retrying(url, self.options, self.counters,
                                lambda: self.store.get(url, start, end, etag))
         if len(data) != end - start:
             raise SourceChanged(f"{url}: short read at [{start}, {end}): got {len(data)} bytes; "
@@ -418,7 +152,7 @@ class RemoteCheckpoint(Checkpoint):
             info = await self._info(url)
             return await self._get(url, 0, info.size_bytes, info.etag) if info.size_bytes else b""
 
-        return _run(self.store, whole)
+        return run(self.store, whole)
 
     def copy_extra(self, rel: str, dst: Any) -> None:
         with open(dst, "wb") as fh:
@@ -436,11 +170,11 @@ class RemoteCheckpoint(Checkpoint):
                 return None
             return await self._get(url, 0, info.size_bytes, info.etag)
 
-        return _run(self.store, whole)
+        return run(self.store, whole)
 
     def write_aux(self, name: str, data: bytes) -> str:
         url = self.sibling_url(name)
-        _run(self.store, _retrying, url, self.options, self.counters,
+        run(self.store, retrying, url, self.options, self.counters,
              lambda: self.store.put(url, data))
         return url
 
@@ -460,7 +194,7 @@ class RemoteCheckpoint(Checkpoint):
     def read_ranges(self, ranges: Sequence[ReadRange]) -> list[memoryview]:  # type: ignore[override]
         """Read each range, in order: runs of ranges at most ``gap_bytes`` apart share one GET,
         and runs are fetched concurrently. Returns one view per requested range."""
-        return _run(self.store, self.read_ranges_async, list(ranges))
+        return run(self.store, self.read_ranges_async, list(ranges))
 
     async def read_ranges_async(self, ranges: list[ReadRange]) -> list[memoryview]:
         runs = coalesce(ranges, self.options.gap_bytes)
@@ -484,7 +218,7 @@ class RemoteCheckpoint(Checkpoint):
             self.counters.add(len(data))
             return data
 
-        parts = await asyncio.gather(*(part(a, b) for a, b in zip(edges, edges[1:])))
+        parts = await asyncio.gather(*(part(a, b) for a, b in itertools.pairwise(edges)))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -498,7 +232,7 @@ def read_concurrently(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
         return list(await asyncio.gather(*(
             src.read_ranges_async(list(ranges)) for src, ranges in requests)))  # type: ignore[attr-defined]
 
-    return _run(srcs[0].store, all_of)  # type: ignore[attr-defined]
+    return run(srcs[0].store, all_of)  # type: ignore[attr-defined]
 
 
 # -- opening ----------------------------------------------------------------------------------
@@ -509,19 +243,19 @@ def open_remote(url: str, options: RemoteOptions) -> RemoteCheckpoint:
     if any(name.endswith(s) for s in PICKLE_SUFFIXES):
         raise SourceError(f"{url}: pickle checkpoints are not read (mergefs reads safetensors "
                           "only); convert it with save_pretrained(..., safe_serialization=True)")
-    store = _make_store(url, options)
+    store = make_store(url, options.storage_options)
     t0 = time.monotonic()
-    ckpt = _run(store, _open_async, url, store, options)
+    ckpt = run(store, _open_async, url, store, options)
     log.debug("opened %s: %d files, %d requests, %.2fs", url, len(ckpt.files),
               ckpt.counters.requests, time.monotonic() - t0)
     return ckpt
 
 
-async def _open_async(url: str, store: _Store, options: RemoteOptions) -> RemoteCheckpoint:
+async def _open_async(url: str, store: Store, options: RemoteOptions) -> RemoteCheckpoint:
     counters = RemoteCounters()
 
     async def info(u: str) -> ObjectInfo:
-        return await _retrying(u, options, counters, lambda: store.info(u))
+        return await retrying(u, options, counters, lambda: store.info(u))
 
     denied: list[RemoteDenied] = []
 
@@ -535,7 +269,7 @@ async def _open_async(url: str, store: _Store, options: RemoteOptions) -> Remote
             return None
 
     async def whole(u: str, inf: ObjectInfo) -> bytes:
-        return await _retrying(u, options, counters,
+        return await retrying(u, options, counters,
                                lambda: store.get(u, 0, inf.size_bytes, inf.etag))
 
     index_json: dict | None = None
@@ -545,7 +279,7 @@ async def _open_async(url: str, store: _Store, options: RemoteOptions) -> Remote
         infos = {files[0]: await info(url)}
     else:
         is_dir = True
-        listing = await _retrying(url, options, counters, lambda: store.listing(url))
+        listing = await retrying(url, options, counters, lambda: store.listing(url))
         if listing is None:  # HTTP: probe the names a model directory uses
             idx = await probe(f"{url}/{INDEX_NAME}")
             listing = {INDEX_NAME: idx} if idx is not None else {}
@@ -649,13 +383,13 @@ def _check_weight_map(where: str, weight_map: Mapping[str, str],
         raise SourceError(f"{where}: tensor {unlisted[0]!r} is in a shard but not in weight_map")
 
 
-async def _read_header(url: str, info: ObjectInfo, store: _Store, options: RemoteOptions,
+async def _read_header(url: str, info: ObjectInfo, store: Store, options: RemoteOptions,
                        counters: RemoteCounters) -> tuple[fmt.Header, FileIdentity]:
     """Parse a remote file's header with one GET (two when the header is longer than 64 KiB)."""
     size = info.size_bytes
 
     async def get(a: int, b: int) -> bytes:
-        data = await _retrying(url, options, counters, lambda: store.get(url, a, b, info.etag))
+        data = await retrying(url, options, counters, lambda: store.get(url, a, b, info.etag))
         if len(data) != b - a:
             raise SourceChanged(f"{url}: short read at [{a}, {b}): the object changed")
         return data

@@ -14,12 +14,10 @@ directory:
 Every size, inode number and attribute is fixed when the view is built, without merging
 anything, except the two files under ``.mergefs/``, whose content is snapshotted when opened
 (their size reads as 0: open them with direct I/O). ``read(fh, offset, size)`` maps a byte range
-of a weight file to the header and the merge units it overlaps (block runs from ``Engine.units``;
-one unit per tensor for whole-tensor operators), merges only those through the
-:class:`~mergefs.cache.UnitCache` and returns exactly those bytes. When a handle reads
-sequentially, the next units are merged in the background (bounded, see ``_readahead``); a
-stream that started inside a tensor reads ahead only within that tensor, so reading one tensor
-never reads another tensor's sources.
+of a weight file to the header and the merge units it overlaps and merges only those
+(:class:`~mergefs.units.UnitReader`, through the :class:`~mergefs.cache.UnitCache`), returning
+exactly those bytes; each open handle is a :class:`~mergefs.units.Stream`, so a sequential
+reader gets the next units merged in the background.
 
 Thread use: ``lookup``, ``getattr``, ``readdir``, ``release`` and ``attr`` only touch in-memory
 tables and are safe on the trio thread. ``open`` (snapshots, may read the manifest file) and
@@ -28,7 +26,6 @@ tables and are safe on the trio thread. ``open`` (snapshots, may read the manife
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import logging
@@ -36,16 +33,16 @@ import os
 import stat
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from . import __version__
 from .cache import UnitCache
-from .checkpoint import INDEX_NAME, ReadRange
-from .engine import OutFile, Session
+from .checkpoint import INDEX_NAME
+from .engine import Session
 from .errors import MergefsError, SourceChanged
+from .units import Stream, UnitReader, WeightFile, weight_file
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +51,6 @@ STATE_DIR = ".mergefs"
 STATS_NAME = "stats.json"
 MANIFEST_NAME = "manifest.jsonl"
 STATS_SCHEMA = 1
-PAGE = 4096
-STREAM_SLACK = 1 << 20  # reads this close to a handle's run continue it
 
 Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest"]
 
@@ -73,35 +68,6 @@ class Attr:
     dynamic: bool
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous piece of a weight file: ``[start, end)`` absolute in the file.
-
-    ``tensor`` is None for the header. ``b0, b1`` is the unit's block run (-1, -1 for a tensor
-    passed through from the base, read as needed and not cached). ``tensor_start, tensor_end``
-    bound the whole tensor.
-    """
-
-    start: int
-    end: int
-    tensor: str | None
-    b0: int
-    b1: int
-    tensor_start: int
-    tensor_end: int
-
-    @property
-    def key(self) -> str:
-        return f"unit\x00{self.tensor}\x00{self.b0}\x00{self.b1}"
-
-
-@dataclass(frozen=True)
-class _WeightFile:
-    out: OutFile
-    segments: tuple[Segment, ...]
-    starts: tuple[int, ...]
-
-
 @dataclass
 class _Node:
     inode: int
@@ -112,7 +78,7 @@ class _Node:
     size_bytes: int = 0
     mtime_ns: int = 0
     children: dict[str, int] = field(default_factory=dict)
-    weights: _WeightFile | None = None
+    weights: WeightFile | None = None
     static: bytes | None = None
     source: Path | None = None  # passthrough: the base's file
 
@@ -120,10 +86,8 @@ class _Node:
 @dataclass
 class _Handle:
     node: _Node
-    snapshot: bytes | None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    run_start: int = -1  # where the current sequential run of reads began
-    max_end: int = -1  # furthest byte the run has reached
+    snapshot: bytes | None  # dynamic files: the content when opened
+    stream: Stream = field(default_factory=Stream)
 
 
 class View:
@@ -134,11 +98,9 @@ class View:
         self.session = session
         self.engine = session.engine
         self.cache = cache
-        self.readahead_units = readahead_units
-        self._ra_pending_max = readahead_pending
-        self._ra_pool = ThreadPoolExecutor(max_workers=max(1, readahead_threads),
-                                           thread_name_prefix="mergefs-readahead")
-        self._ra_keys: set[str] = set()
+        self.units = UnitReader(session, cache, readahead_units=readahead_units,
+                                readahead_threads=readahead_threads,
+                                readahead_pending=readahead_pending)
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
         self._fh = itertools.count(1)
@@ -151,8 +113,6 @@ class View:
         self.served_other_bytes = 0
         self.read_calls = 0
         self.passthrough_file_bytes_read = 0
-        self.readahead_scheduled = 0
-        self.readahead_errors = 0
         self.read_errors = 0
         self._nodes: dict[int, _Node] = {}
         self._build()
@@ -176,7 +136,7 @@ class View:
             if f.name in entries:
                 log.warning("base file %s is shadowed by the merged weight file", f.name)
             entries[f.name] = ("weights", {"size_bytes": f.size_bytes, "mtime_ns": weights_mtime,
-                                           "weights": _segments(self, f)})
+                                           "weights": weight_file(self.engine, f)})
         if self.engine.index_json is not None:
             entries[INDEX_NAME] = ("static", {"size_bytes": len(self.engine.index_json),
                                               "mtime_ns": weights_mtime,
@@ -285,8 +245,7 @@ class View:
         try:
             if n.kind == "weights":
                 assert n.weights is not None
-                data = self._read_weights(n.weights, offset, offset + size)
-                self._note_stream(h, n.weights, offset, offset + len(data))
+                data = self.units.read(n.weights, offset, offset + size, h.stream)
             elif n.kind == "passthrough":
                 data = self._read_passthrough(n, offset, size)
             else:
@@ -311,45 +270,6 @@ class View:
             return self.read(fh, offset, (1 << 62) if size is None else size)
         finally:
             self.release(fh)
-
-    def _read_weights(self, wf: _WeightFile, start: int, end: int) -> bytes:
-        end = min(end, wf.out.size_bytes)
-        if start >= end:
-            return b""
-        parts: list[memoryview] = []
-        i = bisect.bisect_right(wf.starts, start) - 1
-        while i < len(wf.segments) and wf.segments[i].start < end:
-            seg = wf.segments[i]
-            lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
-            if seg.tensor is not None and seg.b0 < 0:
-                parts.append(self._passthrough_range(seg.tensor, lo, hi))
-            else:
-                parts.append(memoryview(self._segment_bytes(wf, seg))[lo:hi])
-            i += 1
-        out = b"".join(parts)
-        if len(out) != end - start:  # tiling is checked at build time; never serve a short read
-            raise MergefsError(f"{wf.out.name}: internal error: assembled {len(out)} bytes for "
-                               f"[{start}, {end})")
-        return out
-
-    def _segment_bytes(self, wf: _WeightFile, seg: Segment) -> bytes:
-        """The bytes of a header or merge unit segment (through the cache)."""
-        if seg.tensor is None:
-            return wf.out.header
-        name, b0, b1 = seg.tensor, seg.b0, seg.b1
-        data = self.cache.get(seg.key, lambda: self.engine.merge_unit(name, b0, b1))
-        if len(data) != seg.end - seg.start:
-            raise MergefsError(f"{wf.out.name}: unit {name!r} [{b0}, {b1}) has {len(data)} "
-                               f"bytes, expected {seg.end - seg.start}")
-        return data
-
-    def _passthrough_range(self, name: str, lo: int, hi: int) -> memoryview:
-        """Bytes ``[lo, hi)`` of a tensor that is not merged: the base's, read as needed."""
-        loc = self.session.base.tensors[name]
-        data = self.session.base.read_ranges([ReadRange(loc.file, loc.start + lo,
-                                                        loc.start + hi)])[0]
-        self.session.base.check_unchanged()  # non-float tensors have no index hashes
-        return data
 
     def _read_passthrough(self, n: _Node, offset: int, size: int) -> bytes:
         assert n.source is not None
@@ -380,79 +300,28 @@ class View:
             blob = f.read()
         return blob[:blob.rfind(b"\n") + 1]  # complete lines only
 
-    # -- readahead --------------------------------------------------------------------------
-    def _note_stream(self, h: _Handle, wf: _WeightFile, start: int, end: int) -> None:
-        """Track the handle's run of nearby reads (the kernel's concurrent readahead requests
-        may arrive out of order, hence the slack) and read ahead when it continues."""
-        with h.lock:
-            sequential = (h.max_end >= 0
-                          and h.run_start - STREAM_SLACK <= start <= h.max_end + STREAM_SLACK)
-            if sequential:
-                h.run_start = min(h.run_start, start)
-                h.max_end = max(h.max_end, end)
-            else:
-                h.run_start, h.max_end = start, end
-            run_start = h.run_start
-        if sequential and self.readahead_units > 0 and end < wf.out.size_bytes:
-            self._readahead(wf, end, run_start)
-
-    def _readahead(self, wf: _WeightFile, end: int, run_start: int) -> None:
-        """Merge the next ``readahead_units`` units after ``end`` in the background.
-
-        A run that began inside the current tensor stays within it; a run that already crossed
-        into this tensor from before may continue into the following tensors. At most
-        ``readahead_pending`` units are queued at once (further requests are dropped).
-        """
-        cur = wf.segments[bisect.bisect_right(wf.starts, end - 1) - 1]
-        # page-aligned readers (mmap) touch the page before a tensor: only a run that began in
-        # an earlier page has really crossed into this tensor
-        crossed = run_start < (cur.tensor_start & ~(PAGE - 1))
-        limit = wf.out.size_bytes if crossed else cur.tensor_end
-        i = bisect.bisect_right(wf.starts, end) - 1
-        scheduled = 0
-        while i < len(wf.segments) and scheduled < self.readahead_units:
-            seg = wf.segments[i]
-            i += 1
-            if seg.start >= limit:
-                break
-            if seg.tensor is None or seg.b0 < 0 or seg.end <= end:
-                continue
-            key = seg.key
-            if self.cache.contains(key):
-                continue
-            with self._lock:
-                if key in self._ra_keys or len(self._ra_keys) >= self._ra_pending_max:
-                    continue
-                self._ra_keys.add(key)
-                self.readahead_scheduled += 1
-            scheduled += 1
-            try:
-                self._ra_pool.submit(self._readahead_one, wf, seg)
-            except RuntimeError:  # pool shut down: the view is closing
-                with self._lock:
-                    self._ra_keys.discard(key)
-                return
-
-    def _readahead_one(self, wf: _WeightFile, seg: Segment) -> None:
-        try:
-            self._segment_bytes(wf, seg)
-        except Exception as exc:  # noqa: BLE001 - the reader's own read reports it
-            log.debug("readahead of %s [%d, %d) failed: %s", seg.tensor, seg.b0, seg.b1, exc)
-            with self._lock:
-                self.readahead_errors += 1
-        finally:
-            with self._lock:
-                self._ra_keys.discard(seg.key)
-
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """The content of ``.mergefs/stats.json``: each key has one meaning (docs in README).
+        """The content of ``.mergefs/stats.json``. Byte counters count since the view was built.
 
-        Byte counters count since the view was created. ``physical_bytes_read`` is what
-        ``pread`` returned from each source's weight files (index building excluded);
-        ``passthrough_file_bytes_read`` is what was read from the base's other files;
-        ``served_bytes`` is what ``read`` returned, for weight files and for other files.
-        Paths are only the spec's own (spec file, base and expert paths).
+        - ``served_bytes.weights`` / ``.other``: bytes ``read`` returned from weight files / from
+          every other file (passthrough files, shard index, ``.mergefs/``);
+        - ``physical_bytes_read[source]``: bytes ``pread`` returned from that source's weight
+          files (base, ``expert:i``); ``expert_bytes_read`` is their sum over experts; index
+          building is not counted;
+        - ``passthrough_file_bytes_read``: bytes read from the base's non-weight files;
+        - ``units_merged`` / ``blocks_merged``: merge units produced by the engine / blocks
+          they cover;
+        - ``cache``: :class:`~mergefs.cache.CacheStats` (hits, misses, waits, evictions,
+          bytes cached, merges in flight, disk tier);
+        - ``readahead.units_scheduled``: units queued for background merging; ``units_pending``
+          queued or running now; ``errors``: failed readahead merges (the reader sees the error);
+        - ``read_calls``, ``read_errors`` (reads that raised), ``open_handles``;
+        - plan facts: ``plan_hash``, ``budget_bytes``, ``planned_expert_bytes``,
+          ``total_expert_bytes``; sizes: ``weight_file_bytes`` (the virtual weight files),
+          ``base_tensor_bytes`` (the base's tensors).
+
+        The only paths are the spec's own: the spec file and the base and expert paths.
         """
         s = self.session
         now = s.source_bytes()
@@ -465,9 +334,6 @@ class View:
                 "read_calls": self.read_calls,
                 "read_errors": self.read_errors,
                 "passthrough_file_bytes_read": self.passthrough_file_bytes_read,
-                "readahead": {"units_scheduled": self.readahead_scheduled,
-                              "units_pending": len(self._ra_keys),
-                              "errors": self.readahead_errors},
                 "open_handles": len(self._handles),
             }
         return {
@@ -489,6 +355,7 @@ class View:
             "units_merged": self.engine.units_merged - self._units_base,
             "blocks_merged": self.engine.blocks_merged - self._blocks_base,
             "cache": self.cache.stats().to_json(),
+            "readahead": self.units.stats(),
             "uptime_seconds": round(time.monotonic() - self._started, 3),
             **counters,
         }
@@ -496,30 +363,6 @@ class View:
     def close(self) -> None:
         """Stop background readahead (running merges finish; queued ones are dropped), then
         finish the cache's queued disk writes."""
-        self._ra_pool.shutdown(wait=True, cancel_futures=True)
+        self.units.close()
         self.cache.close()
 
-
-def _segments(view: View, f: OutFile) -> _WeightFile:
-    """The header and every merge unit of an output file, in file order, tiling it exactly."""
-    eng = view.engine
-    segs = [Segment(0, len(f.header), None, -1, -1, 0, len(f.header))]
-    for t in f.tensors:
-        if t.end == t.start:
-            continue
-        if t.layout_index is None:
-            segs.append(Segment(t.start, t.end, t.name, -1, -1, t.start, t.end))
-            continue
-        for b0, b1 in eng.units(t.name):
-            u0, u1 = eng.unit_out_range(t.name, b0, b1)
-            if u1 > u0:
-                segs.append(Segment(t.start + u0, t.start + u1, t.name, b0, b1, t.start, t.end))
-    pos = 0
-    for s in segs:
-        if s.start != pos:
-            raise MergefsError(f"{f.name}: internal error: units do not tile the file at {pos}")
-        pos = s.end
-    if pos != f.size_bytes:
-        raise MergefsError(f"{f.name}: internal error: units end at {pos}, file is "
-                           f"{f.size_bytes} bytes")
-    return _WeightFile(f, tuple(segs), tuple(s.start for s in segs))

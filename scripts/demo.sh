@@ -42,4 +42,6 @@ step "mergefs stats (bytes read vs full, cache)"
 
 step "mergefs umount"
 "$PY" -m mergefs.cli umount "$MNT"
-echo "manifest of everything read: $WORK/spec.manifest.jsonl (verify: mergefs replay)"
+
+step "mergefs replay (re-read every recorded range, re-merge, check every hash)"
+"$PY" -m mergefs.cli replay "$WORK/spec.manifest.jsonl"

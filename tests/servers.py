@@ -2,7 +2,8 @@
 
 - :class:`RangeHTTPServer`: serves a directory over HTTP/1.1 (keep-alive) with ``HEAD``, single
   ``Range: bytes=a-b`` requests, ``ETag``/``Last-Modified`` (optional), and injectable faults
-  (status codes, connection resets) and denials; it records every request it answers.
+  (a status code, or ``"reset"``: half the body then a TCP reset) and denials; it records every
+  request it answers (a reset one with status 0).
 - :class:`CountingMotoServer`: moto's standalone S3 server behind a WSGI middleware that records
   every request and the body bytes it returned, and can deny keys with a real ``AccessDenied``.
 
@@ -18,11 +19,12 @@ import socket
 import struct
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,9 @@ class RangeHTTPServer:
                 path = self.path.split("?", 1)[0]
                 if server.log.denied(path):
                     return self._empty(403, path, method)
-                if not head:
-                    fault = server.log.next_fault(path)
-                    if fault == "reset":  # RST instead of an answer
-                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                                   struct.pack("ii", 1, 0))
-                        self.close_connection = True
-                        server.log.add(Served(method, path, 0))
-                        return None
-                    if fault is not None:
-                        return self._empty(int(fault), path, method)
+                fault = None if head else server.log.next_fault(path)
+                if fault is not None and fault != "reset":
+                    return self._empty(int(fault), path, method)
                 target = (server.root / path.lstrip("/")).resolve()
                 if server.root not in target.parents or not target.is_file():
                     return self._empty(404, path, method)
@@ -143,7 +138,16 @@ class RangeHTTPServer:
                     return None
                 with open(target, "rb") as f:
                     f.seek(start)
-                    self.wfile.write(f.read(end - start))
+                    body = f.read(end - start)
+                if fault == "reset":  # half the body, then a TCP reset
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    server.log.add(Served(method, path, 0))
+                    return None
+                self.wfile.write(body)
                 server.log.add(Served(method, path, status, start, end))
                 return None
 
@@ -179,8 +183,11 @@ class CountingMotoServer:
         self._ready = threading.Event()
 
     def _entry(self) -> None:
-        from moto.moto_server.werkzeug_app import (DomainDispatcherApplication,
-                                                   MotoRequestHandler, create_backend_app)
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
         from werkzeug.serving import make_server
 
         class Quiet(MotoRequestHandler):  # type: ignore[misc]

@@ -1,0 +1,236 @@
+"""Virtual weight files as a header plus merge units: byte ranges -> units -> bytes.
+
+A :class:`WeightFile` tiles one output file (``Engine.out_files``) into segments: the
+synthesized header, then each tensor's merge units in file order (block runs from
+``Engine.units``, one unit per tensor for whole-tensor operators) and the tensors that pass
+through from the base. :class:`UnitReader` serves ``[start, end)`` of such a file: it fetches
+exactly the units that range overlaps through the :class:`~mergefs.cache.UnitCache` (a miss
+merges the unit once, however many readers wait), reads pass-through tensors' bytes from the
+base as needed, and, when a :class:`Stream` continues, merges the next units in the background.
+A stream that began inside a tensor reads ahead only within that tensor, so reading one tensor
+never reads another tensor's sources.
+
+Everything here blocks (merges, disk reads, waits for other threads): worker threads only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cache import UnitCache
+from .checkpoint import ReadRange
+from .engine import Engine, OutFile, Session
+from .errors import MergefsError
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+STREAM_SLACK = 1 << 20  # reads this close to a stream's run continue it
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous piece of a weight file: ``[start, end)`` absolute in the file.
+
+    ``tensor`` is None for the header. ``b0, b1`` is the unit's block run (-1, -1 for a tensor
+    passed through from the base, read as needed and not cached). ``tensor_start, tensor_end``
+    bound the whole tensor.
+    """
+
+    start: int
+    end: int
+    tensor: str | None
+    b0: int
+    b1: int
+    tensor_start: int
+    tensor_end: int
+
+    @property
+    def key(self) -> str:
+        return f"unit\x00{self.tensor}\x00{self.b0}\x00{self.b1}"
+
+    @property
+    def merged(self) -> bool:
+        return self.tensor is not None and self.b0 >= 0
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    out: OutFile
+    segments: tuple[Segment, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return self.out.size_bytes
+
+    def index_at(self, offset: int) -> int:
+        """Index of the segment holding byte ``offset``."""
+        return bisect.bisect_right(self.starts, offset) - 1
+
+
+def weight_file(engine: Engine, f: OutFile) -> WeightFile:
+    """The header and every merge unit of an output file, in file order, tiling it exactly."""
+    segs = [Segment(0, len(f.header), None, -1, -1, 0, len(f.header))]
+    for t in f.tensors:
+        if t.end == t.start:
+            continue
+        if t.layout_index is None:
+            segs.append(Segment(t.start, t.end, t.name, -1, -1, t.start, t.end))
+            continue
+        for b0, b1 in engine.units(t.name):
+            u0, u1 = engine.unit_out_range(t.name, b0, b1)
+            if u1 > u0:
+                segs.append(Segment(t.start + u0, t.start + u1, t.name, b0, b1, t.start, t.end))
+    pos = 0
+    for s in segs:
+        if s.start != pos:
+            raise MergefsError(f"{f.name}: internal error: units do not tile the file at {pos}")
+        pos = s.end
+    if pos != f.size_bytes:
+        raise MergefsError(f"{f.name}: internal error: units end at {pos}, file is "
+                           f"{f.size_bytes} bytes")
+    return WeightFile(f, tuple(segs), tuple(s.start for s in segs))
+
+
+@dataclass
+class Stream:
+    """Where one reader (an open handle) has been reading: its current run of nearby reads."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    run_start: int = -1  # where the current run of reads began
+    max_end: int = -1  # furthest byte the run has reached
+
+    def note(self, start: int, end: int) -> tuple[bool, int]:
+        """Record a read; (whether it continues the run, the run's start). The kernel's
+        concurrent readahead requests may arrive out of order, hence the slack."""
+        with self.lock:
+            continues = (self.max_end >= 0
+                         and self.run_start - STREAM_SLACK <= start <= self.max_end + STREAM_SLACK)
+            if continues:
+                self.run_start = min(self.run_start, start)
+                self.max_end = max(self.max_end, end)
+            else:
+                self.run_start, self.max_end = start, end
+            return continues, self.run_start
+
+
+class UnitReader:
+    """Serves byte ranges of weight files from merge units; reads ahead for streams."""
+
+    def __init__(self, session: Session, cache: UnitCache, *, readahead_units: int = 4,
+                 readahead_threads: int = 2, readahead_pending: int = 16) -> None:
+        self.session = session
+        self.engine = session.engine
+        self.cache = cache
+        self.readahead_units = readahead_units
+        self._pending_max = readahead_pending
+        self._pool = ThreadPoolExecutor(max_workers=max(1, readahead_threads),
+                                        thread_name_prefix="mergefs-readahead")
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self.readahead_scheduled = 0
+        self.readahead_errors = 0
+
+    def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None) -> bytes:
+        """Exactly bytes ``[start, min(end, size))`` of ``wf``."""
+        end = min(end, wf.size_bytes)
+        if start >= end:
+            return b""
+        parts: list[memoryview] = []
+        i = wf.index_at(start)
+        while i < len(wf.segments) and wf.segments[i].start < end:
+            seg = wf.segments[i]
+            lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
+            if seg.tensor is not None and not seg.merged:
+                parts.append(self._passthrough(seg.tensor, lo, hi))
+            else:
+                parts.append(memoryview(self.segment_bytes(wf, seg))[lo:hi])
+            i += 1
+        out = b"".join(parts)
+        if len(out) != end - start:  # tiling is checked at build time; never serve a short read
+            raise MergefsError(f"{wf.out.name}: internal error: assembled {len(out)} bytes for "
+                               f"[{start}, {end})")
+        if stream is not None:
+            continues, run_start = stream.note(start, end)
+            if continues and self.readahead_units > 0 and end < wf.size_bytes:
+                self._readahead(wf, end, run_start)
+        return out
+
+    def segment_bytes(self, wf: WeightFile, seg: Segment) -> bytes:
+        """The bytes of the header or of a merge unit (through the cache)."""
+        if seg.tensor is None:
+            return wf.out.header
+        name, b0, b1 = seg.tensor, seg.b0, seg.b1
+        data = self.cache.get(seg.key, lambda: self.engine.merge_unit(name, b0, b1))
+        if len(data) != seg.end - seg.start:
+            raise MergefsError(f"{wf.out.name}: unit {name!r} [{b0}, {b1}) has {len(data)} "
+                               f"bytes, expected {seg.end - seg.start}")
+        return data
+
+    def _passthrough(self, name: str, lo: int, hi: int) -> memoryview:
+        """Bytes ``[lo, hi)`` of a tensor that is not merged: the base's, read as needed."""
+        base = self.session.base
+        loc = base.tensors[name]
+        data = base.read_ranges([ReadRange(loc.file, loc.start + lo, loc.start + hi)])[0]
+        base.check_unchanged()  # non-float tensors have no index hashes
+        return data
+
+    def _readahead(self, wf: WeightFile, end: int, run_start: int) -> None:
+        """Merge the next ``readahead_units`` units after ``end`` in the background.
+
+        A run that began inside the current tensor stays within it; a run that crossed into
+        this tensor from before may continue into the following tensors. At most
+        ``readahead_pending`` units are queued or running at once (more are not scheduled).
+        """
+        cur = wf.segments[wf.index_at(end - 1)]
+        # page-aligned readers (mmap) touch the page before a tensor: only a run that began in
+        # an earlier page has really crossed into this tensor
+        crossed = run_start < (cur.tensor_start & ~(PAGE - 1))
+        limit = wf.size_bytes if crossed else cur.tensor_end
+        i = wf.index_at(end)
+        scheduled = 0
+        while i < len(wf.segments) and scheduled < self.readahead_units:
+            seg = wf.segments[i]
+            i += 1
+            if seg.start >= limit:
+                break
+            if not seg.merged or seg.end <= end or self.cache.contains(seg.key):
+                continue
+            with self._lock:
+                if seg.key in self._pending or len(self._pending) >= self._pending_max:
+                    continue
+                self._pending.add(seg.key)
+                self.readahead_scheduled += 1
+            scheduled += 1
+            try:
+                self._pool.submit(self._readahead_one, wf, seg)
+            except RuntimeError:  # pool shut down: closing
+                with self._lock:
+                    self._pending.discard(seg.key)
+                return
+
+    def _readahead_one(self, wf: WeightFile, seg: Segment) -> None:
+        try:
+            self.segment_bytes(wf, seg)
+        except Exception as exc:  # noqa: BLE001 - the reader's own read reports it
+            log.debug("readahead of %s [%d, %d) failed: %s", seg.tensor, seg.b0, seg.b1, exc)
+            with self._lock:
+                self.readahead_errors += 1
+        finally:
+            with self._lock:
+                self._pending.discard(seg.key)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"units_scheduled": self.readahead_scheduled,
+                    "units_pending": len(self._pending), "errors": self.readahead_errors}
+
+    def close(self) -> None:
+        """Stop readahead: running merges finish, queued ones are dropped."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
