@@ -21,7 +21,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import MergefsError
-from .spec import Spec, load_spec, parse_budget
+from .spec import Spec, human_bytes, load_spec, parse_budget
 
 log = logging.getLogger("mergefs")
 err_console = Console(stderr=True)
@@ -37,17 +37,6 @@ typical session:
   mergefs replay spec.manifest.jsonl       # re-read and verify every byte
   mergefs mount spec.yaml /mnt/merged      # lazy merged HF directory; from_pretrained works
 """
-
-
-def _human(n: float | int | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @contextmanager
@@ -100,7 +89,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                                      sidecars=not (args.rebuild or args.publish))
     n_zero = int(index.zero.sum())
     print(f"{'built' if built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
-          f"{len(experts)} experts x {index.layout.n_blocks} blocks of ~{_human(spec.block_size)}"
+          f"{len(experts)} experts x {index.layout.n_blocks} blocks of ~{human_bytes(spec.block_size)}"
           f", {n_zero} zero-delta expert blocks")
     if args.publish:
         from .sidecar import publish
@@ -118,11 +107,11 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     pct = (lambda a, b: f"  ({100 * a / b:.1f}%)" if b else "")
-    table.add_row("budget", f"{_human(rep['budget_bytes'])}{pct(rep['budget_bytes'], rep['total_expert_bytes'])}")
-    table.add_row("planned expert reads", f"{_human(rep['planned_expert_bytes'])}"
+    table.add_row("budget", f"{human_bytes(rep['budget_bytes'])}{pct(rep['budget_bytes'], rep['total_expert_bytes'])}")
+    table.add_row("planned expert reads", f"{human_bytes(rep['planned_expert_bytes'])}"
                   f"{pct(rep['planned_expert_bytes'], rep['total_expert_bytes'])}")
-    table.add_row("non-zero expert bytes", _human(rep["nonzero_expert_bytes"]))
-    table.add_row("all expert bytes", _human(rep["total_expert_bytes"]))
+    table.add_row("non-zero expert bytes", human_bytes(rep["nonzero_expert_bytes"]))
+    table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
                   f"  ({rep['blocks_zero']} zero-delta)")
     if rep["bound_tight"] is not None:
@@ -167,8 +156,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         session.close()
     read = totals["physical_bytes_read"]
     print(f"merged into {args.outdir} in {totals['wall_seconds']:.2f}s: read "
-          f"{_human(totals['expert_bytes_read'])} of {_human(totals['total_expert_bytes'])} "
-          f"expert bytes ({_human(read['base'])} base); manifest {manifest.path}")
+          f"{human_bytes(totals['expert_bytes_read'])} of {human_bytes(totals['total_expert_bytes'])} "
+          f"expert bytes ({human_bytes(read['base'])} base); manifest {manifest.path}")
     return 0
 
 

@@ -39,7 +39,7 @@ from .spec import ADDITIVE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
 
-UNIT_ELEMS = 4 << 20  # materialise merges about this many elements per unit (elementwise ops)
+UNIT_ELEMS = 1 << 19  # materialise merges about this many elements per unit (elementwise ops)
 
 
 @dataclass(frozen=True)

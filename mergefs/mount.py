@@ -41,7 +41,7 @@ from .errors import MergefsError
 from .fuse import Operations, mount_options
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
-from .spec import Spec, parse_size
+from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
 
 log = logging.getLogger(__name__)
@@ -181,8 +181,8 @@ def run_mount(args: argparse.Namespace, spec: Spec) -> int:
                   f"umount {cfg.mountpoint}` unmounts)", flush=True)
 
         totals = serve(spec, cfg, ready)
-        print(f"mergefs: unmounted {cfg.mountpoint}: read {_human(totals['expert_bytes_read'])}"
-              f" of {_human(totals['total_expert_bytes'])} expert bytes; manifest "
+        print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
+              f" of {human_bytes(totals['total_expert_bytes'])} expert bytes; manifest "
               f"{spec.manifest}", flush=True)
         return 0
     return _daemonize(spec, cfg)
@@ -397,17 +397,6 @@ def read_stats(mountpoint: str | Path) -> dict[str, Any]:
         raise MergefsError(f"{p}: not valid JSON: {exc}") from None
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return str(x)
-
-
 def _pct(a: float, b: float) -> str:
     return f"  ({100 * a / b:.1f}%)" if b else ""
 
@@ -427,21 +416,21 @@ def run_stats(args: argparse.Namespace) -> int:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     full = data["base_tensor_bytes"] + data["total_expert_bytes"]
-    table.add_row("weight bytes served", f"{_human(data['served_bytes']['weights'])} (weight "
-                  f"files: {_human(data['weight_file_bytes'])})")
-    table.add_row("source bytes read / full merge", f"{_human(sum(read.values()))} of "
-                  f"{_human(full)}{_pct(sum(read.values()), full)}")
-    table.add_row("base bytes read", f"{_human(read.get('base', 0))}")
-    table.add_row("expert bytes read", f"{_human(data['expert_bytes_read'])} of "
-                  f"{_human(data['total_expert_bytes'])}"
+    table.add_row("weight bytes served", f"{human_bytes(data['served_bytes']['weights'])} (weight "
+                  f"files: {human_bytes(data['weight_file_bytes'])})")
+    table.add_row("source bytes read / full merge", f"{human_bytes(sum(read.values()))} of "
+                  f"{human_bytes(full)}{_pct(sum(read.values()), full)}")
+    table.add_row("base bytes read", f"{human_bytes(read.get('base', 0))}")
+    table.add_row("expert bytes read", f"{human_bytes(data['expert_bytes_read'])} of "
+                  f"{human_bytes(data['total_expert_bytes'])}"
                   f"{_pct(data['expert_bytes_read'], data['total_expert_bytes'])}")
     for label, n in sorted(read.items()):
         if label != "base":
-            table.add_row(f"  {label}", _human(n))
-    table.add_row("expert bytes planned (budget)", f"{_human(data['planned_expert_bytes'])} "
-                  f"({_human(data['budget_bytes'])})")
+            table.add_row(f"  {label}", human_bytes(n))
+    table.add_row("expert bytes planned (budget)", f"{human_bytes(data['planned_expert_bytes'])} "
+                  f"({human_bytes(data['budget_bytes'])})")
     table.add_row("units / blocks merged", f"{data['units_merged']} / {data['blocks_merged']}")
-    table.add_row("cache", f"{_human(c['bytes_cached'])} of {_human(c['capacity_bytes'])}, "
+    table.add_row("cache", f"{human_bytes(c['bytes_cached'])} of {human_bytes(c['capacity_bytes'])}, "
                   f"{c['entries']} units")
     table.add_row("cache hits / misses / waits", f"{c['hits']} / {c['misses']} / {c['waits']}")
     table.add_row("cache evictions", str(c["evictions"]))

@@ -100,22 +100,8 @@ def dare_uniform(seed: int, tensor: str, expert: int, start: int, count: int) ->
 
 
 def _topk_mask(absd: np.ndarray, k: int) -> np.ndarray:
-    """Mask of the k largest values, ties broken by lower flat index, in O(n)."""
-    n = absd.size
-    mask = np.zeros(n, dtype=bool)
-    if k <= 0:
-        return mask
-    if k >= n:
-        mask[:] = True
-        return mask
-    kth = np.partition(absd, n - k)[n - k]  # the k-th largest value
-    above = absd > kth
-    mask |= above
-    need = k - int(np.count_nonzero(above))
-    if need > 0:
-        eq = np.flatnonzero(absd == kth)[:need]
-        mask[eq] = True
-    return mask
+    """Mask of the k largest values, ties broken by lower flat index (negation is exact)."""
+    return _smallest_mask(-absd, k)
 
 
 def _rank_range_mask(absd: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -129,7 +115,7 @@ def _rank_range_mask(absd: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _smallest_mask(absd: np.ndarray, k: int) -> np.ndarray:
-    """Mask of the k smallest values, ties broken by lower flat index."""
+    """Mask of the k smallest values, ties broken by lower flat index, in O(n)."""
     n = absd.size
     mask = np.zeros(n, dtype=bool)
     if k <= 0:

@@ -90,6 +90,18 @@ _SIZE_UNITS = {
 }
 
 
+def human_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.50 KiB'`` (binary units); ``None`` -> ``'-'``."""
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return str(x)
+
+
 def parse_size(value: object, what: str = "size") -> int:
     """Parse ``1048576``, ``'1MiB'``, ``'2GB'``, ``'512 KiB'`` into bytes."""
     if isinstance(value, bool):
