@@ -20,6 +20,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,7 +40,9 @@ from .spec import ADDITIVE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
 
-UNIT_ELEMS = 1 << 19  # materialise merges about this many elements per unit (elementwise ops)
+UNIT_ELEMS = 1 << 20  # materialise merges about this many elements per unit (elementwise ops)
+PREFETCH_UNITS = 8  # materialise asks the kernel for this many units' ranges ahead of the workers
+WRITEBACK_BYTES = 64 << 20  # materialise starts writing its output back every this many bytes
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,21 @@ class Engine:
         return [lambda b0=b0, b1=b1: self.merge_unit(name, b0, b1)
                 for b0, b1 in self.units(name, unit_elems)]
 
+    def prefetch(self, name: str, b0: int, b1: int) -> None:
+        """Ask the kernel to start reading a unit's base range and planned expert runs
+        (``POSIX_FADV_WILLNEED``: no wait, no bytes beyond the plan; local sources only)."""
+        lay = self.layout
+        wanted = [(self.base, self._range(self.base, name, int(lay.elem_start[b0]),
+                                          int(lay.elem_end[b1 - 1])))]
+        for src, row in zip(self.experts, self.plan.selected):
+            wanted += [(src, self._range(src, name, int(lay.elem_start[r0]),
+                                         int(lay.elem_end[r1 - 1])))
+                       for r0, r1 in _runs(row, b0, b1)]
+        for src, rng in wanted:
+            if not src.is_remote:
+                os.posix_fadvise(src.fds()[rng.file], rng.start, rng.end - rng.start,
+                                 os.POSIX_FADV_WILLNEED)
+
     # -- materialising ---------------------------------------------------------------------
     def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,
                     threads: int = 2, overwrite: bool = False) -> dict[str, str]:
@@ -287,6 +305,7 @@ class Engine:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dst.with_name(f".{dst.name}.partial")
                 try:
+                    _clear_temp(tmp)
                     self.base.copy_extra(rel, tmp)
                     os.replace(tmp, dst)
                 finally:
@@ -301,10 +320,16 @@ class Engine:
                     hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
         pieces: list[tuple[str, Callable[[], bytes]]] = [
             (t.name, fn) for t in f.tensors for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
+        # The same merge units in the same order, for reading ahead of the workers.
+        ahead = iter([(t.name, b0, b1) for t in f.tensors if t.layout_index is not None
+                      for b0, b1 in self.units(t.name, UNIT_ELEMS)])
+        for unit in islice(ahead, PREFETCH_UNITS):
+            self.prefetch(*unit)
         tmp = out / f".{f.name}.partial"
         hashers: dict[str, Any] = {}
         try:
-            with open(tmp, "wb") as fh:
+            _clear_temp(tmp)
+            with open(tmp, "xb") as fh:
                 fh.write(f.header)
                 window: deque[tuple[str, Future[bytes]]] = deque()
                 it = iter(pieces)
@@ -315,13 +340,22 @@ class Engine:
                         if nxt is None:
                             return
                         window.append((nxt[0], pool.submit(nxt[1])))
+                        for unit in islice(ahead, 1):
+                            self.prefetch(*unit)
 
                 fill()
+                written = synced = 0
                 while window:
                     name, fut = window.popleft()
                     data = fut.result()
                     fill()
                     fh.write(data)
+                    written += len(data)
+                    if written - synced >= WRITEBACK_BYTES:  # start writeback now, not at fsync
+                        fh.flush()
+                        os.posix_fadvise(fh.fileno(), synced, written - synced,
+                                         os.POSIX_FADV_DONTNEED)
+                        synced = written
                     hashers.setdefault(name, xxhash.xxh3_64()).update(data)
                     if on_bytes is not None:
                         on_bytes(len(data))
@@ -372,10 +406,18 @@ def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:
     return [(b0 + int(a), b0 + int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+def _clear_temp(tmp: Path) -> None:
+    """Remove whatever sits at a temporary name (a crash's leftover, or a symlink planted
+    there) without following it. Weight files and the shard index are then created with
+    O_EXCL ("xb"), which never writes through a symlink made in between."""
+    tmp.unlink(missing_ok=True)
+
+
 def _atomic_write(path: Path, chunks: list[bytes]) -> None:
     tmp = path.with_name(f".{path.name}.partial")
     try:
-        with open(tmp, "wb") as fh:
+        _clear_temp(tmp)
+        with open(tmp, "xb") as fh:
             for c in chunks:
                 fh.write(c)
             fh.flush()

@@ -9,10 +9,12 @@ gives the exact norm of any additive combination (bounds relative to the merge u
 exact error of a plan).
 
 The index is stored under ``index_dir`` as a safetensors file keyed by every source's identity,
-so it is reused while sources are unchanged and rebuilt when one changed. Building reads each
-file once, in order, on two worker threads. A remote expert with a matching published sidecar
-(:mod:`mergefs.sidecar`) is not read at all: its statistics come from the sidecar, and the index
-then has only the Gram diagonal (``has_gram`` False). Nothing here runs on the trio thread.
+so it is reused while sources are unchanged and rebuilt when one changed (or when a local
+weight file's status-change time moved: rewritten in place with size and mtime kept). Building
+reads each file once, in order, on two worker threads. A remote expert with a matching published
+sidecar (:mod:`mergefs.sidecar`) is not read at all: its statistics come from the sidecar, and
+the index then has only the Gram diagonal (``has_gram`` False). Nothing here runs on the trio
+thread.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def build_layout(base: Checkpoint, block_size: int) -> BlockLayout:
             itemsize = 1
         row = math.prod(loc.shape[1:]) if len(loc.shape) >= 2 else 1
         rows_per_block = max(1, block_size // max(1, row * max(1, itemsize)))
-        step = rows_per_block * row
+        step = max(1, rows_per_block * row)  # row is 0 for a (n, 0) tensor: one empty block
         names.append(loc.name)
         items.append(max(1, itemsize))
         for s in range(0, max(numel, 1), step):
@@ -349,6 +351,42 @@ def _why_rebuilt(pointer: Path, base: Checkpoint, experts: Sequence[Checkpoint])
     return "the previous index file is missing"
 
 
+def _ctimes(sources: Sequence[Checkpoint]) -> dict[str, int]:
+    """Status-change time of every local weight file. ``utime`` cannot set it back, so a file
+    rewritten in place with its size, header and mtime kept still shows as changed."""
+    out: dict[str, int] = {}
+    for src in sources:
+        if src.is_remote:
+            continue
+        for f in src.files:
+            try:
+                out[str(src.path_of(f))] = os.stat(src.path_of(f)).st_ctime_ns
+            except OSError:
+                pass  # opening it will say what is wrong
+    return out
+
+
+def _ctime_moved(pointer: Path, key: str, ctimes: dict[str, int]) -> str | None:
+    """Why the stored index of ``key`` may be stale although every identity matches, or None.
+
+    No evidence (no pointer, another key, an index written before ctimes were recorded) is
+    not a reason: the identity check stands as before."""
+    try:
+        old = json.loads(pointer.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or old.get("key") != key:
+        return None
+    recorded = old.get("ctime_ns")
+    if not isinstance(recorded, dict):
+        return None
+    for path, now in ctimes.items():
+        if recorded.get(path, now) != now:
+            return (f"{path} was modified since the last index (its status-change time moved "
+                    "while size, mtime and header stayed the same)")
+    return None
+
+
 def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                          on_bytes: Callable[[int], None] | None) -> BlockIndex:
     """Read the base and the experts without a usable sidecar; take the rest from sidecars."""
@@ -402,12 +440,14 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     folder = Path(index_dir)
     path = folder / f"{key}.safetensors"
     pointer = folder / f"family-{_pointer_key(base, experts, block_size)}.json"
-    if path.is_file() and not rebuild:
+    ctimes = _ctimes([base, *experts])  # before reading: a change during the build shows later
+    stale = None if rebuild else _ctime_moved(pointer, key, ctimes)
+    if path.is_file() and not rebuild and stale is None:
         index = _load(path, key, layout)
         if index is not None and index.n_experts == len(experts) and (index.has_gram or sidecars):
             return index, False
     log.info("building block index: %s", "rebuild requested" if rebuild
-             else _why_rebuilt(pointer, base, experts))
+             else stale or _why_rebuilt(pointer, base, experts))
     if sidecars and any(e.is_remote for e in experts):
         index = _build_with_sidecars(base, experts, layout, on_bytes)
     else:
@@ -419,7 +459,8 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                             "gram": "full" if index.has_gram else "diagonal"})
         sources = {str(s.root): s.identity_json() for s in [base, *experts]}
         tmp = pointer.with_name(pointer.name + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "sources": sources}, indent=1))
+        tmp.write_text(json.dumps({"key": key, "sources": sources, "ctime_ns": ctimes},
+                                  indent=1))
         os.replace(tmp, pointer)
     except OSError as exc:
         raise SourceError(f"{folder}: cannot write the index: {exc.strerror}") from None

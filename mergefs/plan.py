@@ -86,11 +86,22 @@ def plan_hash(spec: Spec, index: BlockIndex, selected: np.ndarray) -> str:
         {
             "spec": {k: v for k, v in spec.raw.items() if k != "budget"},
             "index": index.key,
+            # what the blocks hold, not only the files' identities: a source rewritten with its
+            # identity kept gets a new plan hash once re-indexed, so no persistent cache entry
+            # merged from its old bytes is ever served beside units merged from the new ones
+            "content": _content_digest(index),
             "selected": selected_runs(selected),
         },
         sort_keys=True,
     ).encode()
     return xxhash.xxh3_128_hexdigest(blob)
+
+
+def _content_digest(index: BlockIndex) -> str:
+    h = xxhash.xxh3_128()
+    h.update(np.ascontiguousarray(index.base_hash, dtype="<u8").tobytes())
+    h.update(np.ascontiguousarray(index.expert_hash, dtype="<u8").tobytes())
+    return h.hexdigest()
 
 
 def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple[float, float,

@@ -4,6 +4,9 @@ No re-planning and no index: the block layout comes from the base's headers and 
 size, the plan from the recorded selection. Every source range is re-read and its xxh3 compared
 with the recorded one (a changed source fails naming it, before anything is written under its
 final name), and every output unit (and, with ``--out``, every tensor) must reproduce its hash.
+Tensors are cut into the merge units the manifest recorded (a mount's single blocks, or the
+writer's ``materialise`` units), so the recorded reads recur; ``--out`` needs every merged tensor
+recorded in full (a mount's manifest holds only what was read: replay it without ``--out``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class _Checker:
         if kind == "read":
             key = (rec["source"], rec["file"], rec["start"], rec["end"])
             want = self.reads.get(key)
+            if want is None and rec["start"] == rec["end"]:
+                return  # an empty range has nothing to verify (mounts do not record them)
             if want is None:
                 raise ManifestError(f"replay read {key} that the manifest does not record")
             if want != rec["xxh3"]:
@@ -68,6 +73,94 @@ class _Checker:
                 self.checked_tensors += 1
 
 
+class _ReplayEngine(Engine):
+    """An engine that cuts each tensor into the merge units the manifest recorded.
+
+    Units depend on who merged (a mount merges single blocks, ``materialise`` runs of about
+    ``UNIT_ELEMS`` elements, which may differ between versions), and recorded reads and outputs
+    are per unit: only the recorded split reproduces them.
+    """
+
+    def __init__(self, *args: Any, recorded_units: dict[str, list[tuple[int, int]]],
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded_units = recorded_units
+
+    def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
+        return self.recorded_units.get(name) or super().units(name, unit_elems)
+
+
+# field -> type, per record kind (bool is refused where an int is expected)
+_FIELDS: dict[str, dict[str, type]] = {
+    "header": {"spec": dict, "sources": dict, "selected": list, "index_key": str,
+               "plan_hash": str, "budget_bytes": int},
+    "read": {"source": str, "file": str, "tensor": str, "start": int, "end": int, "xxh3": str},
+    "output": {"tensor": str, "b0": int, "b1": int, "xxh3": str},
+    "tensor": {"name": str, "xxh3": str},
+}
+
+
+def _check_fields(path: str | Path, kind: str, rec: dict[str, Any]) -> None:
+    for key, typ in _FIELDS[kind].items():
+        value = rec.get(key)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ManifestError(f"{path}: a {kind!r} record has no valid {key!r} "
+                                f"(expected {typ.__name__})")
+
+
+def _check_runs(path: str | Path, runs: Any, n_blocks: int) -> None:
+    """``selected``: per expert, a list of block runs ``[b0, b1)`` within the layout."""
+    for expert_runs in runs:
+        if not isinstance(expert_runs, list):
+            raise ManifestError(f"{path}: 'selected' must list block runs per expert")
+        for run in expert_runs:
+            if not (isinstance(run, list) and len(run) == 2
+                    and all(isinstance(b, int) and not isinstance(b, bool) for b in run)
+                    and 0 <= run[0] <= run[1] <= n_blocks):
+                raise ManifestError(f"{path}: 'selected' holds {run!r}, not a block run "
+                                    f"within [0, {n_blocks}]")
+
+
+def _recorded_units(path: str | Path, engine: Engine, outputs: list[dict[str, Any]]
+                    ) -> dict[str, list[tuple[int, int]]]:
+    """The distinct recorded units of each tensor, in block order (each checked to be a run of
+    that tensor's blocks)."""
+    units: dict[str, set[tuple[int, int]]] = {}
+    for o in outputs:
+        t = engine.tindex.get(o["tensor"])
+        if t is None:
+            raise ManifestError(f"{path}: output of {o['tensor']!r}, which is not a merged "
+                                "tensor of the base")
+        blocks = engine.layout.blocks_of(t)
+        if not blocks.start <= o["b0"] < o["b1"] <= blocks.stop:
+            raise ManifestError(f"{path}: output of {o['tensor']!r} names blocks "
+                                f"[{o['b0']}, {o['b1']}), outside the tensor's "
+                                f"[{blocks.start}, {blocks.stop})")
+        units.setdefault(o["tensor"], set()).add((o["b0"], o["b1"]))
+    return {name: sorted(u) for name, u in units.items()}
+
+
+def _check_tiling(path: str | Path, engine: Engine,
+                  units: dict[str, list[tuple[int, int]]]) -> None:
+    """With --out every tensor is written, so every merged tensor's recorded units must cover
+    it exactly once (a mount's manifest records only the units that were read)."""
+    for name, t in engine.tindex.items():
+        out = engine.out_tensors[name]
+        if out.end == out.start:
+            continue  # nothing to write; a mount records nothing for it
+        blocks = engine.layout.blocks_of(t)
+        pos = blocks.start
+        for b0, b1 in units.get(name, []):
+            if b0 != pos:
+                break
+            pos = b1
+        if pos != blocks.stop:
+            raise ManifestError(f"{path}: the manifest records only part of the merge "
+                                f"({name!r} is not fully recorded, as when a mount read only "
+                                "some tensors); replay it without --out to verify what it "
+                                "records")
+
+
 @dataclass(frozen=True)
 class ReplayResult:
     reads_verified: int
@@ -81,6 +174,11 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
            overwrite: bool = False) -> ReplayResult:
     contents = read_manifest(manifest_path)
     h = contents.header
+    _check_fields(manifest_path, "header", h)
+    for kind, records in (("read", contents.reads), ("output", contents.outputs),
+                          ("tensor", contents.tensors)):
+        for rec in records:
+            _check_fields(manifest_path, kind, rec)
     spec = parse_spec(dict(h["spec"]), base_dir=Path(manifest_path).resolve().parent,
                       source=f"{manifest_path} (recorded spec)")
     base, experts = open_family(spec)
@@ -88,15 +186,20 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
         recorded = h["sources"]
         labelled = {"base": base, **{f"expert:{i}": e for i, e in enumerate(experts)}}
         for label, c in labelled.items():
-            now = c.identity_json()
-            was = recorded.get(label, {})
-            for f_now, f_was in zip(now["files"], was.get("files", [])):
-                if (f_now["size_bytes"], f_now["header_xxh3"]) != (f_was["size_bytes"],
-                                                                   f_was["header_xxh3"]):
+            now_files = [c.identities[f].to_json() for f in c.files]
+            was = recorded.get(label)
+            was_files = was.get("files") if isinstance(was, dict) else None
+            if not isinstance(was_files, list) or len(was_files) != len(now_files):
+                raise SourceChanged(f"{c.root}: its weight files differ from those the "
+                                    "manifest recorded")
+            for f_now, f_was in zip(now_files, was_files):
+                if not isinstance(f_was, dict) or (f_now["size_bytes"], f_now["header_xxh3"]) \
+                        != (f_was.get("size_bytes"), f_was.get("header_xxh3")):
                     raise SourceChanged(f"{f_now['path']}: changed since the manifest was "
                                         "written (size or header differ)")
         layout = build_layout(base, spec.block_size)
         n = len(experts)
+        _check_runs(manifest_path, h["selected"], layout.n_blocks)
         selected = selected_from_runs(h["selected"], layout.n_blocks)
         if selected.shape[0] != n:
             raise ManifestError(f"{manifest_path}: plan lists {selected.shape[0]} experts, "
@@ -108,13 +211,17 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
         plan = Plan(selected, h["budget_bytes"], 0, 0, 0, int(selected.sum()), selected.size, 0,
                     None, None, None, None, h["plan_hash"])
         checker = _Checker(contents.reads, contents.outputs, contents.tensors, labelled)
-        engine = Engine(spec, base, experts, index, plan, manifest=checker,  # type: ignore[arg-type]
-                        verify_index=False)
+        engine = _ReplayEngine(spec, base, experts, index, plan,
+                               manifest=checker,  # type: ignore[arg-type]
+                               verify_index=False, recorded_units={})
+        units = engine.recorded_units = _recorded_units(manifest_path, engine, contents.outputs)
         if out is not None:
+            _check_tiling(manifest_path, engine, units)
             engine.materialise(out, overwrite=overwrite)
         else:
-            for o in contents.outputs:
-                engine.merge_unit(o["tensor"], o["b0"], o["b1"])
+            for name, name_units in units.items():  # each distinct unit once
+                for b0, b1 in name_units:
+                    engine.merge_unit(name, b0, b1)
         if checker.checked_outputs < len(checker.outputs):
             raise ManifestError(f"{manifest_path}: only {checker.checked_outputs} of "
                                 f"{len(checker.outputs)} recorded outputs were reproduced")

@@ -176,7 +176,12 @@ def parse_budget(value: object) -> Budget:
                 return Budget("bytes", float(parse_size(text, "budget")))
             except ValueError:
                 raise BudgetError(err) from None
-        return parse_budget(as_float if "." in text or "e" in text else int(as_float))
+        if not math.isfinite(as_float):  # "nan", "inf": int() of them would raise ValueError
+            raise BudgetError(err)
+        try:
+            return parse_budget(as_float if "." in text or "e" in text else int(as_float))
+        except BudgetError:
+            raise BudgetError(err) from None  # name the text as given, not the number
     raise BudgetError(err)
 
 

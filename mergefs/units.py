@@ -6,7 +6,8 @@ synthesized header, then each tensor's merge units in file order (block runs fro
 through from the base. :class:`UnitReader` serves ``[start, end)`` of such a file: it fetches
 exactly the units that range overlaps through the :class:`~mergefs.cache.UnitCache` (a miss
 merges the unit once, however many readers wait), reads pass-through tensors' bytes from the
-base as needed, and, when a :class:`Stream` continues, merges the next units in the background.
+base as needed (checked against chunk hashes taken when the reader was built: they have no index
+hashes), and, when a :class:`Stream` continues, merges the next units in the background.
 A stream that began inside a tensor reads ahead only within that tensor, so reading one tensor
 never reads another tensor's sources.
 
@@ -22,15 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .cache import UnitCache
 from .checkpoint import ReadRange
 from .engine import Engine, OutFile, Session
-from .errors import MergefsError
+from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 STREAM_SLACK = 1 << 20  # reads this close to a stream's run continue it
+PASSTHROUGH_CHUNK = 1 << 20  # pass-through tensors are hashed and verified in chunks this big
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,12 @@ class UnitReader:
         self._pending: set[str] = set()
         self.readahead_scheduled = 0
         self.readahead_errors = 0
+        # Pass-through (non-float) tensors have no index hashes: hash them now, when the mount
+        # starts, so that bytes changed later fail their read instead of being served beside
+        # units merged from the old bytes (usually a few small integer buffers).
+        self._passthrough_hashes = {t.name: self._chunk_hashes(t.name)
+                                    for t in self.engine.out_tensors.values()
+                                    if t.layout_index is None and t.end > t.start}
 
     def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None) -> bytes:
         """Exactly bytes ``[start, min(end, size))`` of ``wf``."""
@@ -173,13 +183,29 @@ class UnitReader:
                                f"bytes, expected {seg.end - seg.start}")
         return data
 
-    def _passthrough(self, name: str, lo: int, hi: int) -> memoryview:
-        """Bytes ``[lo, hi)`` of a tensor that is not merged: the base's, read as needed."""
+    def _chunk_hashes(self, name: str) -> list[int]:
         base = self.session.base
         loc = base.tensors[name]
-        data = base.read_ranges([ReadRange(loc.file, loc.start + lo, loc.start + hi)])[0]
-        base.check_unchanged()  # non-float tensors have no index hashes
-        return data
+        return [xxhash.xxh3_64_intdigest(base.read_ranges([ReadRange(
+                    loc.file, loc.start + c0, min(loc.end, loc.start + c0 + PASSTHROUGH_CHUNK))])[0])
+                for c0 in range(0, loc.size_bytes, PASSTHROUGH_CHUNK)]
+
+    def _passthrough(self, name: str, lo: int, hi: int) -> memoryview:
+        """Bytes ``[lo, hi)`` of a tensor that is not merged: the base's, read as needed (whole
+        chunks, each checked against its hash from when the mount started)."""
+        base = self.session.base
+        loc = base.tensors[name]
+        k0, k1 = lo // PASSTHROUGH_CHUNK, (hi - 1) // PASSTHROUGH_CHUNK + 1
+        c0, c1 = k0 * PASSTHROUGH_CHUNK, min(loc.size_bytes, k1 * PASSTHROUGH_CHUNK)
+        data = base.read_ranges([ReadRange(loc.file, loc.start + c0, loc.start + c1)])[0]
+        hashes = self._passthrough_hashes[name]
+        for k in range(k0, k1):
+            a = (k - k0) * PASSTHROUGH_CHUNK
+            if xxhash.xxh3_64_intdigest(data[a:a + PASSTHROUGH_CHUNK]) != hashes[k]:
+                raise SourceChanged(f"{base.path_of(loc.file)}: bytes of {name!r} changed since "
+                                    "the mount started")
+        base.check_unchanged()
+        return data[lo - c0:hi - c0]
 
     def _readahead(self, wf: WeightFile, end: int, run_start: int) -> None:
         """Merge the next ``readahead_units`` units after ``end`` in the background.
@@ -202,6 +228,8 @@ class UnitReader:
                 break
             if not seg.merged or seg.end <= end or self.cache.contains(seg.key):
                 continue
+            if seg.end - seg.start > self.cache.capacity_bytes:
+                continue  # dropped once merged: the reader would merge it again
             with self._lock:
                 if seg.key in self._pending or len(self._pending) >= self._pending_max:
                     continue

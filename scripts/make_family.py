@@ -45,10 +45,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -642,7 +643,7 @@ def finetune_minilm(base: Path, texts: list[str], *, steps: int, batch: int, seq
         for p in model.parameters():
             p.requires_grad_(False)
         for name, mod in model.named_modules():
-            if name.endswith("attention.self.query") or name.endswith("attention.self.value"):
+            if name.endswith(("attention.self.query", "attention.self.value")):
                 a = torch.nn.Parameter(torch.randn(lora_rank, mod.in_features) * 0.01)
                 b = torch.nn.Parameter(torch.zeros(mod.out_features, lora_rank))
                 scale = 16.0 / lora_rank

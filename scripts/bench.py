@@ -1,0 +1,1061 @@
+#!/usr/bin/env python3
+"""mergefs benchmarks (issue 5): one table, JSON + CSV + PNG plots under ``<out>/<timestamp>/``.
+
+Sections (each row says whether its sources were cold or warm in the page cache):
+
+- index     block-index build throughput vs a plain sequential read of the same files (cold)
+- sweep     budget sweep 1..100% for task_arithmetic and ties: expert bytes read (mergefs'
+            counters and the block device's), wall time, tight/loose bounds, measured deviation
+            from the full merge relative to the weights and to the merge update (cold)
+- mergekit  ``mergekit-yaml`` on the same spec (mergefs-only keys stripped into a copy), in its
+            own venv: wall time, device bytes, peak RSS, output agreement with mergefs (cold)
+- load      time to a loaded model: mount + from_pretrained, merge + from_pretrained,
+            mergekit-yaml + from_pretrained (cold)
+- serving   sequential and random reads of the mounted weights (first read merges; then warm in
+            the kernel's page cache, and warm in mergefs' own cache), vs the materialised file
+- memory    peak RSS of the mount process with a cache smaller than the model
+- real      the budget sweep on the real all-MiniLM-L6-v2 family (fine-tuned experts)
+
+Cold runs call ``os.sync()`` and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every source
+file (and on outputs) first; warm runs do not. Every row carries the command that reproduces it.
+
+    python scripts/bench.py --quick --out /tmp/bench      # tiny family, a few minutes
+    python scripts/bench.py                               # full run (~0.5B x 9, MiniLM family)
+
+Timing belongs here, never in unit tests. This script is not imported by mergefs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_family
+
+PY = sys.executable
+MERGEFS = [PY, "-m", "mergefs.cli"]
+BUDGETS = ("1%", "2%", "5%", "10%", "25%", "50%", "full")
+MERGEFS_ONLY_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name", "remote",
+                     "sidecar", "sidecars")
+MERGEKIT_VENV = ROOT / "results" / ".mergekit-venv"
+TORCH_PIN = "torch==2.13.0"
+
+# --------------------------------------------------------------------------------------------
+# rows
+
+
+@dataclass
+class Row:
+    section: str
+    case: str
+    family: str
+    cache: str  # cold | warm | -
+    result: str  # the figure, formatted
+    metrics: dict[str, Any] = field(default_factory=dict)
+    versus: str = ""
+    target: str = ""
+    met: bool | None = None
+    command: str = ""
+    note: str = ""
+
+
+def not_run(section: str, case: str, family: str, why: str, target: str = "") -> Row:
+    return Row(section, case, family, "-", f"not run: {why}", target=target, met=None, note=why)
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def q(cmd: Sequence[str | Path]) -> str:
+    """A shell command line, with this interpreter shown as ``python`` and paths relative to
+    the repository where possible."""
+    parts = []
+    for c in cmd:
+        s = str(c)
+        if s == PY:
+            s = "python"
+        elif s.startswith(str(ROOT) + "/"):
+            s = s[len(str(ROOT)) + 1:]
+        parts.append(shlex.quote(s))
+    line = " ".join(parts)
+    return line.replace("python -m mergefs.cli", "mergefs")
+
+
+# --------------------------------------------------------------------------------------------
+# page cache, devices, processes
+
+
+def weight_files(*dirs: Path) -> list[Path]:
+    out: list[Path] = []
+    for d in dirs:
+        out += sorted(Path(d).glob("*.safetensors"))
+    return out
+
+
+def evict(*paths: Path) -> None:
+    """Drop every file under ``paths`` from the page cache (after writing dirty pages)."""
+    os.sync()
+    for root in paths:
+        root = Path(root)
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for f in files:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def device_of(path: Path) -> str | None:
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    try:
+        with open("/proc/diskstats") as fh:
+            for line in fh:
+                f = line.split()
+                if int(f[0]) == major and int(f[1]) == minor:
+                    return f[2]
+    except OSError:
+        return None
+    return None
+
+
+def device_read_bytes(dev: str | None) -> int | None:
+    """Bytes read from block device ``dev`` so far (all processes: /proc/diskstats)."""
+    if dev is None:
+        return None
+    with open("/proc/diskstats") as fh:
+        for line in fh:
+            f = line.split()
+            if f[2] == dev:
+                return int(f[5]) * 512
+    return None
+
+
+@dataclass
+class Proc:
+    wall: float
+    rc: int
+    out: str
+    err: str
+    maxrss_bytes: int
+    cpu_seconds: float
+
+
+def run(cmd: Sequence[str | Path], *, env: dict[str, str] | None = None, check: bool = True,
+        timeout: float = 3600, cwd: Path | None = None) -> Proc:
+    """Run a command; wall time, exit code, output and its own peak RSS (wait4)."""
+    full_env = {**os.environ, **(env or {})}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        p = subprocess.Popen([str(c) for c in cmd], stdout=fo, stderr=fe, env=full_env,
+                             cwd=cwd)
+        deadline = t0 + timeout
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                p.kill()
+                pid, status, ru = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.005)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")
+    res = Proc(wall, p.returncode, out, err, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime)
+    if check and res.rc != 0:
+        raise RuntimeError(f"command failed ({res.rc}): {q(cmd)}\n{err[-3000:]}")
+    return res
+
+
+def run_py(code: str, *, check: bool = True, timeout: float = 3600) -> tuple[dict[str, Any], Proc]:
+    """Run a Python snippet in a fresh interpreter; it prints one JSON object last."""
+    res = run([PY, "-c", textwrap.dedent(code)], check=check, timeout=timeout,
+              env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"})
+    lines = [ln for ln in res.out.splitlines() if ln.startswith("{")]
+    return (json.loads(lines[-1]) if lines else {}), res
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "kernel": platform.release(),
+                            "cpus": os.cpu_count()}
+    info["cpu"] = _first_field("/proc/cpuinfo", "model name", lambda v: v)
+    info["ram_gib"] = _first_field("/proc/meminfo", "MemTotal",
+                                   lambda v: round(int(v.split()[0]) / 2**20, 1))
+    for mod in ("numpy", "torch", "transformers", "safetensors", "mergefs"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001, S112 - informative only
+            continue
+    return info
+
+
+def _first_field(path: str, key: str, conv: Callable[[str], Any]) -> Any:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(key):
+                    return conv(line.split(":", 1)[1].strip())
+    except OSError:
+        return None
+    return None
+
+
+def load_now() -> dict[str, Any]:
+    out: dict[str, Any] = {"loadavg": os.getloadavg()}
+    try:
+        with open("/proc/pressure/cpu") as fh:
+            out["cpu_pressure"] = fh.readline().strip()
+    except OSError:
+        out["cpu_pressure"] = None
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors reading for comparisons (no mergefs import: an independent reader)
+
+
+def tensor_map(model_dir: Path) -> dict[str, tuple[Path, int, int, str]]:
+    out = {}
+    for f in weight_files(model_dir):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        for name, v in header.items():
+            if name == "__metadata__":
+                continue
+            s, e = v["data_offsets"]
+            out[name] = (f, 8 + n + s, 8 + n + e, v["dtype"])
+    return out
+
+
+def read_f32(loc: tuple[Path, int, int, str]) -> np.ndarray | None:
+    f, s, e, dtype = loc
+    with open(f, "rb") as fh:
+        fh.seek(s)
+        raw = fh.read(e - s)
+    if dtype == "BF16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if dtype == "F16":
+        return np.frombuffer(raw, "<f2").astype(np.float32)
+    if dtype == "F32":
+        return np.frombuffer(raw, "<f4")
+    return None  # integer tensors are not merged
+
+
+def deviation(budget_dir: Path, full_dir: Path, base_dir: Path) -> dict[str, float]:
+    """||M_B - M_full||, ||M_full||, ||M_full - W0|| (float64 sums over all float tensors)."""
+    mb, mf, w0 = tensor_map(budget_dir), tensor_map(full_dir), tensor_map(base_dir)
+    err = full = upd = 0.0
+    for name, loc in mf.items():
+        f = read_f32(loc)
+        if f is None:
+            continue
+        b = read_f32(mb[name])
+        z = read_f32(w0[name])
+        f64 = f.astype(np.float64)
+        err += float(np.sum((b.astype(np.float64) - f64) ** 2))
+        full += float(np.sum(f64 * f64))
+        upd += float(np.sum((f64 - z.astype(np.float64)) ** 2))
+    return {"err_norm": math.sqrt(err), "full_norm": math.sqrt(full),
+            "update_norm_out": math.sqrt(upd),
+            "rel_weights": math.sqrt(err / full) if full else float("nan"),
+            "rel_update": math.sqrt(err / upd) if upd else float("nan")}
+
+
+def agreement(a_dir: Path, b_dir: Path) -> dict[str, Any]:
+    """Max abs difference and max difference in units in the last place of two outputs."""
+    ma, mb = tensor_map(a_dir), tensor_map(b_dir)
+    max_abs = 0.0
+    max_ulp = 0
+    differing = total = 0
+    missing = sorted(set(ma) ^ set(mb))
+    for name in sorted(set(ma) & set(mb)):
+        a, b = read_f32(ma[name]), read_f32(mb[name])
+        if a is None or b is None:
+            continue
+        total += a.size
+        d = a != b
+        if not d.any():
+            continue
+        differing += int(d.sum())
+        max_abs = max(max_abs, float(np.max(np.abs(a[d].astype(np.float64) - b[d]))))
+        if ma[name][3] == mb[name][3] == "BF16":
+            ua = (a.view(np.int32) >> 16).astype(np.int64)
+            ub = (b.view(np.int32) >> 16).astype(np.int64)
+            max_ulp = max(max_ulp, int(np.max(np.abs(ua - ub))))
+    return {"max_abs_diff": max_abs, "max_bf16_ulps": max_ulp, "elements_differing": differing,
+            "elements": total, "tensor_names_only_in_one": missing}
+
+
+# --------------------------------------------------------------------------------------------
+# the bench
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = args.quick
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out = Path(args.out).resolve() / stamp
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = self.out / "work"
+        self.work.mkdir()
+        self.rows: list[Row] = []
+        self.raw: dict[str, Any] = {"machine": machine_info(), "args": vars(args).copy(),
+                                    "load_start": load_now(), "sweeps": {}}
+        self.raw["args"]["out"] = str(args.out)
+        self.repeats = args.repeats if args.repeats else (1 if self.quick else 3)
+        self.mount_ok: bool | None = None
+        self.full_outputs: dict[str, Path] = {}
+        self.sweep_results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        self.log(f"{row.section} | {row.case} | {row.cache} | {row.result}"
+                 + (f" | target {row.target}: {'met' if row.met else 'MISSED'}"
+                    if row.met is not None else ""))
+
+    # -- families ----------------------------------------------------------------------------
+    def synthetic_family(self) -> Path:
+        if self.quick:
+            root = self.out / "families" / "tiny"
+            make_family.make_synthetic(root, params=5_000_000, layers=4, n_experts=8,
+                                       vocab=4096, seed=0, log=self.log)
+            return root
+        root = Path(self.args.families).resolve() / "synthetic"
+        info_path = root / "family.json"
+        want = make_family.solve_shape(self.args.params, self.args.layers, 32000).params()
+        if info_path.is_file():
+            info = json.loads(info_path.read_text())
+            if info.get("params_per_model") == want and \
+                    len(info.get("experts", [])) == self.args.experts:
+                self.log(f"reusing {root}")
+                return root
+        make_family.make_synthetic(root, params=self.args.params, layers=self.args.layers,
+                                   n_experts=self.args.experts, seed=0, log=self.log)
+        return root
+
+    def real_family(self) -> Path:
+        root = (self.out / "families" / "minilm") if self.quick else \
+            Path(self.args.families).resolve() / "minilm"
+        if (root / "family.json").is_file() and not self.quick:
+            self.log(f"reusing {root}")
+            return root
+        steps = 3 if self.quick else self.args.real_steps
+        make_family.make_minilm(root, n_experts=4, steps=steps, log=self.log)
+        return root
+
+    @staticmethod
+    def family_dirs(root: Path) -> tuple[Path, list[Path]]:
+        info = json.loads((root / "family.json").read_text())
+        return root / info["base"], [root / e for e in info["experts"]]
+
+    # -- index -----------------------------------------------------------------------------
+    def section_index(self, fam: Path, label: str) -> None:
+        base, experts = self.family_dirs(fam)
+        files = weight_files(base, *experts)
+        total = sum(f.stat().st_size for f in files)
+        plain, build = [], []
+        plain_code = f"""
+            import os, time, json
+            files = {[str(f) for f in files]!r}
+            buf = bytearray(16 << 20)
+            t = time.perf_counter(); n = 0
+            for f in files:
+                fd = os.open(f, os.O_RDONLY)
+                off = 0
+                while True:
+                    k = os.preadv(fd, [buf], off)
+                    if not k: break
+                    off += k; n += k
+                os.close(fd)
+            print(json.dumps({{"seconds": time.perf_counter() - t, "bytes": n}}))
+        """
+        build_code = f"""
+            import time, json
+            from mergefs.spec import load_spec
+            from mergefs.engine import open_family
+            from mergefs.index import build_layout, build_index
+            spec = load_spec({str(fam / 'spec.yaml')!r})
+            base, experts = open_family(spec)
+            layout = build_layout(base, spec.block_size)
+            t = time.perf_counter()
+            build_index(base, experts, layout)
+            s = time.perf_counter() - t
+            n = sum(c.counters.bytes_read for c in [base, *experts])
+            print(json.dumps({{"seconds": s, "bytes": n}}))
+        """
+        for _ in range(self.repeats):
+            evict(fam)
+            r, _ = run_py(plain_code)
+            plain.append(r["seconds"])
+            evict(fam)
+            r, _p = run_py(build_code)
+            build.append(r["seconds"])
+        tp = gbps(total, statistics.median(plain))
+        tb = gbps(total, statistics.median(build))
+        ratio = tb / tp
+        cmd_plain = f"cat {q([base])}/*.safetensors ... > /dev/null  (16 MiB preads, one thread)"
+        self.add(Row("index", "plain sequential read", label, "cold", f"{tp:.2f} GB/s",
+                     {"bytes": total, "seconds": plain, "gbps": tp}, command=cmd_plain))
+        self.add(Row("index", "index build (2 threads)", label, "cold", f"{tb:.2f} GB/s",
+                     {"bytes": total, "seconds": build, "gbps": tb, "ratio_to_plain": ratio},
+                     versus=f"{ratio:.0%} of plain read", target=">= 80% of plain read",
+                     met=ratio >= 0.8,
+                     command=q(MERGEFS + ["index", fam / "spec.yaml", "--rebuild"])))
+        run(MERGEFS + ["index", fam / "spec.yaml"])  # leave a valid index for the sweeps
+
+    # -- sweep -----------------------------------------------------------------------------
+    def merge_once(self, spec: Path, outdir: Path, budget: str, cold: bool, fam: Path
+                   ) -> dict[str, Any]:
+        if outdir.exists():
+            shutil.rmtree(outdir)
+        manifest = self.work / f"{outdir.name}.manifest.jsonl"
+        dev = device_of(fam)
+        if cold:
+            evict(fam)
+        d0 = device_read_bytes(dev)
+        cmd = MERGEFS + ["merge", spec, outdir, "--budget", budget, "--manifest", manifest]
+        p = run(cmd)
+        d1 = device_read_bytes(dev)
+        totals = {}
+        for line in manifest.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("type") == "totals":
+                totals = rec
+        return {"wall": p.wall, "cpu": p.cpu_seconds, "maxrss": p.maxrss_bytes,
+                "device_bytes": (d1 - d0) if d0 is not None and d1 is not None else None,
+                "totals": totals, "command": q(cmd)}
+
+    def section_sweep(self, fam: Path, label: str, methods: Sequence[tuple[str, str]],
+                      section: str = "sweep") -> None:
+        base, _ = self.family_dirs(fam)
+        for method, spec_name in methods:
+            spec = fam / spec_name
+            results = []
+            full_dir = self.work / f"{label}-{method}-full"
+            budgets = BUDGETS if not (self.quick and method != "task_arithmetic") \
+                else ("10%", "full")
+            order = ["full"] + [b for b in budgets if b != "full"]
+            by_budget: dict[str, dict[str, Any]] = {}
+            for budget in order:
+                reps = self.repeats if (method == "task_arithmetic" and budget in ("10%", "full")) \
+                    else 1
+                outdir = full_dir if budget == "full" else self.work / f"{label}-{method}-b"
+                runs = [self.merge_once(spec, outdir, budget, True, fam) for _ in range(reps)]
+                r = runs[-1]
+                r["walls"] = [x["wall"] for x in runs]
+                r["wall"] = statistics.median(r["walls"])
+                if budget != "full":
+                    r["deviation"] = deviation(outdir, full_dir, base)
+                    shutil.rmtree(outdir)
+                else:
+                    r["deviation"] = {"err_norm": 0.0, "rel_weights": 0.0, "rel_update": 0.0}
+                r["budget"] = budget
+                by_budget[budget] = r
+            self.full_outputs[f"{label}:{method}"] = full_dir
+            full_wall = by_budget["full"]["wall"]
+            full_read = by_budget["full"]["totals"].get("expert_bytes_read", 0)
+            for budget in budgets:
+                r = by_budget[budget]
+                t = r["totals"]
+                read = t.get("expert_bytes_read", 0)
+                total = t.get("total_expert_bytes", 0)
+                dev = r["deviation"]
+                speedup = full_wall / r["wall"] if r["wall"] else float("nan")
+                result = (f"{r['wall']:.2f} s, experts read {fmt_bytes(read)} "
+                          f"({100 * read / total:.1f}% of all)" if total else f"{r['wall']:.2f} s")
+                met = None
+                target = ""
+                if budget == "10%" and method == "task_arithmetic" and section == "sweep":
+                    ok_bytes = read <= 0.10 * total
+                    ok_time = speedup >= 5
+                    ok_dev = dev["rel_weights"] <= 1e-3
+                    met = ok_bytes and ok_time and ok_dev
+                    target = ("bytes <= 10%: " + ("yes" if ok_bytes else "NO")
+                              + f"; >= 5x faster than full: {'yes' if ok_time else 'NO'}"
+                              + f"; dev/|W| <= 1e-3: {'yes' if ok_dev else 'NO'}")
+                bound = t.get("bound_tight")
+                versus = (f"{speedup:.2f}x vs full; dev/|W| {dev['rel_weights']:.2e}, "
+                          f"dev/|update| {dev['rel_update']:.1%}")
+                if bound is not None and t.get("update_norm"):
+                    versus += f"; tight bound/|update| {bound / t['update_norm']:.1%}"
+                self.add(Row(section, f"{method} budget {budget}", label, "cold", result,
+                             {"wall": r["wall"], "walls": r["walls"], "cpu": r["cpu"],
+                              "expert_bytes_read": read, "total_expert_bytes": total,
+                              "base_bytes_read": t.get("physical_bytes_read", {}).get("base"),
+                              "device_bytes_read": r["device_bytes"],
+                              "planned_expert_bytes": t.get("expert_bytes_planned"),
+                              "bound_tight": bound, "bound_loose": t.get("bound_loose"),
+                              "error_exact_index": t.get("error_exact"),
+                              "update_norm_index": t.get("update_norm"),
+                              "speedup_vs_full": speedup, "maxrss": r["maxrss"], **dev},
+                             versus=versus, target=target, met=met, command=r["command"]))
+                results.append({"budget": budget, "read": read, "total": total,
+                                "full_read": full_read, "wall": r["wall"], **dev,
+                                "bound_tight": bound, "bound_loose": t.get("bound_loose"),
+                                "error_exact": t.get("error_exact")})
+            self.sweep_results[(label, method)] = results
+            self.raw["sweeps"][f"{label}:{method}"] = results
+        # one warm pair for reference: the same merges with the sources in the page cache
+        if section == "sweep":
+            spec = fam / methods[0][1]
+            for budget in ("10%", "full"):
+                outdir = self.work / f"{label}-warm"
+                self.merge_once(spec, outdir, budget, False, fam)  # fill the page cache
+                r = self.merge_once(spec, outdir, budget, False, fam)
+                shutil.rmtree(outdir)
+                t = r["totals"]
+                self.add(Row(section, f"{methods[0][0]} budget {budget}", label, "warm",
+                             f"{r['wall']:.2f} s, experts read "
+                             f"{fmt_bytes(t.get('expert_bytes_read'))}",
+                             {"wall": r["wall"], "cpu": r["cpu"]}, command=r["command"]))
+
+    # -- mergekit --------------------------------------------------------------------------
+    def mergekit_bin(self) -> Path | None:
+        exe = MERGEKIT_VENV / "bin" / "mergekit-yaml"
+        if exe.exists():
+            return exe
+        self.log(f"installing mergekit into {MERGEKIT_VENV} (pip install mergekit {TORCH_PIN})")
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(MERGEKIT_VENV)], check=True)
+            subprocess.run([str(MERGEKIT_VENV / "bin" / "pip"), "install", "-q", "mergekit",
+                            TORCH_PIN], check=True)
+        except subprocess.CalledProcessError as exc:
+            self.log(f"mergekit install failed: {exc}")
+            return None
+        return exe if exe.exists() else None
+
+    def mergekit_spec(self, spec: Path) -> Path:
+        doc = yaml.safe_load(spec.read_text())
+        for k in MERGEFS_ONLY_KEYS:
+            doc.pop(k, None)
+        out = spec.with_name(spec.stem + ".mergekit.yaml")
+        out.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return out
+
+    def mergekit_cmd(self, exe: Path, spec: Path, out: Path) -> list[str | Path]:
+        return [exe, self.mergekit_spec(spec), out, "--lazy-unpickle", "--no-copy-tokenizer",
+                "--quiet"]
+
+    def section_mergekit(self, fam: Path, label: str) -> None:
+        exe = self.mergekit_bin() if (self.args.mergekit or not self.quick) else None
+        if exe is None:
+            why = "mergekit skipped (--quick)" if self.quick and not self.args.mergekit \
+                else "mergekit not installable"
+            self.add(not_run("mergekit", "mergekit-yaml task_arithmetic full", label, why,
+                             "mergefs full <= 0.5x mergekit wall"))
+            return
+        spec = fam / "spec.yaml"
+        out = self.work / f"{label}-mergekit"
+        dev = device_of(fam)
+        walls = []
+        for _ in range(1 if self.quick else max(1, self.repeats - 1)):
+            if out.exists():
+                shutil.rmtree(out)
+            evict(fam)
+            d0 = device_read_bytes(dev)
+            cmd = self.mergekit_cmd(exe, spec, out)
+            p = run(cmd)
+            d1 = device_read_bytes(dev)
+            walls.append(p.wall)
+        wall = statistics.median(walls)
+        dev_bytes = (d1 - d0) if d0 is not None and d1 is not None else None
+        agree = agreement(out, self.full_outputs[f"{label}:task_arithmetic"])
+        self.raw["mergekit"] = {"walls": walls, "device_bytes": dev_bytes, "agreement": agree,
+                                "maxrss": p.maxrss_bytes}
+        ta = {r.case: r for r in self.rows if r.section == "sweep" and r.family == label}
+        full = ta["task_arithmetic budget full"].metrics
+        b10 = ta["task_arithmetic budget 10%"].metrics
+        self.add(Row("mergekit", "mergekit-yaml task_arithmetic (reads everything)", label,
+                     "cold", f"{wall:.2f} s, device read {fmt_bytes(dev_bytes)}",
+                     {"wall": wall, "walls": walls, "device_bytes_read": dev_bytes,
+                      "maxrss": p.maxrss_bytes, "cpu": p.cpu_seconds},
+                     versus=f"peak RSS {fmt_bytes(p.maxrss_bytes)}", command=q(cmd)))
+        ratio = full["wall"] / wall
+        self.add(Row("mergekit", "mergefs merge full vs mergekit", label, "cold",
+                     f"{full['wall']:.2f} s vs {wall:.2f} s",
+                     {"ratio": ratio, "mergefs_device_bytes": full["device_bytes_read"],
+                      "mergekit_device_bytes": dev_bytes},
+                     versus=f"{ratio:.2f}x mergekit's wall time; mergefs read "
+                            f"{fmt_bytes(full['device_bytes_read'])} from disk",
+                     target="<= 0.5x", met=ratio <= 0.5,
+                     command=ta["task_arithmetic budget full"].command))
+        self.add(Row("mergekit", "mergefs merge 10% vs mergekit", label, "cold",
+                     f"{b10['wall']:.2f} s vs {wall:.2f} s",
+                     {"ratio": b10["wall"] / wall, "mergefs_device_bytes": b10["device_bytes_read"]},
+                     versus=f"{wall / b10['wall']:.1f}x faster; read "
+                            f"{fmt_bytes(b10['device_bytes_read'])} from disk",
+                     command=ta["task_arithmetic budget 10%"].command))
+        ok = agree["max_bf16_ulps"] <= 1 and not agree["tensor_names_only_in_one"]
+        self.add(Row("mergekit", "output agreement, full merges", label, "-",
+                     f"max |diff| {agree['max_abs_diff']:.3g}, max {agree['max_bf16_ulps']} "
+                     f"bf16 ulp, {agree['elements_differing']} of {agree['elements']} differ",
+                     agree, target="within the output dtype's rounding (<= 1 ulp)", met=ok,
+                     note="mergekit computes deltas in its own order/dtype; mergefs follows "
+                          "docs/operators.md"))
+        shutil.rmtree(out, ignore_errors=True)
+
+    # -- mount helpers -----------------------------------------------------------------------
+    def mount_available(self) -> bool:
+        if self.mount_ok is None:
+            p = run(MERGEFS + ["mount", "--help"], check=False)
+            self.mount_ok = p.rc == 0 and os.path.exists("/dev/fuse") and \
+                shutil.which("fusermount3") is not None
+            if not self.mount_ok:
+                self.log("mount not available: " + (p.err.strip()[-200:] or "no /dev/fuse"))
+        return self.mount_ok
+
+    def mount(self, spec: Path, mnt: Path, cache: str, budget: str = "full") -> dict[str, Any]:
+        mnt.mkdir(parents=True, exist_ok=True)
+        run(MERGEFS + ["mount", spec, mnt, "--cache-size", cache, "--budget", budget])
+        return self.stats(mnt)
+
+    def stats(self, mnt: Path) -> dict[str, Any]:
+        return json.loads(run(MERGEFS + ["stats", mnt, "--json"]).out)
+
+    def umount(self, mnt: Path) -> None:
+        p = run(MERGEFS + ["umount", mnt], check=False)
+        if p.rc != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+
+    # -- time to a loaded model ---------------------------------------------------------------
+    LOAD_CODE = """
+        import json, os, subprocess, sys, time
+        import torch
+        from transformers import AutoModelForCausalLM
+        cmds = json.loads(sys.argv[1]); target = sys.argv[2]
+        t0 = time.perf_counter()
+        for c in cmds:
+            subprocess.run(c, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t1 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            check = float(sum(p.double().sum() for p in model.parameters()))
+        print(json.dumps({"prepare": t1 - t0, "load": t2 - t1, "total": t2 - t0,
+                          "checksum": check}))
+    """
+
+    def timed_load(self, cmds: list[list[str]], target: Path) -> dict[str, Any]:
+        res = run([PY, "-c", textwrap.dedent(self.LOAD_CODE), json.dumps(cmds), str(target)],
+                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        return json.loads([ln for ln in res.out.splitlines() if ln.startswith("{")][-1])
+
+    def section_load(self, fam: Path, label: str, model_bytes: int) -> None:
+        spec = fam / "spec.yaml"
+        mnt = self.work / "mnt-load"
+        results: dict[str, dict[str, Any]] = {}
+        variants: list[tuple[str, list[list[str]], Path, Callable[[], None]]] = []
+        out_merge = self.work / f"{label}-load-merge"
+        cache = str(max(64 << 20, int(model_bytes * 1.25)))
+        for budget in ("full",) if self.quick else ("full", "10%"):
+            if self.mount_available():
+                mnt_b = Path(f"{mnt}-{budget.strip('%')}")
+                mnt_b.mkdir(parents=True, exist_ok=True)
+                variants.append((f"mergefs mount ({budget}) + from_pretrained",
+                                 [[str(c) for c in MERGEFS + ["mount", spec, mnt_b,
+                                                              "--cache-size", cache,
+                                                              "--budget", budget]]],
+                                 mnt_b, lambda m=mnt_b: self.umount(m)))
+            variants.append((f"mergefs merge ({budget}) + from_pretrained",
+                             [[str(c) for c in MERGEFS + ["merge", spec, out_merge, "--budget",
+                                                          budget, "--force"]]],
+                             out_merge, lambda: shutil.rmtree(out_merge, ignore_errors=True)))
+        exe = self.mergekit_bin() if (self.args.mergekit or not self.quick) else None
+        out_mk = self.work / f"{label}-load-mergekit"
+        if exe is not None:
+            variants.append(("mergekit-yaml + from_pretrained",
+                             [[str(c) for c in self.mergekit_cmd(exe, spec, out_mk)]], out_mk,
+                             lambda: shutil.rmtree(out_mk, ignore_errors=True)))
+        for name, cmds, target, cleanup in variants:
+            times = []
+            for _ in range(1):
+                cleanup()
+                evict(fam)
+                try:
+                    times.append(self.timed_load(cmds, target))
+                finally:
+                    cleanup()
+            best = sorted(times, key=lambda r: r["total"])[len(times) // 2]
+            best["totals"] = [t["total"] for t in times]
+            results[name] = best
+            self.add(Row("load", name, label, "cold",
+                         f"{best['total']:.2f} s (prepare {best['prepare']:.2f} s + "
+                         f"from_pretrained {best['load']:.2f} s)", best,
+                         command=" && ".join(q(c) for c in cmds)
+                         + " && python -c 'AutoModelForCausalLM.from_pretrained(...)'"))
+        self.raw["load"] = results
+        mk = results.get("mergekit-yaml + from_pretrained")
+        mount_full = results.get("mergefs mount (full) + from_pretrained")
+        merge_full = results.get("mergefs merge (full) + from_pretrained")
+        if mount_full and merge_full:
+            same = mount_full["checksum"] == merge_full["checksum"]
+            self.add(Row("load", "mount vs merge: same weights loaded", label, "-",
+                         "identical checksum" if same else "CHECKSUMS DIFFER",
+                         {"mount": mount_full["checksum"], "merge": merge_full["checksum"]},
+                         target="bit-identical", met=same))
+        if mk is None:
+            self.add(not_run("load", "mount + from_pretrained vs mergekit", label,
+                             "mergekit skipped (--quick)" if self.quick else "mergekit missing",
+                             ">= 2x faster"))
+        elif mount_full is None:
+            self.add(not_run("load", "mount + from_pretrained vs mergekit", label,
+                             "mount not available", ">= 2x faster"))
+        else:
+            speed = mk["total"] / mount_full["total"]
+            self.add(Row("load", "mount (full) + from_pretrained vs mergekit", label, "cold",
+                         f"{speed:.2f}x faster", {"speedup": speed}, target=">= 2x faster",
+                         met=speed >= 2))
+
+    # -- serving ---------------------------------------------------------------------------
+    @staticmethod
+    def read_files(files: Sequence[Path], block: int, order: str, count: int | None = None,
+                   seed: int = 0) -> tuple[int, float]:
+        buf = bytearray(block)
+        fds = [(os.open(f, os.O_RDONLY), f.stat().st_size) for f in files]
+        n = 0
+        t = time.perf_counter()
+        try:
+            if order == "seq":
+                for fd, size in fds:
+                    off = 0
+                    while off < size:
+                        k = os.preadv(fd, [buf], off)
+                        if not k:
+                            break
+                        off += k
+                        n += k
+            else:
+                rng = random.Random(seed)
+                for _ in range(count or 256):
+                    fd, size = rng.choice(fds)
+                    off = rng.randrange(0, max(1, size - block)) // 4096 * 4096
+                    n += os.preadv(fd, [buf], off)
+        finally:
+            for fd, _ in fds:
+                os.close(fd)
+        return n, time.perf_counter() - t
+
+    def section_serving(self, fam: Path, label: str, model_bytes: int) -> None:
+        if not self.mount_available():
+            for case in ("first read (merging)", "second read (page cache)",
+                         "warm read (mergefs cache)", "random 1 MiB reads"):
+                self.add(not_run("serving", f"mount sequential {case}", label,
+                                 "mount not available",
+                                 ">= 1 GB/s" if "warm" in case else ""))
+            return
+        spec = fam / "spec.yaml"
+        mnt = self.work / "mnt-serve"
+        cache = str(max(64 << 20, int(model_bytes * 1.5)))
+        full_dir = self.full_outputs.get(f"{label}:task_arithmetic")
+        mount_cmd = q(MERGEFS + ["mount", spec, mnt, "--cache-size", cache])
+        self.umount(mnt)
+        evict(fam)
+        self.mount(spec, mnt, cache)
+        try:
+            files = weight_files(mnt)
+            n, s = self.read_files(files, 1 << 20, "seq")
+            first = gbps(n, s)
+            self.add(Row("serving", "mount sequential first read (merging)", label, "cold",
+                         f"{first:.2f} GB/s", {"bytes": n, "seconds": s},
+                         command=mount_cmd + " && cat MNT/*.safetensors > /dev/null"))
+            n, s = self.read_files(files, 1 << 20, "seq")
+            second = gbps(n, s)
+            self.add(Row("serving", "mount sequential second read (kernel page cache)", label,
+                         "warm", f"{second:.2f} GB/s", {"bytes": n, "seconds": s},
+                         target=">= 1 GB/s", met=second >= 1.0, command="(again)"))
+            for f in files:  # drop the kernel's copy: reads now reach mergefs' own cache
+                evict(f)
+            n, s = self.read_files(files, 1 << 20, "seq")
+            fuse_warm = gbps(n, s)
+            self.add(Row("serving", "mount sequential read (mergefs cache, through FUSE)",
+                         label, "warm", f"{fuse_warm:.2f} GB/s", {"bytes": n, "seconds": s},
+                         target=">= 1 GB/s", met=fuse_warm >= 1.0,
+                         command="fadvise DONTNEED on MNT files, then read again"))
+            for f in files:
+                evict(f)
+            count = 256 if self.quick else 1024
+            n, s = self.read_files(files, 1 << 20, "random", count)
+            self.add(Row("serving", "mount random 1 MiB reads (mergefs cache)", label, "warm",
+                         f"{gbps(n, s):.2f} GB/s ({count / s:.0f} reads/s)",
+                         {"bytes": n, "seconds": s, "reads": count}))
+            n, s = self.read_files(files, 1 << 20, "random", count, seed=1)
+            n2, s2 = self.read_files(files, 1 << 20, "random", count, seed=1)
+            self.add(Row("serving", "mount random 1 MiB reads, second pass (page cache)",
+                         label, "warm", f"{gbps(n2, s2):.2f} GB/s", {"bytes": n2,
+                                                                      "seconds": s2}))
+            st1 = self.stats(mnt)
+            self.raw["serving_stats"] = st1
+        finally:
+            self.umount(mnt)
+        if full_dir is not None and full_dir.exists():
+            mfiles = weight_files(full_dir)
+            self.read_files(mfiles, 1 << 20, "seq")  # warm it
+            n, s = self.read_files(mfiles, 1 << 20, "seq")
+            self.add(Row("serving", "materialised file sequential read", label, "warm",
+                         f"{gbps(n, s):.2f} GB/s", {"bytes": n, "seconds": s},
+                         versus=f"mount page-cache read {second:.2f} GB/s, "
+                                f"mergefs-cache read {fuse_warm:.2f} GB/s"))
+            count = 256 if self.quick else 1024
+            n, s = self.read_files(mfiles, 1 << 20, "random", count)
+            self.add(Row("serving", "materialised file random 1 MiB reads", label, "warm",
+                         f"{gbps(n, s):.2f} GB/s", {"bytes": n, "seconds": s}))
+
+    # -- memory ----------------------------------------------------------------------------
+    def section_memory(self, fam: Path, label: str, model_bytes: int) -> None:
+        cache_bytes = (4 << 20) if self.quick else (256 << 20)
+        target = f"<= cache + 300 MB = {fmt_bytes(cache_bytes + 300e6)}"
+        if not self.mount_available():
+            self.add(not_run("memory", "mount peak RSS, cache < model", label,
+                             "mount not available", target))
+            return
+        spec = fam / "spec.yaml"
+        mnt = self.work / "mnt-mem"
+        self.umount(mnt)
+        evict(fam)
+        st = self.mount(spec, mnt, str(cache_bytes))
+        pid = st.get("pid")
+        try:
+            files = weight_files(mnt)
+            self.read_files(files, 1 << 20, "seq")
+            for f in files:
+                evict(f)
+            self.read_files(files, 1 << 20, "random", 256)
+            hwm = _first_field(f"/proc/{pid}/status", "VmHWM",
+                               lambda v: int(v.split()[0]) * 1024)
+            rss = _first_field(f"/proc/{pid}/status", "VmRSS",
+                               lambda v: int(v.split()[0]) * 1024)
+            stats = self.stats(mnt)
+        finally:
+            self.umount(mnt)
+        ok = hwm is not None and hwm <= cache_bytes + 300e6
+        self.add(Row("memory", f"mount peak RSS, cache {fmt_bytes(cache_bytes)} < model "
+                               f"{fmt_bytes(model_bytes)}", label, "cold",
+                     f"{fmt_bytes(hwm)} peak ({fmt_bytes(rss)} now)",
+                     {"vm_hwm": hwm, "vm_rss": rss, "cache_bytes": cache_bytes,
+                      "cache_stats": stats.get("cache")}, target=target, met=ok,
+                     command=q(MERGEFS + ["mount", spec, "MNT", "--cache-size",
+                                          str(cache_bytes)])
+                     + " && cat MNT/*.safetensors >/dev/null; grep VmHWM /proc/PID/status"))
+
+    # -- output ----------------------------------------------------------------------------
+    def plots(self) -> list[str]:
+        try:
+            import matplotlib
+        except ImportError:
+            self.log("installing matplotlib into this interpreter (not a mergefs dependency)")
+            p = subprocess.run([PY, "-m", "pip", "install", "-q", "matplotlib"], check=False)
+            if p.returncode != 0:
+                self.log("matplotlib unavailable: no plots")
+                return []
+            import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        made = []
+        for (label, method), res in self.sweep_results.items():
+            res = [r for r in res if r["total"] and r["budget"] != "full"]  # full: error 0
+            if not res:
+                continue
+            x = [100 * r["read"] / r["total"] for r in res]
+            fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+            err = [max(r["err_norm"], 1e-12) for r in res]
+            a1.plot(x, err, "o-", label="measured ||M_B - M_full||")
+            if res[0]["bound_tight"] is not None:
+                a1.plot(x, [max(r["bound_tight"] or 0, 1e-12) for r in res], "s--",
+                        label="tight bound")
+                a1.plot(x, [max(r["bound_loose"] or 0, 1e-12) for r in res], "^--",
+                        label="loose bound")
+                a1.plot(x, [max(r["error_exact"] or 0, 1e-12) for r in res], "x:",
+                        label="exact ||E|| from the index (before output rounding)")
+            a1.set_yscale("log")
+            a1.set_xlabel("expert bytes read (% of all expert bytes; full budget: error 0)")
+            a1.set_ylabel("Frobenius norm")
+            a1.set_title(f"{label} {method}: deviation vs bytes read")
+            a1.legend(fontsize=7)
+            a2.plot(x, [r["wall"] for r in res], "o-")
+            for r, xi in zip(res, x):
+                a2.annotate(r["budget"], (xi, r["wall"]), fontsize=7)
+            a2.set_xlabel("expert bytes read (% of all expert bytes)")
+            a2.set_ylabel("wall time, cold (s)")
+            a2.set_title("merge wall time (cold)")
+            fig.tight_layout()
+            path = self.out / f"sweep-{label}-{method}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            made.append(path.name)
+        serving = [r for r in self.rows if r.section == "serving" and "GB/s" in r.result]
+        if serving:
+            fig, ax = plt.subplots(figsize=(9, 3.6))
+            vals = [float(r.result.split()[0]) for r in serving]
+            ax.barh([f"{r.case} [{r.cache}]" for r in serving], vals)
+            ax.set_xlabel("GB/s")
+            ax.set_title("serving throughput")
+            fig.tight_layout()
+            path = self.out / "serving.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            made.append(path.name)
+        return made
+
+    def table(self) -> str:
+        headers = ["#", "section", "case", "family", "cache", "result", "versus", "target",
+                   "met"]
+        body = []
+        for k, r in enumerate(self.rows, 1):
+            met = "" if r.met is None else ("yes" if r.met else "MISSED")
+            body.append([str(k), r.section, r.case, r.family, r.cache, r.result, r.versus,
+                         r.target, met])
+        try:
+            from rich.console import Console
+            from rich.table import Table
+
+            t = Table(title="mergefs benchmarks", show_lines=False)
+            for h in headers:
+                t.add_column(h, overflow="fold")
+            for row in body:
+                t.add_row(*row)
+            console = Console(width=220, record=True)
+            console.print(t)
+            return console.export_text()
+        except ImportError:
+            widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+            lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+            lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+            text = "\n".join(lines)
+            print(text)
+            return text
+
+    def write(self) -> None:
+        self.raw["load_end"] = load_now()
+        self.raw["plots"] = self.plots()
+        text = self.table()
+        cmds = "\n".join(f"[{k}] {r.command}" for k, r in enumerate(self.rows, 1) if r.command)
+        (self.out / "table.txt").write_text(text + "\n\ncommands:\n" + cmds + "\n")
+        print("\ncommands (cold rows: sync + posix_fadvise DONTNEED on sources first):")
+        print(cmds)
+        doc = {**self.raw, "rows": [asdict(r) for r in self.rows]}
+        (self.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+        with open(self.out / "results.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["section", "case", "family", "cache", "result", "versus", "target",
+                        "met", "command", "metrics"])
+            for r in self.rows:
+                w.writerow([r.section, r.case, r.family, r.cache, r.result, r.versus, r.target,
+                            "" if r.met is None else r.met, r.command,
+                            json.dumps(r.metrics, default=str)])
+        print(f"\nresults: {self.out}")
+
+    # -- driver ----------------------------------------------------------------------------
+    def run(self) -> None:
+        sections = set(self.args.sections.split(",")) if self.args.sections else None
+
+        def want(name: str) -> bool:
+            return sections is None or name in sections
+
+        try:
+            fam = self.synthetic_family()
+            info = json.loads((fam / "family.json").read_text())
+            label = "synthetic-tiny" if self.quick else "synthetic-0.5B"
+            self.raw["family"] = info
+            model_bytes = info["model_bytes"]
+            run(MERGEFS + ["index", fam / "spec.yaml"])
+            if want("index"):
+                self.section_index(fam, label)
+            if want("sweep") or want("mergekit") or want("serving"):
+                self.section_sweep(fam, label, [("task_arithmetic", "spec.yaml"),
+                                                ("ties", "spec-ties.yaml")])
+            if want("mergekit"):
+                self.section_mergekit(fam, label)
+            if want("load"):
+                self.section_load(fam, label, model_bytes)
+            if want("serving"):
+                self.section_serving(fam, label, model_bytes)
+            if want("memory"):
+                self.section_memory(fam, label, model_bytes)
+            if want("real") and (self.args.real or not self.quick):
+                real = self.real_family()
+                self.raw["real_family"] = json.loads((real / "family.json").read_text())
+                run(MERGEFS + ["index", real / "spec.yaml"])
+                self.section_sweep(real, "minilm-real", [("task_arithmetic", "spec.yaml"),
+                                                         ("ties", "spec-ties.yaml")],
+                                   section="real")
+            elif want("real"):
+                self.add(not_run("real", "MiniLM fine-tunes budget sweep", "minilm-real",
+                                 "skipped in --quick (use --real)"))
+        finally:
+            self.write()
+            if not self.args.keep_work:
+                shutil.rmtree(self.work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny synthetic family, 1 repeat, no mergekit and no real family")
+    p.add_argument("--out", default=str(ROOT / "results"), help="results root (default results/)")
+    p.add_argument("--families", default=str(ROOT / "results" / "families"),
+                   help="where the full run's families are made (and reused)")
+    p.add_argument("--params", type=make_family.parse_count, default=500_000_000)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--real-steps", type=int, default=40, help="fine-tuning steps per MiniLM expert")
+    p.add_argument("--repeats", type=int, help="repeats of the headline runs (median reported)")
+    p.add_argument("--mergekit", action="store_true", help="run mergekit even with --quick")
+    p.add_argument("--real", action="store_true", help="run the MiniLM family even with --quick")
+    p.add_argument("--sections", help="comma-separated subset: index,sweep,mergekit,load,"
+                                      "serving,memory,real")
+    p.add_argument("--keep-work", action="store_true", help="keep merged outputs")
+    args = p.parse_args(argv)
+    Bench(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
