@@ -575,6 +575,10 @@ class Bench:
         doc = yaml.safe_load(spec.read_text())
         for k in MERGEFS_ONLY_KEYS:
             doc.pop(k, None)
+        # mergekit resolves model paths against its working directory, not the spec's folder
+        doc["base_model"] = str((spec.parent / doc["base_model"]).resolve())
+        for m in doc["models"]:
+            m["model"] = str((spec.parent / m["model"]).resolve())
         out = spec.with_name(spec.stem + ".mergekit.yaml")
         out.write_text(yaml.safe_dump(doc, sort_keys=False))
         return out
