@@ -91,12 +91,34 @@ def cmd_index(args: argparse.Namespace) -> int:
     print(f"{'built' if built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
           f"{len(experts)} experts x {index.layout.n_blocks} blocks of ~{human_bytes(spec.block_size)}"
           f", {n_zero} zero-delta expert blocks")
+    if args.tensors:
+        Console().print(_tensor_table(spec, index, args.tensors))
     if args.publish:
         from .sidecar import publish
 
         for where in publish(base, experts, index):
             print(f"published {where}")
     return 0
+
+
+def _tensor_table(spec: Spec, index: Any, top: int) -> Table:
+    """The ``top`` tensors by delta norm (summed over experts): where the merge update lives."""
+    norms = index.tensor_norms()  # (N, T)
+    lay = index.layout
+    zero_share = []
+    for t in range(len(lay.tensors)):
+        blocks = lay.blocks_of(t)
+        zero_share.append(float(index.zero[:, blocks.start:blocks.stop].mean()) if blocks else 1.0)
+    order = sorted(range(len(lay.tensors)), key=lambda t: (-float(norms[:, t].sum()), t))[:top]
+    table = Table(title=f"largest deltas by tensor (top {len(order)} of {len(lay.tensors)})")
+    table.add_column("tensor")
+    for i in range(norms.shape[0]):
+        table.add_column(f"||D_{i}||", justify="right")
+    table.add_column("zero-delta blocks", justify="right")
+    for t in order:
+        table.add_row(lay.tensors[t], *[f"{norms[i, t]:.4g}" for i in range(norms.shape[0])],
+                      f"{zero_share[t]:.0%}")
+    return table
 
 
 def _plan_table(spec: Spec, session: Any) -> Table:
@@ -204,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "hashes and zero flags under index_dir. Reused while sources are unchanged.")
     s.add_argument("spec")
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
+    s.add_argument("--tensors", type=int, default=0, metavar="N",
+                   help="also list the N tensors with the largest deltas (per-expert norms)")
     s.add_argument("--publish", action="store_true",
                    help="also write each expert's block index beside it "
                    "(mergefs-index.<base-key>.<block_size>.safetensors), so later plans over "

@@ -332,3 +332,36 @@ def test_plan_json_non_additive(equal_family: Family, tmp_path: Path,
                 "bound_relative_to_update"):
         assert rep[key] is None
     assert 0 < rep["planned_expert_bytes"] <= rep["budget_bytes"]
+
+
+def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
+    """The index keeps per-tensor delta norms; check them against plain numpy."""
+    import numpy as np
+
+    from families import write_spec
+    from reference import read_tensor
+    from mergefs.engine import open_family
+    from mergefs.index import load_or_build
+    from mergefs.spec import load_spec
+
+    spec = load_spec(write_spec(tmp_path / "s.yaml", family_f32, extra={
+        "block_size": "512B", "index_dir": str(tmp_path / "idx")}))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    got = index.tensor_norms()
+    for t, name in enumerate(index.layout.tensors):
+        w0 = read_tensor(family_f32.base, name).astype(np.float32)
+        for i, e in enumerate(family_f32.experts):
+            d = (read_tensor(e, name).astype(np.float32) - w0).astype(np.float64)
+            assert got[i, t] == pytest.approx(np.sqrt((d * d).sum()), rel=1e-9, abs=1e-12)
+
+
+def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
+    from families import write_spec
+    from mergefs.cli import main
+
+    spec = write_spec(tmp_path / "s.yaml", family_f32, extra={
+        "block_size": "512B", "index_dir": str(tmp_path / "idx")})
+    assert main(["index", str(spec), "--tensors", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "largest deltas by tensor (top 3 of" in out and "||D_0||" in out
