@@ -162,6 +162,17 @@ class UnitCache:
         flight.done.set()
         return value
 
+    def peek(self, key: str) -> bytes | None:
+        """The unit's bytes if they are in memory (a hit), else None (nothing counted).
+
+        Never blocks on I/O or on another merge: safe on the trio thread."""
+        with self._lock:
+            value = self._lru.get(key)
+            if value is not None:
+                self._lru.move_to_end(key)
+                self._hits += 1
+            return value
+
     def contains(self, key: str) -> bool:
         """Whether the unit is in memory or being produced (no counter changes)."""
         with self._lock:

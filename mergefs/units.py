@@ -172,6 +172,38 @@ class UnitReader:
                 self._readahead(wf, end, run_start)
         return out
 
+    def read_cached(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None
+                    ) -> bytes | None:
+        """Like :meth:`read` when every byte is already in memory (header and cached units),
+        else None. No disk, no merge, no waiting: the FUSE adapter calls it on the trio thread
+        and falls back to :meth:`read` on a worker thread."""
+        end = min(end, wf.size_bytes)
+        if start >= end:
+            return b""
+        parts: list[memoryview | bytes] = []
+        i = wf.index_at(start)
+        while i < len(wf.segments) and wf.segments[i].start < end:
+            seg = wf.segments[i]
+            lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
+            if seg.tensor is None:
+                data: bytes | None = wf.out.header
+            elif not seg.merged:
+                return None
+            else:
+                data = self.cache.peek(seg.key)
+                if data is None or len(data) != seg.end - seg.start:
+                    return None
+            parts.append(memoryview(data)[lo:hi])
+            i += 1
+        out = b"".join(parts)
+        if len(out) != end - start:
+            return None
+        if stream is not None:
+            continues, run_start = stream.note(start, end)
+            if continues and self.readahead_units > 0 and end < wf.size_bytes:
+                self._readahead(wf, end, run_start)
+        return out
+
     def segment_bytes(self, wf: WeightFile, seg: Segment) -> bytes:
         """The bytes of the header or of a merge unit (through the cache)."""
         if seg.tensor is None:

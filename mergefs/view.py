@@ -263,6 +263,21 @@ class View:
                 self.served_other_bytes += len(data)
         return data
 
+    def read_cached(self, fh: int, offset: int, size: int) -> bytes | None:
+        """The bytes of a weight-file read if they are all in memory, else None; never blocks
+        (see :meth:`UnitReader.read_cached`)."""
+        with self._lock:
+            h = self._handles.get(fh)
+        if h is None or h.node.kind != "weights" or offset < 0 or size < 0:
+            return None
+        assert h.node.weights is not None
+        data = self.units.read_cached(h.node.weights, offset, offset + size, h.stream)
+        if data is not None:
+            with self._lock:
+                self.read_calls += 1
+                self.served_weight_bytes += len(data)
+        return data
+
     def read_path(self, path: str, offset: int = 0, size: int | None = None) -> bytes:
         """Convenience for tests and tools: open, read, release."""
         fh = self.open_path(path)

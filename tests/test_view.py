@@ -530,3 +530,28 @@ def test_changed_sources_are_refused(tmp_path: Path, views: Views) -> None:
     with pytest.raises(SourceChanged):
         view.read_path("model.safetensors", t.start + u0, 16)
     assert view.stats()["read_errors"] == 2
+
+
+def test_read_cached_serves_only_what_is_in_memory(tmp_path: Path, index_dir: Path,
+                                                   family_f32: Family, views: Views) -> None:
+    """The adapter's non-blocking path: None until the units are cached, then exactly the bytes
+    of the full path; it never merges or reads a source itself."""
+    spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", index_dir)
+    ref = (materialise(spec, tmp_path / "out") / "model.safetensors").read_bytes()
+    view = views.open(spec, readahead_units=0)
+    t = view.engine.out_tensors[TENSOR]
+    fh = view.open_path("model.safetensors")
+    try:
+        header_len = len(view.engine.out_files[0].header)
+        assert view.read_cached(fh, 0, header_len) == ref[:header_len]  # header: in memory
+        start, size = t.start + 100, 3000  # spans several 512-byte units
+        merged_before = view.engine.units_merged
+        assert view.read_cached(fh, start, size) is None
+        assert view.engine.units_merged == merged_before  # the fast path never merges
+        assert view.read(fh, start, size) == ref[start:start + size]
+        hits = view.cache.stats().hits
+        assert view.read_cached(fh, start, size) == ref[start:start + size]
+        assert view.cache.stats().hits > hits
+        assert view.read_cached(fh, t.end - 10, 30) is None  # next tensor not merged yet
+    finally:
+        view.release(fh)
