@@ -179,6 +179,7 @@ def merge_gta(
             continue
         xs.append(sparsify(p, d, tensor, i, elem_offset) * np.float32(p.weights[i]))
     mixed = np.zeros_like(w0)
+    divisor: np.ndarray | np.float32
     if p.method in CONSENSUS:
         sgn = np.zeros_like(w0)
         for x in xs:

@@ -186,13 +186,14 @@ class UnitReader:
             seg = wf.segments[i]
             lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
             if seg.tensor is None:
-                data: bytes | None = wf.out.header
+                data = wf.out.header
             elif not seg.merged:
                 return None
             else:
-                data = self.cache.peek(seg.key)
-                if data is None or len(data) != seg.end - seg.start:
+                cached = self.cache.peek(seg.key)
+                if cached is None or len(cached) != seg.end - seg.start:
                     return None
+                data = cached
             parts.append(memoryview(data)[lo:hi])
             i += 1
         out = b"".join(parts)

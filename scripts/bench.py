@@ -305,12 +305,14 @@ def deviation(budget_dir: Path, full_dir: Path, base_dir: Path) -> dict[str, flo
 
 
 def agreement(a_dir: Path, b_dir: Path) -> dict[str, Any]:
-    """Max abs difference and max difference in units in the last place of two outputs."""
+    """Max abs difference of two outputs, and the max difference in units in the last place
+    of the output dtype at the larger magnitude of each differing pair."""
     ma, mb = tensor_map(a_dir), tensor_map(b_dir)
     max_abs = 0.0
-    max_ulp = 0
+    max_ulps = 0.0
     differing = total = 0
     missing = sorted(set(ma) ^ set(mb))
+    mantissa = {"BF16": 8, "F16": 11, "F32": 24}
     for name in sorted(set(ma) & set(mb)):
         a, b = read_f32(ma[name]), read_f32(mb[name])
         if a is None or b is None:
@@ -320,12 +322,13 @@ def agreement(a_dir: Path, b_dir: Path) -> dict[str, Any]:
         if not d.any():
             continue
         differing += int(d.sum())
-        max_abs = max(max_abs, float(np.max(np.abs(a[d].astype(np.float64) - b[d]))))
-        if ma[name][3] == mb[name][3] == "BF16":
-            ua = (a.view(np.int32) >> 16).astype(np.int64)
-            ub = (b.view(np.int32) >> 16).astype(np.int64)
-            max_ulp = max(max_ulp, int(np.max(np.abs(ua - ub))))
-    return {"max_abs_diff": max_abs, "max_bf16_ulps": max_ulp, "elements_differing": differing,
+        diff = np.abs(a[d].astype(np.float64) - b[d])
+        max_abs = max(max_abs, float(np.max(diff)))
+        mag = np.maximum(np.abs(a[d]), np.abs(b[d])).astype(np.float64)
+        _, e = np.frexp(mag)
+        ulp = np.ldexp(1.0, e - mantissa.get(mb[name][3], 24))
+        max_ulps = max(max_ulps, float(np.max(diff / ulp)))
+    return {"max_abs_diff": max_abs, "max_ulps": max_ulps, "elements_differing": differing,
             "elements": total, "tensor_names_only_in_one": missing}
 
 
@@ -588,6 +591,8 @@ class Bench:
                 "--quiet"]
 
     def section_mergekit(self, fam: Path, label: str) -> None:
+        """mergekit vs mergefs, in interleaved pairs (mergefs full, mergekit, ...) so that a
+        change in machine load hits both sides alike; medians of the pairs."""
         exe = self.mergekit_bin() if (self.args.mergekit or not self.quick) else None
         if exe is None:
             why = "mergekit skipped (--quick)" if self.quick and not self.args.mergekit \
@@ -597,9 +602,17 @@ class Bench:
             return
         spec = fam / "spec.yaml"
         out = self.work / f"{label}-mergekit"
+        mf_full = self.work / f"{label}-mk-mergefs-full"
+        mf_10 = self.work / f"{label}-mk-mergefs-10"
         dev = device_of(fam)
-        walls = []
-        for _ in range(1 if self.quick else max(1, self.repeats - 1)):
+        mk_walls: list[float] = []
+        mf_runs: list[dict[str, Any]] = []
+        mf10_runs: list[dict[str, Any]] = []
+        cmd: list[str | Path] = []
+        p = None
+        dev_bytes = None
+        for _ in range(1 if self.quick else self.repeats):
+            mf_runs.append(self.merge_once(spec, mf_full, "full", True, fam))
             if out.exists():
                 shutil.rmtree(out)
             evict(fam)
@@ -607,43 +620,68 @@ class Bench:
             cmd = self.mergekit_cmd(exe, spec, out)
             p = run(cmd)
             d1 = device_read_bytes(dev)
-            walls.append(p.wall)
-        wall = statistics.median(walls)
-        dev_bytes = (d1 - d0) if d0 is not None and d1 is not None else None
-        agree = agreement(out, self.full_outputs[f"{label}:task_arithmetic"])
-        self.raw["mergekit"] = {"walls": walls, "device_bytes": dev_bytes, "agreement": agree,
-                                "maxrss": p.maxrss_bytes}
-        ta = {r.case: r for r in self.rows if r.section == "sweep" and r.family == label}
-        full = ta["task_arithmetic budget full"].metrics
-        b10 = ta["task_arithmetic budget 10%"].metrics
+            mk_walls.append(p.wall)
+            dev_bytes = (d1 - d0) if d0 is not None and d1 is not None else None
+            mf10_runs.append(self.merge_once(spec, mf_10, "10%", True, fam))
+        assert p is not None
+        wall = statistics.median(mk_walls)
+        mf_wall = statistics.median(r["wall"] for r in mf_runs)
+        mf10_wall = statistics.median(r["wall"] for r in mf10_runs)
+        agree = agreement(out, mf_full)
+        # mergekit's `dtype` is its compute dtype (bf16 here); mergefs always computes in float32
+        # and `dtype` is only its output dtype. The same arithmetic in mergekit: float32 compute.
+        doc = yaml.safe_load(self.mergekit_spec(spec).read_text())
+        doc["dtype"], doc["out_dtype"] = "float32", "bfloat16"
+        spec32 = spec.with_name(spec.stem + ".mergekit-f32.yaml")
+        spec32.write_text(yaml.safe_dump(doc, sort_keys=False))
+        out32 = self.work / f"{label}-mergekit-f32"
+        cmd32 = [exe, spec32, out32, "--lazy-unpickle", "--no-copy-tokenizer", "--quiet"]
+        run(cmd32)
+        agree32 = agreement(out32, mf_full)
+        shutil.rmtree(out32, ignore_errors=True)
+        self.raw["mergekit"] = {"walls": mk_walls, "mergefs_full_walls": [r["wall"] for r in mf_runs],
+                                "mergefs_10_walls": [r["wall"] for r in mf10_runs],
+                                "device_bytes": dev_bytes, "agreement_same_spec": agree,
+                                "agreement_f32_compute": agree32, "maxrss": p.maxrss_bytes}
+        mf = mf_runs[-1]
         self.add(Row("mergekit", "mergekit-yaml task_arithmetic (reads everything)", label,
                      "cold", f"{wall:.2f} s, device read {fmt_bytes(dev_bytes)}",
-                     {"wall": wall, "walls": walls, "device_bytes_read": dev_bytes,
+                     {"wall": wall, "walls": mk_walls, "device_bytes_read": dev_bytes,
                       "maxrss": p.maxrss_bytes, "cpu": p.cpu_seconds},
                      versus=f"peak RSS {fmt_bytes(p.maxrss_bytes)}", command=q(cmd)))
-        ratio = full["wall"] / wall
-        self.add(Row("mergekit", "mergefs merge full vs mergekit", label, "cold",
-                     f"{full['wall']:.2f} s vs {wall:.2f} s",
-                     {"ratio": ratio, "mergefs_device_bytes": full["device_bytes_read"],
-                      "mergekit_device_bytes": dev_bytes},
+        ratio = mf_wall / wall
+        self.add(Row("mergekit", "mergefs merge full vs mergekit (paired runs)", label, "cold",
+                     f"{mf_wall:.2f} s vs {wall:.2f} s",
+                     {"ratio": ratio, "mergefs_walls": [r["wall"] for r in mf_runs],
+                      "mergekit_walls": mk_walls, "mergefs_device_bytes": mf["device_bytes"],
+                      "mergekit_device_bytes": dev_bytes, "mergefs_maxrss": mf["maxrss"]},
                      versus=f"{ratio:.2f}x mergekit's wall time; mergefs read "
-                            f"{fmt_bytes(full['device_bytes_read'])} from disk",
-                     target="<= 0.5x", met=ratio <= 0.5,
-                     command=ta["task_arithmetic budget full"].command))
-        self.add(Row("mergekit", "mergefs merge 10% vs mergekit", label, "cold",
-                     f"{b10['wall']:.2f} s vs {wall:.2f} s",
-                     {"ratio": b10["wall"] / wall, "mergefs_device_bytes": b10["device_bytes_read"]},
-                     versus=f"{wall / b10['wall']:.1f}x faster; read "
-                            f"{fmt_bytes(b10['device_bytes_read'])} from disk",
-                     command=ta["task_arithmetic budget 10%"].command))
-        ok = agree["max_bf16_ulps"] <= 1 and not agree["tensor_names_only_in_one"]
-        self.add(Row("mergekit", "output agreement, full merges", label, "-",
-                     f"max |diff| {agree['max_abs_diff']:.3g}, max {agree['max_bf16_ulps']} "
-                     f"bf16 ulp, {agree['elements_differing']} of {agree['elements']} differ",
-                     agree, target="within the output dtype's rounding (<= 1 ulp)", met=ok,
-                     note="mergekit computes deltas in its own order/dtype; mergefs follows "
-                          "docs/operators.md"))
-        shutil.rmtree(out, ignore_errors=True)
+                            f"{fmt_bytes(mf['device_bytes'])} from disk, peak RSS "
+                            f"{fmt_bytes(mf['maxrss'])}",
+                     target="<= 0.5x", met=ratio <= 0.5, command=mf["command"]))
+        mf10 = mf10_runs[-1]
+        self.add(Row("mergekit", "mergefs merge 10% vs mergekit (paired runs)", label, "cold",
+                     f"{mf10_wall:.2f} s vs {wall:.2f} s",
+                     {"ratio": mf10_wall / wall, "mergefs_walls": [r["wall"] for r in mf10_runs],
+                      "mergefs_device_bytes": mf10["device_bytes"]},
+                     versus=f"{wall / mf10_wall:.1f}x faster; read "
+                            f"{fmt_bytes(mf10['device_bytes'])} from disk",
+                     command=mf10["command"]))
+        for name, a, c, note in (
+                ("output agreement, same spec (mergekit computes in bf16)", agree, cmd,
+                 ("mergekit's dtype: bfloat16 is its compute dtype: deltas, products and sums "
+                  "are rounded to bf16; mergefs computes in float32 (docs/operators.md)")),
+                ("output agreement, mergekit computing in float32", agree32, cmd32,
+                 "same spec with dtype: float32, out_dtype: bfloat16 for mergekit")):
+            ok = a["max_ulps"] <= 1 and not a["tensor_names_only_in_one"]
+            self.add(Row("mergekit", name, label, "-",
+                         f"max |diff| {a['max_abs_diff']:.3g} = {a['max_ulps']:.2f} ulp of "
+                         f"the output dtype; {a['elements_differing']} of {a['elements']} "
+                         f"elements differ", a,
+                         target="within the output dtype's rounding (<= 1 ulp)", met=ok,
+                         command=q(c), note=note))
+        for d in (out, mf_full, mf_10):
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- mount helpers -----------------------------------------------------------------------
     def mount_available(self) -> bool:
@@ -798,6 +836,9 @@ class Bench:
         mnt = self.work / "mnt-serve"
         cache = str(max(64 << 20, int(model_bytes * 1.5)))
         full_dir = self.full_outputs.get(f"{label}:task_arithmetic")
+        if full_dir is None or not full_dir.exists():  # the sweep did not run: make one
+            full_dir = self.work / f"{label}-serve-full"
+            run(MERGEFS + ["merge", spec, full_dir, "--force"])
         mount_cmd = q(MERGEFS + ["mount", spec, mnt, "--cache-size", cache])
         self.umount(mnt)
         evict(fam)
@@ -1012,7 +1053,7 @@ class Bench:
             run(MERGEFS + ["index", fam / "spec.yaml"])
             if want("index"):
                 self.section_index(fam, label)
-            if want("sweep") or want("mergekit") or want("serving"):
+            if want("sweep"):
                 self.section_sweep(fam, label, [("task_arithmetic", "spec.yaml"),
                                                 ("ties", "spec-ties.yaml")])
             if want("mergekit"):
