@@ -12,17 +12,19 @@ Merging and reading block on disk and CPU: call from worker threads, never the t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -34,7 +36,7 @@ from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .manifest import SCHEMA_VERSION, ManifestWriter
-from .ops import OpParams, merge_additive, merge_gta, merge_slerp, resolve_params
+from .ops import OpParams, merge_gta, merge_slerp, resolve_params
 from .plan import Plan, make_plan, selected_runs
 from .spec import ADDITIVE, Spec, check_coordinates
 
@@ -215,8 +217,9 @@ class Engine:
                 if p.method == "slerp":
                     expert_values = w0.copy()
                 continue
-            full = None if acc is not None else (
-                w0.copy() if p.method == "slerp" else np.zeros_like(w0))
+            full: np.ndarray = w0  # unused by additive merges (they accumulate in acc)
+            if acc is None:
+                full = w0.copy() if p.method == "slerp" else np.zeros_like(w0)
             for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
                 s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
                 buf = self._check(src, f"expert:{i}", name, rng, raw, r0, r1,
@@ -263,8 +266,8 @@ class Engine:
 
     def tensor_pieces(self, name: str, unit_elems: int) -> list[Callable[[], bytes]]:
         if self.out_tensors[name].layout_index is None:
-            return [lambda: self.passthrough(name)]
-        return [lambda b0=b0, b1=b1: self.merge_unit(name, b0, b1)
+            return [functools.partial(self.passthrough, name)]
+        return [functools.partial(self.merge_unit, name, b0, b1)
                 for b0, b1 in self.units(name, unit_elems)]
 
     def prefetch(self, name: str, b0: int, b1: int) -> None:
@@ -418,8 +421,7 @@ def _atomic_write(path: Path, chunks: list[bytes]) -> None:
     try:
         _clear_temp(tmp)
         with open(tmp, "xb") as fh:
-            for c in chunks:
-                fh.write(c)
+            fh.writelines(chunks)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

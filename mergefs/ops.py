@@ -9,13 +9,13 @@ operators must get whole tensors. Pure numpy; runs on worker threads (numpy rele
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import xxhash
 
-from .spec import ADDITIVE, Spec
+from .spec import Spec
 
 WHOLE_TENSOR = frozenset({"ties", "breadcrumbs", "slerp"})
 CONSENSUS = frozenset({"ties", "dare_ties"})
@@ -156,17 +156,6 @@ def sparsify(p: OpParams, d: np.ndarray, tensor: str, expert: int, elem_offset: 
     return np.where(keep, kept, np.float32(0))
 
 
-def merge_additive(p: OpParams, w0: np.ndarray, deltas: Sequence[np.ndarray | None]) -> np.ndarray:
-    """``a * W0 + S`` with ``S`` accumulated in expert order; ``None`` deltas are skipped."""
-    s = np.zeros_like(w0)
-    for c, d in zip(p.coefficients, deltas):
-        if d is not None:
-            s += np.float32(c) * d
-    if np.float32(p.base_scale) == 1:
-        return w0 + s
-    return np.float32(p.base_scale) * w0 + s
-
-
 def merge_gta(
     p: OpParams, w0: np.ndarray, deltas: Sequence[np.ndarray | None], tensor: str, elem_offset: int
 ) -> np.ndarray:
@@ -223,21 +212,3 @@ def merge_slerp(p: OpParams, v0: np.ndarray, v1: np.ndarray) -> np.ndarray:
     s0 = np.sin(theta0 - theta0 * t) / np.sin(theta0)
     s1 = np.sin(theta0 * t) / np.sin(theta0)
     return np.float32(s0) * v0 + np.float32(s1) * v1
-
-
-def merge(
-    p: OpParams,
-    w0: np.ndarray,
-    deltas: Sequence[np.ndarray | None],
-    tensor: str,
-    elem_offset: int,
-    experts_full: Mapping[int, np.ndarray] | None = None,
-) -> np.ndarray:
-    """Dispatch on the method. For slerp, ``experts_full[0]`` holds the expert's values."""
-    if p.method in ADDITIVE:
-        return merge_additive(p, w0, deltas)
-    if p.method == "slerp":
-        if experts_full is None:
-            raise ValueError("slerp needs the expert's full values")
-        return merge_slerp(p, w0, experts_full[0])
-    return merge_gta(p, w0, deltas, tensor, elem_offset)
