@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 from families import Family, make_family, make_llama_family
 
@@ -43,3 +47,15 @@ def family_sharded(tmp_path_factory: pytest.TempPathFactory) -> Family:
 def llama_family(tmp_path_factory: pytest.TempPathFactory) -> Family:
     """A tiny float32 Llama base and 2 experts written by transformers' ``save_pretrained``."""
     return make_llama_family(tmp_path_factory.mktemp("llama_family"), n_experts=2, seed=0)
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[Any]:
+    """Real mounts in subprocesses (tests/test_mount.py::Mounts), always unmounted after."""
+    from test_mount import Mounts
+
+    m = Mounts(tmp_path)
+    try:
+        yield m
+    finally:
+        m.cleanup()

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,15 +33,6 @@ READ_FIRST = "model.layers.0.mlp.up_proj.weight"  # merged and cached before the
 CHANGED = "lm_head.weight"  # one byte of expert-1 flipped in a planned block
 UNTOUCHED = "model.embed_tokens.weight"  # first read after the change
 PAGE = 4096
-
-
-@pytest.fixture
-def mounts(tmp_path: Path) -> Iterator[Mounts]:
-    m = Mounts(tmp_path)
-    try:
-        yield m
-    finally:
-        m.cleanup()
 
 
 @pytest.fixture

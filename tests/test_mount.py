@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,15 +128,6 @@ def wait_gone(pid: int, seconds: float = 20) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-@pytest.fixture
-def mounts(tmp_path: Path) -> Iterator[Mounts]:
-    m = Mounts(tmp_path)
-    try:
-        yield m
-    finally:
-        m.cleanup()
 
 
 @pytest.fixture(scope="module")

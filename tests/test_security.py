@@ -10,7 +10,6 @@ import re
 import shutil
 import struct
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ from mergefs.cli import main as cli_main
 needs_fuse = pytest.mark.skipif(
     not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,
     reason="needs /dev/fuse and fusermount3")
-
-
-@pytest.fixture
-def mounts(tmp_path: Path) -> Iterator[Mounts]:
-    m = Mounts(tmp_path)
-    try:
-        yield m
-    finally:
-        m.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,15 +44,6 @@ STAT_LIMIT_SECONDS = 2.0
 # it is the check that a cache without its bound fails.
 OVERHEAD_BYTES = 300 << 20
 GROWTH_LIMIT_BYTES = 56 << 20
-
-
-@pytest.fixture
-def mounts(tmp_path: Path) -> Iterator[Mounts]:
-    m = Mounts(tmp_path)
-    try:
-        yield m
-    finally:
-        m.cleanup()
 
 
 def status_bytes(pid: int, field: str) -> int:
