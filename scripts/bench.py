@@ -15,6 +15,10 @@ Sections (each row says whether its sources were cold or warm in the page cache)
             the kernel's page cache, and warm in mergefs' own cache), vs the materialised file
 - memory    peak RSS of the mount process with a cache smaller than the model
 - real      the budget sweep on the real all-MiniLM-L6-v2 family (fine-tuned experts)
+- remote    experts served over HTTP Range and S3 (moto), base local, both on 127.0.0.1 in
+            this process: bytes over the wire and requests counted at the server, wall time,
+            full vs 10% budget, with and without published index sidecars; output sha256
+            compared with the local merge (cold: served files evicted first)
 
 Cold runs call ``os.sync()`` and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every source
 file (and on outputs) first; warm runs do not. Every row carries the command that reproduces it.
@@ -1037,6 +1041,170 @@ class Bench:
                             json.dumps(r.metrics, default=str)])
         print(f"\nresults: {self.out}")
 
+    # -- remote ----------------------------------------------------------------------------
+    def remote_family(self) -> tuple[Path, str]:
+        real = Path(self.args.families).resolve() / "minilm"
+        if (real / "family.json").is_file():
+            self.log(f"remote: reusing {real}")
+            return real, "minilm-real"
+        root = (self.out / "families" / "remote") if self.quick else \
+            Path(self.args.families).resolve() / "synthetic-remote"
+        if not (root / "family.json").is_file():
+            make_family.make_synthetic(root, params=5_000_000 if self.quick else 30_000_000,
+                                       layers=4 if self.quick else 8, n_experts=4,
+                                       vocab=4096 if self.quick else 32000, seed=0,
+                                       log=self.log)
+        return root, "synthetic-remote"
+
+    @staticmethod
+    def tree_sha256(d: Path) -> dict[str, str]:
+        import hashlib
+
+        out = {}
+        for p in sorted(d.rglob("*")):
+            if p.is_file() and not p.name.endswith(".jsonl"):
+                h = hashlib.sha256()
+                with open(p, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(16 << 20), b""):
+                        h.update(chunk)
+                out[p.relative_to(d).as_posix()] = h.hexdigest()
+        return out
+
+    def section_remote(self) -> None:
+        """Experts over HTTP Range (RangeHTTPServer) and S3 (moto), base local; bytes and
+        requests counted at the server, full vs 10% budget, with and without published
+        sidecars. Servers: tests/servers.py, 127.0.0.1 only, in this process."""
+        sys.path.insert(0, str(ROOT / "tests"))
+        try:
+            import s3fs
+            from servers import CountingMotoServer, RangeHTTPServer, upload_tree
+        except ImportError as e:
+            self.add(not_run("remote", "remote experts", "-", f"missing {e.name} "
+                             "(pip install 'mergefs[remote]' moto[server])"))
+            return
+        fam, label = self.remote_family()
+        base, experts = self.family_dirs(fam)
+        spec0 = yaml.safe_load((fam / "spec.yaml").read_text())
+        root = self.work / "remote"
+        served = root / "served"
+        expert_bytes = sum(f.stat().st_size for f in weight_files(*experts))
+        # Two served copies of the experts (hard links): plain/ never gets sidecars, pub/ does.
+        for kind in ("plain", "pub"):
+            for e in experts:
+                for src in e.rglob("*"):
+                    if src.is_file():
+                        dst = served / kind / e.name / src.relative_to(e)
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        try:
+                            os.link(src, dst)
+                        except OSError:
+                            shutil.copy2(src, dst)
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        unset = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+        saved = {k: os.environ.get(k) for k in (*env, *unset)}
+        os.environ.update(env)  # moto's dummy credentials, for this process and the merges
+        for k in unset:
+            os.environ.pop(k, None)
+        counter = [0]
+
+        def write_spec(urls: list[str], budget: str, opts: dict[str, Any] | None = None) -> Path:
+            counter[0] += 1
+            doc = {k: v for k, v in spec0.items() if k not in ("models", "base_model")}
+            doc["base_model"] = str(base)
+            doc["models"] = [{"model": u, "parameters": m.get("parameters", {})}
+                             for u, m in zip(urls, spec0["models"])]
+            doc["budget"] = budget
+            doc["index_dir"] = str(root / "idx" / f"run{counter[0]}")  # fresh: no local index
+            if opts:
+                doc["storage_options"] = opts
+            p = root / "specs" / f"run{counter[0]}.yaml"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(yaml.safe_dump(doc, sort_keys=False))
+            return p
+
+        def merge(spec: Path, budget: str) -> tuple[Proc, dict[str, Any], dict[str, str], list[str]]:
+            out = root / "out" / spec.stem
+            manifest = root / f"{spec.stem}.manifest.jsonl"
+            evict(served, base)
+            cmd = MERGEFS + ["merge", spec, out, "--budget", budget, "--manifest", manifest]
+            p = run(cmd)
+            totals: dict[str, Any] = {}
+            for line in manifest.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("type") == "totals":
+                    totals = rec
+            sums = self.tree_sha256(out)
+            shutil.rmtree(out, ignore_errors=True)
+            return p, totals, sums, [str(c) for c in cmd]
+
+        http = s3 = None
+        try:
+            # HTTP is read-only: publish sidecars locally into the served pub/ tree first.
+            pub_local = write_spec([str(served / "pub" / e.name) for e in experts], "full")
+            run(MERGEFS + ["index", pub_local, "--publish"])
+            http = RangeHTTPServer(served).start()
+            s3 = CountingMotoServer().start()
+            fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint, skip_instance_cache=True)
+            fs.mkdir("bench")
+            for e in experts:
+                upload_tree(fs, served / "plain" / e.name, f"bench/plain/{e.name}")
+                upload_tree(fs, served / "plain" / e.name, f"bench/pub/{e.name}")
+            s3opts = {"s3": {"endpoint_url": s3.endpoint}}
+            pub_s3 = write_spec([f"s3://bench/pub/{e.name}" for e in experts], "full", s3opts)
+            s3.log.reset()
+            p = run(MERGEFS + ["index", pub_s3, "--publish"])
+            pub_bytes, pub_reqs = s3.log.body_bytes(), len(s3.log.requests())
+            self.add(Row("remote", "S3: mergefs index --publish (one-time)", label, "cold",
+                         f"{fmt_bytes(pub_bytes)}, {pub_reqs} req, {p.wall:.2f} s",
+                         {"wire_bytes": pub_bytes, "requests": pub_reqs, "wall": p.wall,
+                          "expert_bytes": expert_bytes},
+                         command=q(MERGEFS + ["index", pub_s3, "--publish"]) +
+                         "  # moto S3 started by scripts/bench.py --sections remote"))
+            for budget in ("full", "10%"):
+                ref_spec = write_spec([str(e) for e in experts], budget)
+                pl, _, ref_sums, _ = merge(ref_spec, budget)
+                self.add(Row("remote", f"local reference merge, budget {budget}", label, "cold",
+                             f"{pl.wall:.2f} s", {"wall": pl.wall, "sha256": ref_sums},
+                             command=q(MERGEFS + ["merge", ref_spec, "OUT", "--budget", budget])))
+                for proto in ("HTTP", "S3"):
+                    for kind in ("plain", "pub"):
+                        if proto == "HTTP":
+                            srv, opts = http, None
+                            urls = [f"{http.url}/{kind}/{e.name}" for e in experts]
+                        else:
+                            srv, opts = s3, s3opts
+                            urls = [f"s3://bench/{kind}/{e.name}" for e in experts]
+                        spec = write_spec(urls, budget, opts)
+                        srv.log.reset()
+                        p, totals, sums, cmd = merge(spec, budget)
+                        wire, reqs = srv.log.body_bytes(), len(srv.log.requests())
+                        same = sums == ref_sums
+                        side = "published sidecars" if kind == "pub" else "no sidecars"
+                        self.add(Row(
+                            "remote", f"{proto} experts, budget {budget}, {side}", label, "cold",
+                            f"{fmt_bytes(wire)} over the wire, {reqs} req, {p.wall:.2f} s",
+                            {"wire_bytes": wire, "requests": reqs, "wall": p.wall,
+                             "expert_bytes": expert_bytes, "local_wall": pl.wall,
+                             "physical_bytes_read": totals.get("physical_bytes_read"),
+                             "physical_requests": totals.get("physical_requests"),
+                             "same_as_local": same},
+                            versus=f"{wire / expert_bytes:.0%} of expert bytes; output "
+                                   + ("sha256 = local" if same else "DIFFERS from local"),
+                            target="output = local merge", met=same,
+                            command=q(cmd).replace(str(root) + "/", "") +
+                            f"  # {proto} server started by scripts/bench.py --sections remote"))
+        finally:
+            for srv in (http, s3):
+                if srv is not None:
+                    srv.stop()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            shutil.rmtree(served, ignore_errors=True)
+
     # -- driver ----------------------------------------------------------------------------
     def run(self) -> None:
         sections = set(self.args.sections.split(",")) if self.args.sections else None
@@ -1044,13 +1212,15 @@ class Bench:
         def want(name: str) -> bool:
             return sections is None or name in sections
 
+        synthetic = {"index", "sweep", "mergekit", "load", "serving", "memory"}
         try:
-            fam = self.synthetic_family()
-            info = json.loads((fam / "family.json").read_text())
-            label = "synthetic-tiny" if self.quick else "synthetic-0.5B"
-            self.raw["family"] = info
-            model_bytes = info["model_bytes"]
-            run(MERGEFS + ["index", fam / "spec.yaml"])
+            if sections is None or sections & synthetic:
+                fam = self.synthetic_family()
+                info = json.loads((fam / "family.json").read_text())
+                label = "synthetic-tiny" if self.quick else "synthetic-0.5B"
+                self.raw["family"] = info
+                model_bytes = info["model_bytes"]
+                run(MERGEFS + ["index", fam / "spec.yaml"])
             if want("index"):
                 self.section_index(fam, label)
             if want("sweep"):
@@ -1074,6 +1244,11 @@ class Bench:
             elif want("real"):
                 self.add(not_run("real", "MiniLM fine-tunes budget sweep", "minilm-real",
                                  "skipped in --quick (use --real)"))
+            if want("remote") and (not self.quick or sections is not None):
+                self.section_remote()
+            elif want("remote"):
+                self.add(not_run("remote", "remote experts (HTTP, S3)", "-",
+                                 "skipped in --quick (use --sections remote)"))
         finally:
             self.write()
             if not self.args.keep_work:
@@ -1095,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mergekit", action="store_true", help="run mergekit even with --quick")
     p.add_argument("--real", action="store_true", help="run the MiniLM family even with --quick")
     p.add_argument("--sections", help="comma-separated subset: index,sweep,mergekit,load,"
-                                      "serving,memory,real")
+                                      "serving,memory,real,remote")
     p.add_argument("--keep-work", action="store_true", help="keep merged outputs")
     args = p.parse_args(argv)
     Bench(args).run()
