@@ -129,10 +129,8 @@ class UnitCache:
     def get(self, key: str, produce: Callable[[], bytes], persist: bool = True) -> bytes:
         """The unit's bytes: from memory, from a verified disk entry, or ``produce()`` once."""
         with self._lock:
-            value = self._lru.get(key)
+            value = self._hit_locked(key)
             if value is not None:
-                self._lru.move_to_end(key)
-                self._hits += 1
                 return value
             flight = self._flights.get(key)
             leader = flight is None
@@ -167,11 +165,15 @@ class UnitCache:
 
         Never blocks on I/O or on another merge: safe on the trio thread."""
         with self._lock:
-            value = self._lru.get(key)
-            if value is not None:
-                self._lru.move_to_end(key)
-                self._hits += 1
-            return value
+            return self._hit_locked(key)
+
+    def _hit_locked(self, key: str) -> bytes | None:
+        """A memory hit (counted, moved to most recent), or None. Caller holds the lock."""
+        value = self._lru.get(key)
+        if value is not None:
+            self._lru.move_to_end(key)
+            self._hits += 1
+        return value
 
     def contains(self, key: str) -> bool:
         """Whether the unit is in memory or being produced (no counter changes)."""

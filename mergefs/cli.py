@@ -10,27 +10,17 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from . import __version__
 from .errors import MergefsError
+from .progress import byte_progress
 from .spec import Spec, human_bytes, load_spec, parse_budget
 
 log = logging.getLogger("mergefs")
-err_console = Console(stderr=True)
 
 EPILOG = """\
 A spec is a mergekit YAML config (merge_method, base_model, models, parameters, dtype) plus
@@ -43,18 +33,6 @@ typical session:
   mergefs replay spec.manifest.jsonl       # re-read and verify every byte
   mergefs mount spec.yaml /mnt/merged      # lazy merged HF directory; from_pretrained works
 """
-
-
-@contextmanager
-def _progress(description: str, total: int, enabled: bool = True
-              ) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr (hidden when stderr is not a terminal)."""
-    prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=err_console,
-                    disable=not (enabled and err_console.is_terminal), transient=False)
-    with prog:
-        task = prog.add_task(description, total=total)
-        yield lambda n: prog.advance(task, n)
 
 
 def _load(args: argparse.Namespace) -> Spec:
@@ -75,10 +53,8 @@ def _session(spec: Spec, manifest: Any = None, quiet: bool = False) -> Any:
 
     base, experts = open_family(spec)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-    for c in [base, *experts]:
-        c.close()
-    with _progress("indexing", total, enabled=not quiet) as tick:
-        return Session(spec, manifest=manifest, on_index_bytes=tick)
+    with byte_progress("indexing", total, enabled=not quiet) as tick:
+        return Session(spec, manifest=manifest, on_index_bytes=tick, family=(base, experts))
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -88,7 +64,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     spec = _load(args)
     base, experts = open_family(spec)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-    with _progress("indexing", total) as tick:
+    with byte_progress("indexing", total) as tick:
         # --rebuild and --publish read every source: sidecars are never built from sidecars.
         index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
                                      rebuild=args.rebuild,
@@ -177,7 +153,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     session = _session(spec, manifest)
     try:
         out_bytes = sum(f.size_bytes for f in session.engine.out_files)
-        with _progress("merging", out_bytes) as tick:
+        with byte_progress("merging", out_bytes) as tick:
             session.engine.materialise(args.outdir, on_bytes=tick, overwrite=args.force)
         totals = session.finish()
     finally:

@@ -178,11 +178,10 @@ class Engine:
                     f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
                     f"(source changed since it was indexed); run `mergefs index` again"
                 )
-        digest = xxhash.xxh3_64_hexdigest(buf)
         if self.manifest is not None:
             self.manifest.write({"type": "read", "source": label, "file": rng.file,
                                  "tensor": name, "start": rng.start, "end": rng.end,
-                                 "xxh3": digest})
+                                 "xxh3": xxhash.xxh3_64_hexdigest(buf)})
         return buf
 
     # -- merging -------------------------------------------------------------------------
@@ -436,10 +435,13 @@ class Session:
     def __init__(self, spec: Spec, *, budget_bytes: int | None = None,
                  manifest: ManifestWriter | None = None,
                  on_index_bytes: Callable[[int], None] | None = None,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None,
+                 family: tuple[Checkpoint, list[Checkpoint]] | None = None) -> None:
+        """``family``: the spec's (base, experts) if the caller opened them already (the
+        session then owns and closes them)."""
         self.spec = spec
         self.started = time.monotonic()
-        self.base, self.experts = open_family(spec)
+        self.base, self.experts = family if family is not None else open_family(spec)
         self.index, self.index_built = load_or_build(
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing

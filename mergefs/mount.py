@@ -41,6 +41,7 @@ from .errors import MergefsError
 from .fuse import Operations, mount_options
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
+from .progress import byte_progress
 from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
 
@@ -146,19 +147,11 @@ def check_mountpoint(path: str | Path) -> Path:
 def ensure_index(spec: Spec, progress: bool = True) -> None:
     """Build the block index now if needed, so the session opens fast and its counters only
     count the mount's own reads."""
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     base, experts = open_family(spec)
     try:
         total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-        console = Console(stderr=True)
-        with Progress(TextColumn("[bold]indexing"), BarColumn(), DownloadColumn(),
-                      TimeRemainingColumn(), console=console,
-                      disable=not (progress and console.is_terminal)) as prog:
-            task = prog.add_task("indexing", total=total)
-            _, built = load_or_build(base, experts, spec.block_size, spec.index_dir,
-                                     lambda n: prog.advance(task, n))
+        with byte_progress("indexing", total, enabled=progress) as tick:
+            _, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
         if built:
             log.info("index built in %s", spec.index_dir)
     finally:
