@@ -1,3 +1,11 @@
-"""mergefs: budgeted, lazy, verifiable merging of model checkpoints."""
+"""mergefs: budgeted, lazy, verifiable merging of model checkpoints.
 
-__version__ = "0.1.0"
+The Python API (``mergefs.open(spec).plan("10%")``, ``.merge(outdir)``, ``.mount(path)``,
+``mergefs.replay(manifest)``) lives in :mod:`mergefs.api`; see docs/api.md.
+"""
+
+__version__ = "0.2.0"
+
+from .api import Merge, MergeResult, Mounted, open, replay  # noqa: E402
+
+__all__ = ["Merge", "MergeResult", "Mounted", "__version__", "open", "replay"]

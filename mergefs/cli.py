@@ -10,8 +10,10 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -35,8 +37,16 @@ typical session:
 """
 
 
+def _sources(spec: Spec) -> list[str]:
+    """Every local or remote source the spec reads (outputs must never land in one)."""
+    return [spec.base, *(e.path for e in spec.experts)]
+
+
 def _load(args: argparse.Namespace) -> Spec:
+    from .outdir import check_writes
+
     spec = load_spec(args.spec)
+    check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
         try:
             spec = spec.with_budget(parse_budget(args.budget))
@@ -118,6 +128,11 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
                   f"  ({rep['blocks_zero']} zero-delta)")
+    block_bytes = session.index.layout.block_bytes()
+    for i, label in enumerate(session.engine.labels):
+        got = int((block_bytes * plan.selected[i]).sum())
+        table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
+                      f"{human_bytes(int(block_bytes.sum()))}{pct(got, int(block_bytes.sum()))}")
     if rep["bound_tight"] is not None:
         table.add_row("||E|| tight bound", f"{rep['bound_tight']:.6g}")
         table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
@@ -125,10 +140,57 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         table.add_row("||E|| exact (from index)",
                       "- (index from sidecars)" if exact is None else f"{exact:.6g}")
         table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
-        rel = rep["bound_relative_to_update"]
-        table.add_row("tight bound / update", "-" if rel is None else f"{rel:.3%}")
+    for line in bound_in_words(spec.method, rep):
+        table.add_row("", line)
+    return table
+
+
+def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
+    """What the bound means for this plan, in plain words (a few short lines)."""
+    tight, exact, update = rep["bound_tight"], rep["error_exact"], rep["update_norm"]
+    if tight is None:
+        return [f"{method} is not additive: no error bound; exact at the full budget, and "
+                "`mergefs merge` reports the measured deviation"]
+    if rep["planned_expert_bytes"] >= rep["nonzero_expert_bytes"]:
+        return ["every non-zero expert block is read: the merge is exact"]
+    if not update:
+        return [f"the merged model differs from the full merge by at most {tight:.4g} "
+                "(Frobenius norm over all tensors)"]
+    rel = tight / update
+    lines = []
+    if rel <= 1:
+        lines.append(f"the merge keeps at least {1 - rel:.1%} of the merge update: it differs "
+                     f"from the full-budget merge by at most {rel:.1%} of the update's norm")
     else:
-        table.add_row("error bound", f"none ({spec.method} is not additive; exact at full)")
+        lines.append(f"the guaranteed bound ({rel:.0%} of the update's norm) is larger than the "
+                     "update itself: this budget guarantees nothing useful")
+    if exact is not None:
+        kept = 1 - (exact / update) ** 2
+        lines.append(f"measured from the index: the error is {exact / update:.1%} of the "
+                     f"update's norm ({kept:.1%} of its energy kept)")
+    return lines
+
+
+def _tensor_reads_table(session: Any, top: int) -> Table:
+    """Per tensor: expert bytes, how much the plan reads, skips and finds zero (top by bytes)."""
+    lay = session.index.layout
+    plan = session.plan
+    block_bytes = lay.block_bytes()
+    n = plan.selected.shape[0]
+    total_t = np.bincount(lay.tensor_of, weights=block_bytes, minlength=len(lay.tensors)) * n
+    read_t = np.bincount(lay.tensor_of, weights=(plan.selected * block_bytes).sum(axis=0),
+                         minlength=len(lay.tensors))
+    zero_t = np.bincount(lay.tensor_of, weights=(session.index.zero * block_bytes).sum(axis=0),
+                         minlength=len(lay.tensors))
+    order = sorted(range(len(lay.tensors)), key=lambda t: (-total_t[t], t))[:top]
+    table = Table(title=f"expert reads by tensor (top {len(order)} of {len(lay.tensors)} by "
+                        "bytes)")
+    for col in ("tensor", "expert bytes", "read", "skipped", "zero-delta"):
+        table.add_column(col, justify="left" if col == "tensor" else "right")
+    for t in order:
+        skipped = total_t[t] - read_t[t] - zero_t[t]
+        table.add_row(lay.tensors[t], human_bytes(total_t[t]), human_bytes(read_t[t]),
+                      human_bytes(max(skipped, 0)), human_bytes(zero_t[t]))
     return table
 
 
@@ -140,23 +202,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(json.dumps(session.plan.report(), sort_keys=True))
         else:
             Console().print(_plan_table(spec, session))
+            if args.tensors:
+                Console().print(_tensor_reads_table(session, args.tensors))
     finally:
         session.close()
     return 0
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
+def _open_manifest(spec: Spec, explicit: str | None) -> Any:
+    """The run's manifest writer: ``explicit`` exactly (refused if it exists), else a new
+    timestamped file beside the spec's ``manifest`` path, which then points at it."""
     from .manifest import ManifestWriter
 
+    if explicit:
+        return ManifestWriter(explicit)
+    return ManifestWriter.for_run(spec.manifest)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .outdir import check_outdir, check_writes
+
     spec = _load(args)
-    manifest = ManifestWriter(args.manifest or spec.manifest)
+    out = Path(args.outdir)
+    # Everything is validated before the manifest or any output exists.
+    check_writes(_sources(spec), outdir=out, manifest=args.manifest or spec.manifest)
+    check_outdir(out, args.force)
+    manifest = _open_manifest(spec, args.manifest)
     session = _session(spec, manifest)
     try:
         out_bytes = sum(f.size_bytes for f in session.engine.out_files)
         with byte_progress("merging", out_bytes) as tick:
-            session.engine.materialise(args.outdir, on_bytes=tick, overwrite=args.force)
+            session.engine.materialise(out, on_bytes=tick, overwrite=args.force)
         totals = session.finish()
     finally:
+        manifest.close()
         session.close()
     read = totals["physical_bytes_read"]
     print(f"merged into {args.outdir} in {totals['wall_seconds']:.2f}s: read "
@@ -193,6 +272,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return run_stats(args)
 
 
+SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mergefs",
@@ -200,13 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"mergefs {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # --debug is accepted after the subcommand too (SUPPRESS: it does not reset the global one)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    budget_help = "override the spec's budget: full, 10%%, 0.1 or a size like 2GiB"
+    budget_help = ("override the spec's budget: full, 10%%, 0.1 (a fraction) or a size with a "
+                   "unit like 2GiB or 500MB; a bare number above 1 is refused as ambiguous")
 
-    s = sub.add_parser("index", help="build (or reuse) the block index of a spec's family",
-                       description="Read base and experts once; store per-block delta norms, "
-                       "hashes and zero flags under index_dir. Reused while sources are unchanged.")
-    s.add_argument("spec")
+    def add(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    s = add("index", help="build (or reuse) the block index of a spec's family",
+            description="Read base and experts once; store per-block delta norms, "
+            "hashes and zero flags under index_dir. Reused while sources are unchanged.")
+    s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N tensors with the largest deltas (per-expert norms)")
@@ -216,40 +306,52 @@ def build_parser() -> argparse.ArgumentParser:
                    "remote experts need not read them")
     s.set_defaults(func=cmd_index)
 
-    s = sub.add_parser("plan", help="show which expert blocks a budget reads and its error bound",
-                       description="Plan the expert reads for a budget (deterministic) and report "
-                       "bytes, blocks, bounds on the merge error and the plan hash.")
-    s.add_argument("spec")
+    s = add("plan", help="show which expert blocks a budget reads and its error bound",
+            description="Plan the expert reads for a budget (deterministic) and report "
+            "bytes, blocks, bounds on the merge error (and what they mean as a share of the "
+            "merge update) and the plan hash. Reads only the index.")
+    s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--budget", help=budget_help)
+    s.add_argument("--tensors", type=int, default=0, metavar="N",
+                   help="also list the N largest tensors with the bytes read, skipped and zero")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("merge", help="materialise the merge as a Hugging Face directory",
-                       description="Read base + planned expert blocks, merge, write OUTDIR "
-                       "(safetensors shards mirroring the base, non-weight files copied) and "
-                       "a manifest of every byte read.")
-    s.add_argument("spec")
-    s.add_argument("outdir")
+    s = add("merge", help="materialise the merge as a Hugging Face directory",
+            description="Read base + planned expert blocks, merge, write OUTDIR "
+            "(safetensors shards mirroring the base, non-weight files copied, config.json with "
+            "the output dtype) and a manifest of every byte read. OUTDIR appears only when "
+            "complete; an interrupted merge leaves no partial output.")
+    s.add_argument("spec", help=SPEC_HELP)
+    s.add_argument("outdir", help="output directory (new or empty; never a source)")
     s.add_argument("--budget", help=budget_help)
-    s.add_argument("--manifest", help="manifest path (default: the spec's manifest key)")
-    s.add_argument("--force", action="store_true", help="write into a non-empty OUTDIR")
+    s.add_argument("--manifest", metavar="PATH",
+                   help="write the manifest exactly here (must not exist); default: a new "
+                   "timestamped file beside the spec's `manifest` path, which then points to it")
+    s.add_argument("--force", action="store_true",
+                   help="replace an earlier merge output in OUTDIR as a whole")
     s.set_defaults(func=cmd_merge)
 
-    s = sub.add_parser("replay", help="re-execute a manifest's plan and verify every byte",
-                       description="Re-read every recorded source range, check its hash, "
-                       "re-merge and check every output hash. Fails naming a changed source.")
-    s.add_argument("manifest")
+    s = add("replay", help="re-execute a manifest's plan and verify every byte",
+            description="Re-read every recorded source range, check its hash, "
+            "re-merge and check every output hash. Fails naming a changed source, and fails for "
+            "a manifest of an interrupted run (no totals) or one that records no output.")
+    s.add_argument("manifest", help="a manifest written by merge or mount (or its pointer)")
     s.add_argument("--out", help="also write the merged model here")
-    s.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    s.add_argument("--force", action="store_true", help="replace an earlier merge output in --out")
     s.set_defaults(func=cmd_replay)
 
-    s = sub.add_parser("mount", help="mount the merge as a lazy read-only HF model directory",
-                       description="Expose a virtual merged model directory at MOUNTPOINT; "
-                       "tensor reads merge only the blocks they need (budgeted, cached). "
-                       "Returns once the mount is ready unless --foreground.")
-    s.add_argument("spec")
-    s.add_argument("mountpoint")
+    s = add("mount", help="mount the merge as a lazy read-only HF model directory",
+            description="Expose a virtual merged model directory at MOUNTPOINT; "
+            "tensor reads merge only the blocks they need (budgeted, cached). "
+            "Returns once the mount is ready unless --foreground. Keep it mounted while a "
+            "model loaded from it lives: transformers maps the weight files.")
+    s.add_argument("spec", help=SPEC_HELP)
+    s.add_argument("mountpoint", help="an existing empty directory")
     s.add_argument("--budget", help=budget_help)
+    s.add_argument("--manifest", metavar="PATH",
+                   help="write the manifest exactly here (must not exist); default: a new "
+                   "timestamped file beside the spec's `manifest` path, which then points to it")
     s.add_argument("--cache-size", help="memory cache of merged blocks (default: 1/4 of RAM, "
                    "at most 8GiB)")
     s.add_argument("--cache-dir", help="persistent cache of merged blocks, keyed by plan hash")
@@ -257,20 +359,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     s.set_defaults(func=cmd_mount)
 
-    s = sub.add_parser("umount", help="unmount (also clears a mount whose process died)")
-    s.add_argument("mountpoint")
+    s = add("umount", help="unmount (also clears a mount whose process died)",
+            description="Unmount MOUNTPOINT and wait for its server to record the manifest's "
+            "totals. A mount still in use (a process holds a file open or mapped) is refused, "
+            "naming the processes; --lazy detaches it anyway.")
+    s.add_argument("mountpoint", help="where a mergefs merge is mounted")
+    s.add_argument("--lazy", action="store_true",
+                   help="detach now even if in use; the server stays until the last user closes")
     s.set_defaults(func=cmd_umount)
 
-    s = sub.add_parser("stats", help="print a mount's live counters")
-    s.add_argument("mountpoint")
+    s = add("stats", help="print a mount's live counters (and its last read errors)")
+    s.add_argument("mountpoint", help="where a mergefs merge is mounted")
     s.add_argument("--json", action="store_true", help="print stats.json as is")
     s.set_defaults(func=cmd_stats)
     return p
 
 
+def _join_option_values(argv: list[str]) -> list[str]:
+    """``--budget -5%`` -> ``--budget=-5%``: argparse would take a value starting with '-' for
+    an option and never pass it to the budget parser."""
+    out: list[str] = []
+    k = 0
+    while k < len(argv):
+        a = argv[k]
+        if a in ("--budget", "--cache-size") and k + 1 < len(argv) \
+                and argv[k + 1].startswith("-") and argv[k + 1][1:2] not in ("-", ""):
+            out.append(f"{a}={argv[k + 1]}")
+            k += 2
+            continue
+        out.append(a)
+        k += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_option_values(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="mergefs: %(message)s", stream=sys.stderr)
     for name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp"):

@@ -37,8 +37,9 @@ from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .manifest import SCHEMA_VERSION, ManifestWriter
 from .ops import OpParams, merge_gta, merge_slerp, resolve_params
+from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
-from .spec import ADDITIVE, Spec, check_coordinates
+from .spec import ADDITIVE, OUT_DTYPE_NAMES, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,53 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
     return files, index_json
 
 
+CONFIG_NAME = "config.json"
+
+
+def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
+    """Non-weight files the merge writes differently from the base's, by relative path.
+
+    ``config.json`` carries the output dtype (``torch_dtype`` and ``dtype``, the name
+    transformers >= 5 reads), as mergekit writes it, so ``from_pretrained`` loads a float16
+    merge as float16. Keys keep their order. Without an output dtype (each tensor keeps its own)
+    or with a config that is not a JSON object, the base's file passes through unchanged.
+    """
+    if spec.out_dtype is None or CONFIG_NAME not in base.extra_files:
+        return {}
+    try:
+        config = json.loads(base.read_extra(CONFIG_NAME))
+    except ValueError:
+        log.warning("%s of the base is not valid JSON: copied unchanged (its dtype may not match "
+                    "the merge)", CONFIG_NAME)
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    name = OUT_DTYPE_NAMES[spec.out_dtype]
+    config["torch_dtype"] = name
+    config["dtype"] = name
+    return {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def expert_labels(paths: Sequence[str]) -> list[str]:
+    """Short unique names of experts for plans, stats and manifests: the shortest trailing
+    path components that tell them apart (``math-7b``, ``a/ckpt`` vs ``b/ckpt``), never
+    ``base``; a URL's scheme is dropped."""
+    parts = [[q for q in p.split("://", 1)[-1].rstrip("/").split("/") if q] or [p]
+             for p in paths]
+    labels: list[str] = [""] * len(paths)
+    for i, comps in enumerate(parts):
+        for k in range(1, len(comps) + 1):
+            cand = "/".join(comps[-k:])
+            clash = any("/".join(o[-k:]) == cand for j, o in enumerate(parts) if j != i)
+            if not clash and cand != "base":
+                labels[i] = cand
+                break
+    for i, lab in enumerate(labels):
+        if not lab or labels.count(lab) > 1:  # the same path twice, or only "base" left
+            labels[i] = f"expert-{i}"
+    return labels
+
+
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
     experts = [open_checkpoint(e.path, spec.source_options(e.path)) for e in spec.experts]
@@ -130,6 +178,8 @@ class Engine:
         self.tindex = self.layout.tensor_index()
         self.out_files, self.index_json = output_layout(spec, base, self.tindex)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
+        self.extra_overrides = output_extra_files(spec, base)
+        self.labels = expert_labels([e.path for e in spec.experts])
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
@@ -221,7 +271,7 @@ class Engine:
                 full = w0.copy() if p.method == "slerp" else np.zeros_like(w0)
             for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
                 s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
-                buf = self._check(src, f"expert:{i}", name, rng, raw, r0, r1,
+                buf = self._check(src, self.labels[i], name, rng, raw, r0, r1,
                                   self.index.expert_hash[i])
                 wi = decode_f32(buf, src_dtype)
                 lo, hi = s0 - e0, s1 - e0
@@ -288,33 +338,31 @@ class Engine:
     def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,
                     threads: int = 2, overwrite: bool = False) -> dict[str, str]:
         """Write the merged model to ``outdir``; returns {tensor: xxh3 of its output bytes}."""
-        out = Path(outdir)
-        if out.exists() and not out.is_dir():
-            raise MergefsError(f"{out}: exists and is not a directory")
-        if out.is_dir() and any(out.iterdir()) and not overwrite:
-            raise MergefsError(f"{out}: directory is not empty (use --force to overwrite)")
         hashes: dict[str, str] = {}
+        staging = Staging(outdir, force=overwrite)  # checks the directory before any work
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            with ThreadPoolExecutor(max_workers=threads,
-                                    thread_name_prefix="mergefs-merge") as pool:
-                for f in self.out_files:
-                    self._write_file(out, f, pool, hashes, on_bytes)
-            if self.index_json is not None:
-                _atomic_write(out / INDEX_NAME, [self.index_json])
-            for rel in self.base.extra_files:
-                dst = out / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dst.with_name(f".{dst.name}.partial")
-                try:
-                    _clear_temp(tmp)
-                    self.base.copy_extra(rel, tmp)
-                    os.replace(tmp, dst)
-                finally:
-                    tmp.unlink(missing_ok=True)
+            with staging:
+                out = staging.tmp
+                with ThreadPoolExecutor(max_workers=threads,
+                                        thread_name_prefix="mergefs-merge") as pool:
+                    for f in self.out_files:
+                        self._write_file(out, f, pool, hashes, on_bytes)
+                if self.index_json is not None:
+                    _atomic_write(out / INDEX_NAME, [self.index_json])
+                for rel in self.base.extra_files:
+                    dst = out / rel
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    rewritten = self.extra_overrides.get(rel)
+                    if rewritten is not None:
+                        _atomic_write(dst, [rewritten])
+                    else:
+                        self.base.copy_extra(rel, dst)
+                manifest_path = getattr(self.manifest, "path", None)
+                staging.commit({"spec": self.spec.source, "plan_hash": self.plan.plan_hash,
+                                "manifest": str(manifest_path) if manifest_path else None})
         except OSError as exc:
-            # e.g. ENOSPC: partial files were removed; nothing half-written has a final name.
-            where = exc.filename or out
+            # e.g. ENOSPC: the temporary tree was removed; the output directory is untouched.
+            where = exc.filename or outdir
             raise MergefsError(f"{where}: cannot write the merged model: {exc.strerror}") from None
         return hashes
 
@@ -462,7 +510,8 @@ class Session:
             "spec": dict(self.spec.raw),
             "spec_file": self.spec.source,
             "sources": {"base": self.base.identity_json(),
-                        **{f"expert:{i}": e.identity_json() for i, e in enumerate(self.experts)}},
+                        **{lab: e.identity_json()
+                           for lab, e in zip(self.engine.labels, self.experts)}},
             "index_key": self.index.key,
             "plan_hash": self.plan.plan_hash,
             "budget_bytes": self.plan.budget_bytes,
@@ -472,13 +521,13 @@ class Session:
 
     def source_bytes(self) -> dict[str, int]:
         return {"base": self.base.counters.bytes_read,
-                **{f"expert:{i}": e.counters.bytes_read for i, e in enumerate(self.experts)}}
+                **{lab: e.counters.bytes_read for lab, e in zip(self.engine.labels, self.experts)}}
 
     def source_requests(self) -> dict[str, int]:
         """Read requests per source: preads (local) or requests sent, retries included (remote)."""
         return {label: getattr(c.counters, "requests", c.counters.reads)
                 for label, c in [("base", self.base),
-                                 *((f"expert:{i}", e) for i, e in enumerate(self.experts))]}
+                                 *zip(self.engine.labels, self.experts)]}
 
     def totals_record(self) -> dict[str, Any]:
         read = self.source_bytes()

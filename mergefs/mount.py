@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -26,8 +25,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from .errors import MergefsError
 from .fuse import Operations, mount_options
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
+from .outdir import check_writes
 from .progress import byte_progress
 from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
@@ -166,22 +165,27 @@ def run_mount(args: argparse.Namespace, spec: Spec) -> int:
                            "(remote experts are fine); copy the base locally or use "
                            "`mergefs merge`")
     cfg = make_config(args, spec)
+    explicit = getattr(args, "manifest", None)
+    check_writes([spec.base, *(e.path for e in spec.experts)],
+                 manifest=explicit or spec.manifest, cache_dir=cfg.cache_dir, log=cfg.log_file)
     check_mountpoint(cfg.mountpoint)
+    # Validated now, created by the server at its first record (never truncating anything).
+    manifest = ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
     ensure_index(spec)
     if args.foreground:
         def ready() -> None:
             print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (Ctrl-C or `mergefs "
-                  f"umount {cfg.mountpoint}` unmounts)", flush=True)
+                  f"umount {cfg.mountpoint}` unmounts); manifest {manifest.path}", flush=True)
 
-        totals = serve(spec, cfg, ready)
+        totals = serve(spec, cfg, ready, manifest)
         print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
               f" of {human_bytes(totals['total_expert_bytes'])} expert bytes; manifest "
-              f"{spec.manifest}", flush=True)
+              f"{manifest.path}", flush=True)
         return 0
-    return _daemonize(spec, cfg)
+    return _daemonize(spec, cfg, manifest)
 
 
-def _daemonize(spec: Spec, cfg: MountConfig) -> int:
+def _daemonize(spec: Spec, cfg: MountConfig, manifest: ManifestWriter) -> int:
     """Fork a detached server; return 0 once the mount answers, or raise its startup error."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -194,7 +198,8 @@ def _daemonize(spec: Spec, cfg: MountConfig) -> int:
             os.setsid()
             os.chdir("/")
             _redirect_output(cfg.log_file)
-            serve(spec, cfg, lambda: _tell(w, b"ok\n"))
+            serve(spec, cfg, lambda: _tell(w, b"ok " + str(manifest.path).encode() + b"\n"),
+                  manifest)
             code = 0
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting parent
             msg = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
@@ -207,8 +212,9 @@ def _daemonize(spec: Spec, cfg: MountConfig) -> int:
     with os.fdopen(r, "rb") as pipe:
         answer = pipe.readline()
     if answer.startswith(b"ok"):
+        where = answer[3:].decode(errors="replace").strip()
         print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (pid {pid}, log "
-              f"{cfg.log_file}); `mergefs umount {cfg.mountpoint}` unmounts")
+              f"{cfg.log_file}, manifest {where}); `mergefs umount {cfg.mountpoint}` unmounts")
         return 0
     os.waitpid(pid, 0)
     text = answer.decode(errors="replace").strip()
@@ -239,51 +245,31 @@ def _redirect_output(log_file: Path) -> None:
             h.setFormatter(logging.Formatter("%(asctime)s mergefs[%(process)d]: %(message)s"))
 
 
-def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, Any]:
+def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
+          manifest: ManifestWriter | None = None) -> dict[str, Any]:
     """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
-    with _manifest_lock(Path(spec.manifest)):
-        manifest = ManifestWriter(spec.manifest)
+    if manifest is None:
+        manifest = ManifestWriter.for_run(spec.manifest)
+    try:
+        session = Session(spec, manifest=manifest)
         try:
-            session = Session(spec, manifest=manifest)
+            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
+            view = View(session, cache)
             try:
-                cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
-                view = View(session, cache)
-                try:
-                    trio.run(_serve_fuse, view, cfg, ready)
-                finally:
-                    view.close()
-                totals = session.finish()
+                trio.run(_serve_fuse, view, cfg, ready)
             finally:
-                session.close()
+                view.close()
+            totals = session.finish()
         finally:
-            manifest.close()
+            session.close()
+    finally:
+        manifest.close()
     stats = view.stats()
     log.info("unmounted %s: served %d weight bytes; read %d expert bytes of %d; cache %d hits, "
              "%d misses", cfg.mountpoint, stats["served_bytes"]["weights"],
              stats["expert_bytes_read"], stats["total_expert_bytes"], stats["cache"]["hits"],
              stats["cache"]["misses"])
     return totals
-
-
-@contextmanager
-def _manifest_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock beside the manifest while serving: two mounts of one spec would
-    otherwise write the same manifest file."""
-    lock_path = path.with_name(f".{path.name}.lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise MergefsError(f"{lock_path}: cannot create lock: {exc.strerror}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MergefsError(f"{path}: manifest in use by another mount of this spec; set "
-                               "another `manifest:` path in the spec to mount it twice") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
@@ -330,19 +316,94 @@ def _server_pid(mountpoint: Path) -> int | None:
     return pid if b"mergefs" in cmdline and pid != os.getpid() else None
 
 
+def holders(mountpoint: Path) -> list[tuple[int, str]]:
+    """Processes using files under ``mountpoint`` (open, mapped, or as cwd/root), as umount(8)
+    would find them: ``(pid, command)`` from /proc, sorted by pid. Unreadable processes (not
+    ours, without root) are skipped."""
+    root = str(mountpoint).rstrip("/")
+    inside = (lambda p: p == root or p.startswith(root + "/"))
+    found: list[tuple[int, str]] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        base = f"/proc/{pid}"
+        if _uses(base, inside):
+            try:
+                cmd = " ".join(Path(f"{base}/cmdline").read_bytes().decode(errors="replace")
+                               .replace("\0", " ").split())
+                name = cmd[:80] or Path(f"{base}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+            found.append((pid, name))
+    return sorted(found)
+
+
+def _uses(base: str, inside: Callable[[str], bool]) -> bool:
+    try:
+        for link in ("cwd", "root", "exe"):
+            try:
+                if inside(os.readlink(f"{base}/{link}")):
+                    return True
+            except OSError:
+                pass
+        try:
+            for fd in os.scandir(f"{base}/fd"):
+                try:
+                    if inside(os.readlink(fd.path)):
+                        return True
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        with open(f"{base}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and inside(fields[5].rstrip("\n").removesuffix(" (deleted)")):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _is_dead(mnt: Path) -> bool:
+    try:
+        os.stat(mnt / STATE_DIR)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
 def run_umount(args: argparse.Namespace) -> int:
     mnt = Path(os.path.abspath(args.mountpoint))
     if not is_mounted(mnt):
         raise MergefsError(f"{mnt}: not mounted")
     pid = _server_pid(mnt)
+    lazy_wanted = bool(getattr(args, "lazy", False))
     first = _fusermount(["-u", str(mnt)])
     if first.returncode != 0:
+        dead = _is_dead(mnt)
+        users = [] if dead else holders(mnt)
+        if not dead and not lazy_wanted:
+            if users:
+                who = ", ".join(f"pid {p} ({c})" for p, c in users[:5])
+                more = f" and {len(users) - 5} more" if len(users) > 5 else ""
+                raise MergefsError(f"{mnt}: busy: in use by {who}{more}; close them first (a "
+                                   "model loaded from the mount keeps its files mapped while "
+                                   "it lives), or `mergefs umount --lazy` to detach anyway")
+            raise MergefsError(f"{mnt}: cannot unmount: "
+                               f"{first.stderr.strip() or 'fusermount3 failed'}")
         lazy = _fusermount(["-u", "-z", str(mnt)])
         if lazy.returncode != 0:
             raise MergefsError(f"{mnt}: cannot unmount: "
                                f"{(lazy.stderr or first.stderr).strip() or 'fusermount3 failed'}")
-        log.info("%s was busy or its process died (%s): detached lazily", mnt,
-                 first.stderr.strip())
+        if not dead:
+            who = ", ".join(f"pid {p}" for p, _ in users) or "its open files"
+            print(f"mergefs: detached {mnt} lazily; the server"
+                  f"{f' (pid {pid})' if pid else ''} keeps serving {who} until the last user "
+                  "closes, then records the manifest's totals and exits")
+            return 0
+        log.info("%s: its process had died: detached", mnt)
     if pid is not None:  # wait for the server to write the manifest's totals and exit
         deadline = time.monotonic() + UMOUNT_WAIT_SECONDS
         while _alive(pid) and time.monotonic() < deadline:
@@ -433,6 +494,12 @@ def run_stats(args: argparse.Namespace) -> int:
                       f"{c['disk_hits']} / {c['disk_writes']} / {c['disk_corrupt']}")
     table.add_row("readahead units", str(data["readahead"]["units_scheduled"]))
     table.add_row("read errors", str(data["read_errors"]))
+    for e in data.get("last_errors", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["unix_time"]))
+        table.add_row(f"  {when} {e['path']} @{e['offset']}", e["error"])
+    if data.get("read_errors"):
+        table.add_row("", "a reader of a mapped file gets SIGBUS on such an error: see the log "
+                      "and the README")
     table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
     Console().print(table)
     return 0

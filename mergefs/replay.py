@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint
-from .engine import Engine, open_family
+from .engine import Engine, expert_labels, open_family
 from .errors import ManifestError, SourceChanged
 from .index import BlockIndex, build_layout
 from .manifest import read_manifest
+from .outdir import check_writes
 from .plan import Plan, selected_from_runs
 from .spec import parse_spec
 
@@ -179,12 +180,23 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
                           ("tensor", contents.tensors)):
         for rec in records:
             _check_fields(manifest_path, kind, rec)
+    if contents.totals is None:
+        raise ManifestError(f"{manifest_path}: has no totals record: the run that wrote it was "
+                            "interrupted or failed (or its mount is still serving), so its merge "
+                            "is incomplete; nothing to verify as a whole")
+    if not contents.outputs:
+        raise ManifestError(f"{manifest_path}: records no merged output (the run merged "
+                            "nothing, e.g. a mount from which no weights were read); nothing to "
+                            "verify")
     spec = parse_spec(dict(h["spec"]), base_dir=Path(manifest_path).resolve().parent,
                       source=f"{manifest_path} (recorded spec)")
+    if out is not None:
+        check_writes([spec.base, *(e.path for e in spec.experts)], outdir=out)
     base, experts = open_family(spec)
     try:
         recorded = h["sources"]
-        labelled = {"base": base, **{f"expert:{i}": e for i, e in enumerate(experts)}}
+        labels = expert_labels([e.path for e in spec.experts])
+        labelled = {"base": base, **dict(zip(labels, experts))}
         for label, c in labelled.items():
             now_files = [c.identities[f].to_json() for f in c.files]
             was = recorded.get(label)

@@ -145,7 +145,9 @@ class Budget:
 
 
 def parse_budget(value: object) -> Budget:
-    """``full``, ``0.1``, ``10%``, ``2GiB``, ``1500000`` (bytes, when an integer > 1)."""
+    """``full``, a fraction ``0.1`` (``1`` is full), ``10%``, or a size with a unit: ``2GiB``,
+    ``1500000B``. A bare number above 1 has no unit and is refused as ambiguous (it was once read
+    as bytes, which silently read nothing: ``budget: 10`` meant ten bytes, not 10%)."""
     err = (
         f"budget: expected 'full', a fraction in [0, 1] like 0.1, a percentage like 10%, "
         f"or a size like 2GiB; got {value!r}"
@@ -153,36 +155,42 @@ def parse_budget(value: object) -> Budget:
     if isinstance(value, bool) or value is None:
         raise BudgetError(err)
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value):
             raise BudgetError(err)
-        if isinstance(value, float) or value <= 1:
-            if value > 1:
-                raise BudgetError(err)
-            return Budget("full") if value == 1 else Budget("fraction", float(value))
-        return Budget("bytes", float(value))
+        if value < 0:
+            raise BudgetError(f"budget: must not be negative, got {value!r}")
+        if value > 1:
+            raise BudgetError(f"budget: {value!r} is ambiguous: write {value:g}% for a share of "
+                              f"the expert bytes, or {value:g}B / {value:g}MiB for a size")
+        return Budget("full") if value == 1 else Budget("fraction", float(value))
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("full", "all", "100%"):
             return Budget("full")
+        if text.startswith("-"):
+            raise BudgetError(f"budget: must not be negative, got {value!r}")
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
         if m:
             pct = float(m.group(1))
             if pct > 100:
-                raise BudgetError(err)
+                raise BudgetError(f"budget: {value!r} is more than 100% of the expert bytes")
             return Budget("full") if pct == 100 else Budget("fraction", pct / 100)
         try:
             as_float = float(text)
         except ValueError:
-            try:
-                return Budget("bytes", float(parse_size(text, "budget")))
-            except ValueError:
-                raise BudgetError(err) from None
-        if not math.isfinite(as_float):  # "nan", "inf": int() of them would raise ValueError
+            if re.fullmatch(r"\d+(?:\.\d+)?\s*[a-z]+", text):  # a size: the unit is required
+                try:
+                    return Budget("bytes", float(parse_size(text, "budget")))
+                except ValueError:
+                    pass
+            raise BudgetError(err) from None
+        if not math.isfinite(as_float):
             raise BudgetError(err)
-        try:
-            return parse_budget(as_float if "." in text or "e" in text else int(as_float))
-        except BudgetError:
-            raise BudgetError(err) from None  # name the text as given, not the number
+        if as_float > 1:
+            raise BudgetError(f"budget: {value.strip()} is ambiguous: write {value.strip()}% "
+                              f"for a share of the expert bytes, or {value.strip()}B / "
+                              f"{value.strip()}MiB for a size")
+        return parse_budget(as_float)
     raise BudgetError(err)
 
 
@@ -269,7 +277,7 @@ def _check_param(source: str, key: str, name: str, value: Any) -> Any:
 
 
 def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
-                  allow_url: bool = False) -> str:
+                  allow_url: bool = False, follow: bool = True) -> str:
     if not isinstance(value, str) or not value:
         raise _err(source, key, f"expected a path, got {value!r}")
     if "://" in value:
@@ -277,7 +285,8 @@ def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
             raise _err(source, key, f"must be a local path, got the URL {value}")
         return _check_url(value, source, key)
     p = Path(value).expanduser()
-    return str((p if p.is_absolute() else base_dir / p).resolve())
+    p = p if p.is_absolute() else base_dir / p
+    return str(p.resolve() if follow else p.parent.resolve() / p.name)
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -420,7 +429,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
     index_dir = _resolve_path(base_dir, data.get("index_dir", ".mergefs/index"), source,
                               "index_dir")
     manifest = _resolve_path(base_dir, data.get("manifest", f"{stem}.manifest.jsonl"), source,
-                             "manifest")
+                             "manifest", follow=False)  # the pointer itself, not its target
     cache = data.get("cache") or {}
     if not isinstance(cache, dict) or set(cache) - {"memory", "dir"}:
         raise _err(source, "cache", "expected a mapping with 'memory' (a size) and/or 'dir'")

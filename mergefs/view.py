@@ -33,6 +33,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -51,6 +52,7 @@ STATE_DIR = ".mergefs"
 STATS_NAME = "stats.json"
 MANIFEST_NAME = "manifest.jsonl"
 STATS_SCHEMA = 1
+LAST_ERRORS = 10  # read errors kept (newest last) for `mergefs stats`
 
 Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest"]
 
@@ -114,6 +116,7 @@ class View:
         self.read_calls = 0
         self.passthrough_file_bytes_read = 0
         self.read_errors = 0
+        self.last_errors: deque[dict[str, Any]] = deque(maxlen=LAST_ERRORS)
         self._nodes: dict[int, _Node] = {}
         self._build()
         self._warn_large_units()
@@ -129,6 +132,12 @@ class View:
         for rel in base.extra_files:
             src = base.root / rel
             st = os.stat(src)
+            rewritten = self.engine.extra_overrides.get(rel)
+            if rewritten is not None:  # e.g. config.json with the output dtype
+                entries[PurePosixPath(rel).as_posix()] = (
+                    "static", {"size_bytes": len(rewritten), "mtime_ns": st.st_mtime_ns,
+                               "static": rewritten})
+                continue
             entries[PurePosixPath(rel).as_posix()] = (
                 "passthrough", {"size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                                 "source": src})
@@ -252,9 +261,13 @@ class View:
                 blob = n.static if n.kind == "static" else h.snapshot
                 assert blob is not None
                 data = blob[offset:offset + size]
-        except MergefsError:
+        except Exception as exc:
             with self._lock:
                 self.read_errors += 1
+                self.last_errors.append({
+                    "unix_time": round(time.time(), 3), "path": n.path, "offset": offset,
+                    "size": size, "error": str(exc) if isinstance(exc, MergefsError)
+                    else f"{type(exc).__name__}: {exc}"})
             raise
         with self._lock:
             if n.kind == "weights":
@@ -322,7 +335,8 @@ class View:
         - ``served_bytes.weights`` / ``.other``: bytes ``read`` returned from weight files / from
           every other file (passthrough files, shard index, ``.mergefs/``);
         - ``physical_bytes_read[source]``: bytes ``pread`` returned from that source's weight
-          files (base, ``expert:i``); ``expert_bytes_read`` is their sum over experts; index
+          files (``base``, or the expert's label: its shortest unique trailing path
+          components); ``expert_bytes_read`` is their sum over experts; index
           building is not counted;
         - ``passthrough_file_bytes_read``: bytes read from the base's non-weight files;
         - ``units_merged`` / ``blocks_merged``: merge units produced by the engine / blocks
@@ -331,7 +345,8 @@ class View:
           bytes cached, merges in flight, disk tier);
         - ``readahead.units_scheduled``: units queued for background merging; ``units_pending``
           queued or running now; ``errors``: failed readahead merges (the reader sees the error);
-        - ``read_calls``, ``read_errors`` (reads that raised), ``open_handles``;
+        - ``read_calls``, ``read_errors`` (reads that raised), ``last_errors`` (the newest
+          ten: time, path, offset, size, cause), ``open_handles``;
         - plan facts: ``plan_hash``, ``budget_bytes``, ``planned_expert_bytes``,
           ``total_expert_bytes``; sizes: ``weight_file_bytes`` (the virtual weight files),
           ``base_tensor_bytes`` (the base's tensors).
@@ -348,6 +363,7 @@ class View:
                                  "other": self.served_other_bytes},
                 "read_calls": self.read_calls,
                 "read_errors": self.read_errors,
+                "last_errors": list(self.last_errors),
                 "passthrough_file_bytes_read": self.passthrough_file_bytes_read,
                 "open_handles": len(self._handles),
             }
@@ -358,7 +374,7 @@ class View:
             "spec": s.spec.source,
             "method": s.spec.method,
             "sources": {"base": s.spec.base,
-                        **{f"expert:{i}": e.path for i, e in enumerate(s.spec.experts)}},
+                        **{lab: e.path for lab, e in zip(self.engine.labels, s.spec.experts)}},
             "plan_hash": plan.plan_hash,
             "budget_bytes": plan.budget_bytes,
             "planned_expert_bytes": plan.planned_bytes,

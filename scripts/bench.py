@@ -463,6 +463,7 @@ class Bench:
         if outdir.exists():
             shutil.rmtree(outdir)
         manifest = self.work / f"{outdir.name}.manifest.jsonl"
+        manifest.unlink(missing_ok=True)  # each run writes a new manifest (never overwritten)
         dev = device_of(fam)
         if cold:
             evict(fam)
@@ -1126,6 +1127,7 @@ class Bench:
         def merge(spec: Path, budget: str) -> tuple[Proc, dict[str, Any], dict[str, str], list[str]]:
             out = root / "out" / spec.stem
             manifest = root / f"{spec.stem}.manifest.jsonl"
+            manifest.unlink(missing_ok=True)  # a manifest is never overwritten: a fresh one
             evict(served, base)
             cmd = MERGEFS + ["merge", spec, out, "--budget", budget, "--manifest", manifest]
             p = run(cmd)

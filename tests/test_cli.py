@@ -110,9 +110,11 @@ def test_merge_then_replay_end_to_end(tmp_path: Path, fam: Family) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "merged into" in proc.stdout and "Traceback" not in proc.stderr
     manifest = tmp_path / "spec.manifest.jsonl"  # default: beside the spec, named after it
-    assert manifest.is_file()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                     "tokenizer.json"]
+    assert manifest.is_file() and manifest.is_symlink()  # points at this run's own manifest
+    assert sorted(p.name for p in out.iterdir()) == [".mergefs", "config.json",
+                                                     "model.safetensors", "tokenizer.json"]
+    assert json.loads((out / ".mergefs" / "merge.json").read_text())["manifest"] == \
+        str(manifest.resolve())
     assert tensor_names(out) == tensor_names(fam.base)
 
     proc = run("replay", str(manifest))
@@ -183,9 +185,19 @@ def test_errors_in_process(tmp_path: Path, fam: Family,
     assert cli.main(["merge", str(spec), str(out), "--manifest", str(tmp_path / "m1.jsonl")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not empty" in err[0]
+    # --force replaces only an earlier merge output, never a folder of the user's
     assert cli.main(["merge", str(spec), str(out), "--force",
-                     "--manifest", str(tmp_path / "m2.jsonl")]) == 0
-    assert (out / "x").read_text() == "keep" and (out / "model.safetensors").exists()
+                     "--manifest", str(tmp_path / "m2.jsonl")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not written by mergefs" in err[0]
+    assert sorted(p.name for p in out.iterdir()) == ["x"] and (out / "x").read_text() == "keep"
+    prev = tmp_path / "prev"
+    assert cli.main(["merge", str(spec), str(prev), "--manifest", str(tmp_path / "m3.jsonl")]) == 0
+    (prev / "stale.safetensors").write_bytes(b"old")
+    assert cli.main(["merge", str(spec), str(prev), "--force",
+                     "--manifest", str(tmp_path / "m4.jsonl")]) == 0
+    assert not (prev / "stale.safetensors").exists()  # replaced as a whole: nothing stale
+    assert (prev / "model.safetensors").exists()
 
     with pytest.raises(SystemExit) as exc:  # usage errors: argparse, status 2
         cli.main(["merge", str(spec)])

@@ -176,10 +176,11 @@ def read_blocks(session: Session, manifest: Path, fam: Family) -> dict[int, set[
     touched: dict[int, set[int]] = {i: set() for i in range(len(fam.experts))}
     reads = read_manifest(manifest).reads
     assert reads
+    labels = session.engine.labels
     for rec in reads:
-        if not rec["source"].startswith("expert:"):
+        if rec["source"] == "base":
             continue
-        i = int(rec["source"].split(":")[1])
+        i = labels.index(rec["source"])
         key = (i, rec["file"])
         if key not in headers:
             headers[key] = parse_header(fam.experts[i] / rec["file"])
@@ -264,7 +265,8 @@ def test_non_weight_files_sharding_and_passthrough(family_sharded: Family, index
     assert sorted(p.name for p in out.glob("*.safetensors")) == model_files(base)
     for extra in ("config.json", "tokenizer.json"):
         assert (out / extra).read_bytes() == (base / extra).read_bytes()
-    assert not list(out.glob(".*"))  # no partial files left behind
+    assert [p.name for p in out.glob(".*")] == [".mergefs"]  # no partial files left behind
+    assert not list(out.parent.glob(f".{out.name}.mergefs-partial-*"))
     ints = read_tensor(out, INT_TENSOR_NAME)
     assert ints.dtype == np.int64
     assert ints.tobytes() == read_tensor(base, INT_TENSOR_NAME).tobytes()
@@ -274,8 +276,8 @@ def test_single_file_output_layout(family_f16: Family, index_dir: Path, tmp_path
     spec_path = write_case_spec(tmp_path / "spec.yaml", family_f16, "dare_ties", index_dir)
     out = tmp_path / "out"
     run_merge(spec_path, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                     "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".mergefs", "config.json",
+                                                     "model.safetensors", "tokenizer.json"]
     with safe_open(str(out / "model.safetensors"), framework="np") as fo, \
             safe_open(str(family_f16.base / "model.safetensors"), framework="np") as fb:
         names = fb.keys()
@@ -357,7 +359,7 @@ def test_budgeted_matches_reference_with_plan_omissions(request: pytest.FixtureR
     assert any(full[n].tobytes() != expected[n].tobytes() for n in full)
 
 
-@pytest.mark.parametrize("budget", [0, 2, 5000, 60000, "12.5%", "0.05", "20KiB"])
+@pytest.mark.parametrize("budget", [0, "2B", "5000B", "60000B", "12.5%", "0.05", "20KiB"])
 def test_byte_and_fraction_budgets_match_reference(family_f32: Family, index_dir: Path,
                                                    tmp_path: Path, budget: Any) -> None:
     spec_path = write_case_spec(tmp_path / "spec.yaml", family_f32, "dare_linear", index_dir,
@@ -404,7 +406,7 @@ def expert_bytes_total(fam: Family) -> int:
 budgets = st.one_of(
     st.floats(0.0, 1.0, allow_nan=False),
     st.integers(0, 100).map(lambda p: f"{p}%"),
-    st.integers(2, 400_000),  # bytes (may exceed the total: clamped)
+    st.integers(2, 400_000).map(lambda n: f"{n}B"),  # bytes (may exceed the total: clamped)
     st.integers(0, 300).map(lambda k: f"{k}KiB"),
 )
 weights_st = st.lists(st.floats(-2.0, 2.0, allow_nan=False).map(lambda w: round(w, 3)),
@@ -448,8 +450,10 @@ def test_budget_properties(hyp_families: dict[str, Family], index_dir: Path,
         want_budget = min(budget, total)
     elif budget.endswith("%"):
         want_budget = math.floor(int(budget[:-1]) / 100 * total)
-    else:
+    elif budget.endswith("KiB"):
         want_budget = min(int(budget[:-3]) * 1024, total)
+    else:  # "<n>B"
+        want_budget = min(int(budget[:-1]), total)
     assert abs(plan.budget_bytes - want_budget) <= 1  # float rounding of the fraction
     assert plan.planned_bytes <= plan.budget_bytes
 
@@ -541,7 +545,7 @@ def test_replay_verifies_then_detects_changed_expert(tmp_path: Path,
         assert (tmp_path / "again" / f).read_bytes() == (out / f).read_bytes()
 
     # modify expert 1 in place (same size) inside a range the plan read
-    rec = next(r for r in contents.reads if r["source"] == "expert:1")
+    rec = next(r for r in contents.reads if r["source"] == "expert-1")  # its label
     changed = fam.experts[1] / rec["file"]
     size = changed.stat().st_size
     flip_byte(changed, (rec["start"] + rec["end"]) // 2)

@@ -232,14 +232,13 @@ def test_one_tensor_reads_only_its_planned_blocks(tmp_path: Path, index_dir: Pat
         blocks = list(lay.blocks_of(lay.tensor_index()[TENSOR]))
         want_reads = set()
         for label, src, planned in [("base", s.base, blocks)] + [
-                (f"expert:{i}", e, [b for b in blocks if s.plan.selected[i, b]])
+                (s.engine.labels[i], e, [b for b in blocks if s.plan.selected[i, b]])
                 for i, e in enumerate(s.experts)]:
             loc = src.tensors[TENSOR]
             for b in planned:
                 want_reads.add((label, loc.start + int(lay.elem_start[b]) * 4,
                                 loc.start + int(lay.elem_end[b]) * 4))
-        want_bytes = {label: 0 for label in ["base"] + [f"expert:{i}"
-                                                         for i in range(len(s.experts))]}
+        want_bytes = {label: 0 for label in ["base", *s.engine.labels]}
         for label, a, b in want_reads:
             want_bytes[label] += b - a
         assert want_bytes["base"] == int(sum(bb[b] for b in blocks))

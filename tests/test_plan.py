@@ -223,7 +223,7 @@ def test_index_norms_and_zero_flags_match_the_bytes(equal_family: Family,
 @pytest.mark.parametrize("k", [0, 1, 7, 40, 100])
 def test_equal_blocks_plan_is_the_top_k(equal_family: Family, tmp_path: Path, k: int) -> None:
     weights = [0.9, -0.4, 0.15]
-    s = open_session(family_spec(tmp_path, equal_family, weights, budget=k * 256 + 255))
+    s = open_session(family_spec(tmp_path, equal_family, weights, budget=f"{k * 256 + 255}B"))
     idx, lay = s.index, s.index.layout
     cands = [(-abs(weights[i]) * idx.norms[i, b] / 256, int(lay.tensor_of[b]), b, i)
              for i in range(3) for b in range(lay.n_blocks) if not idx.zero[i, b]]

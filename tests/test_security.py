@@ -159,7 +159,9 @@ def test_writes_only_where_the_spec_says(tmp_path: Path, mounts: Mounts) -> None
     # --force into an output dir holding a symlink named like an output file: replaced, the
     # target is not written
     forced = work / "forced"
-    forced.mkdir()
+    assert cli_main(["merge", str(spec), str(forced), "--manifest",
+                     str(work / "logs" / "first.manifest.jsonl")]) == 0
+    (forced / "config.json").unlink()
     (forced / "config.json").symlink_to(secret)
     assert cli_main(["merge", str(spec), str(forced), "--force", "--manifest",
                      str(work / "logs" / "forced.manifest.jsonl")]) == 0
@@ -185,9 +187,11 @@ def test_writes_only_where_the_spec_says(tmp_path: Path, mounts: Mounts) -> None
     names = sorted(p.name for p in (work / "idx").iterdir())
     assert names and all(re.fullmatch(r"[0-9a-f]{32}\.safetensors|family-[0-9a-f]{16}\.json", n)
                          for n in names), names
-    assert {p.name for p in (work / "logs").iterdir()} <= {
-        "run.manifest.jsonl", ".run.manifest.jsonl.lock", "run.manifest.log",
-        "forced.manifest.jsonl"}
+    logs = {p.name for p in (work / "logs").iterdir()}
+    assert {n for n in logs if not re.fullmatch(r"run\.manifest\.\d{8}T\d{6}Z(-\d+)?\.jsonl", n)
+            } <= {"run.manifest.jsonl", "run.manifest.log", "first.manifest.jsonl",
+                  "forced.manifest.jsonl"}
+    assert (work / "logs" / "run.manifest.jsonl").is_symlink()  # -> the latest run's manifest
     # the cache holds one folder per plan hash, of hash-named entries
     for entry in (work / "cache").rglob("*"):
         rel = entry.relative_to(work / "cache").as_posix()
@@ -201,10 +205,10 @@ def test_partial_file_planted_as_symlink_is_not_written_through(tmp_path: Path,
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     out = tmp_path / "out"
-    out.mkdir()
+    spec = spec_for(tmp_path, fam)
+    assert cli_main(["merge", str(spec), str(out)]) == 0  # an earlier merge output
     for name in (".model.safetensors.partial", ".config.json.partial"):
         (out / name).symlink_to(victim)
-    spec = spec_for(tmp_path, fam)
     assert cli_main(["merge", str(spec), str(out), "--force"]) == 0
     assert victim.read_text() == "precious\n"
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors").is_symlink()

@@ -310,9 +310,8 @@ def test_missing_spec_file(tmp_path: Path) -> None:
     ("2GiB", Budget("bytes", 2 * 1024**3)),
     ("2GB", Budget("bytes", 2 * 1000**3)),
     ("512 KiB", Budget("bytes", 512 * 1024)),
-    (1_500_000, Budget("bytes", 1_500_000)),
-    ("1500000", Budget("bytes", 1_500_000)),
-    (2, Budget("bytes", 2)),
+    ("1500000B", Budget("bytes", 1_500_000)),
+    ("2 b", Budget("bytes", 2)),
     ("full", Budget("full")),
     ("FULL", Budget("full")),
     ("100%", Budget("full")),
@@ -334,6 +333,13 @@ def test_parse_budget_rejects(value: Any) -> None:
     assert "budget" in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize("value", [10, 100, "10", "100", 1_500_000, "1500000", 2.5])
+def test_bare_number_above_one_is_ambiguous(value: Any) -> None:
+    """``budget: 10`` once meant ten *bytes*: nothing was read and the output was the base."""
+    with pytest.raises(BudgetError, match="ambiguous: write .*% .*B / .*MiB"):
+        parse_budget(value)
+
+
 def test_budget_resolve() -> None:
     total = 1000
     assert parse_budget("full").resolve(total) == 1000
@@ -341,7 +347,7 @@ def test_budget_resolve() -> None:
     assert parse_budget(0.3333).resolve(total) == 333  # floor
     assert parse_budget(0).resolve(total) == 0
     assert parse_budget("2KiB").resolve(total) == 1000  # clamped to the total
-    assert parse_budget(500).resolve(total) == 500
+    assert parse_budget("500B").resolve(total) == 500
     assert not parse_budget("99%").is_full and parse_budget("100%").is_full
 
 

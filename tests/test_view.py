@@ -391,8 +391,8 @@ def expected_reads(view: View, name: str) -> dict[str, int]:
     blocks = list(lay.blocks_of(t))
     bb = lay.block_bytes()
     out = {"base": view.session.base.tensors[name].size_bytes}
-    for i in range(len(view.session.experts)):
-        out[f"expert:{i}"] = int(sum(bb[b] for b in blocks if view.session.plan.selected[i, b]))
+    for i, label in enumerate(view.engine.labels):
+        out[label] = int(sum(bb[b] for b in blocks if view.session.plan.selected[i, b]))
     return out
 
 
