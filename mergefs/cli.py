@@ -140,8 +140,6 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         table.add_row("||E|| exact (from index)",
                       "- (index from sidecars)" if exact is None else f"{exact:.6g}")
         table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
-    for line in bound_in_words(spec.method, rep):
-        table.add_row("", line)
     return table
 
 
@@ -159,15 +157,16 @@ def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
     rel = tight / update
     lines = []
     if rel <= 1:
-        lines.append(f"the merge keeps at least {1 - rel:.1%} of the merge update: it differs "
-                     f"from the full-budget merge by at most {rel:.1%} of the update's norm")
+        lines.append(f"guaranteed: the budgeted merge differs from the full-budget merge by at "
+                     f"most {rel:.1%} of the norm of the merge update (the change the experts "
+                     "make to the base)")
     else:
-        lines.append(f"the guaranteed bound ({rel:.0%} of the update's norm) is larger than the "
-                     "update itself: this budget guarantees nothing useful")
+        lines.append(f"the guaranteed bound ({rel:.0%} of the norm of the merge update) is "
+                     "larger than the update itself: this budget guarantees nothing useful")
     if exact is not None:
         kept = 1 - (exact / update) ** 2
         lines.append(f"measured from the index: the error is {exact / update:.1%} of the "
-                     f"update's norm ({kept:.1%} of its energy kept)")
+                     f"norm of the merge update ({kept:.1%} of its energy kept)")
     return lines
 
 
@@ -202,6 +201,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(json.dumps(session.plan.report(), sort_keys=True))
         else:
             Console().print(_plan_table(spec, session))
+            for line in bound_in_words(spec.method, session.plan.report()):
+                print(f"  {line}")
             if args.tensors:
                 Console().print(_tensor_reads_table(session, args.tensors))
     finally:

@@ -211,3 +211,41 @@ def test_debug_shows_the_exception(tmp_path: Path, fam: Family) -> None:
         cli.main(["--debug", "plan", str(spec)])
     proc = run("--debug", "plan", str(spec))
     assert proc.returncode == 1 and "Traceback" in proc.stderr
+
+
+# -- usability (issue 10) -------------------------------------------------------------------------
+
+
+def test_version_debug_after_command_and_positional_help(tmp_path: Path, fam: Family) -> None:
+    from mergefs import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mergefs {__version__}"
+    # --debug after the subcommand: a traceback instead of the one-line error
+    proc = run("plan", str(tmp_path / "missing.yaml"), "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+    for cmd in COMMANDS:
+        proc = run(cmd, "--help")
+        assert proc.returncode == 0, cmd
+        positional = proc.stdout.split("positional arguments:")[1].split("options:")[0]
+        lines = [ln for ln in positional.splitlines() if ln.strip()]
+        # every positional has a help text (on its own line or after the name)
+        names = [ln.split()[0] for ln in lines if ln.startswith("  ") and not
+                 ln.startswith("   ")]
+        assert names, (cmd, proc.stdout)
+        for name in names:
+            line = next(ln for ln in lines if ln.split()[0] == name)
+            assert len(line.split()) > 1 or lines.index(line) + 1 < len(lines), (cmd, name)
+
+
+def test_plan_names_experts_and_lists_tensors(tmp_path: Path, fam: Family) -> None:
+    spec = spec_file(tmp_path, fam, budget="30%")
+    proc = run("plan", str(spec), "--tensors", "3")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for e in fam.experts:
+        assert f"reads of {e.name}" in text  # experts by name, never expert:0
+    assert "expert:0" not in text
+    assert "expert reads by tensor (top 3 of" in text
+    assert "skipped" in text and "zero-delta" in text
+    assert "of the merge update" in text  # the bound in words
