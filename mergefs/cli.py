@@ -36,14 +36,12 @@ typical session:
 
 
 def _load(args: argparse.Namespace) -> Spec:
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec, strict=getattr(args, "strict", False))
     if getattr(args, "budget", None) is not None:
         try:
             spec = spec.with_budget(parse_budget(args.budget))
         except MergefsError as exc:
             raise MergefsError(f"--budget: {exc}") from None
-        if spec.method == "slerp" and not spec.budget.is_full:
-            raise MergefsError("--budget: slerp has no base deltas to skip; use --budget full")
     return spec
 
 
@@ -128,7 +126,8 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         rel = rep["bound_relative_to_update"]
         table.add_row("tight bound / update", "-" if rel is None else f"{rel:.3%}")
     else:
-        table.add_row("error bound", f"none ({spec.method} is not additive; exact at full)")
+        table.add_row("error bound", f"no bound ({spec.method} is not additive: omitted blocks "
+                      "count as zero delta; exact at full budget)")
     return table
 
 
@@ -193,6 +192,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return run_stats(args)
 
 
+def cmd_methods(args: argparse.Namespace) -> int:
+    from .methods import describe_methods
+
+    rows = describe_methods()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"merge methods ({len(rows)})")
+    for col in ("method", "parameters (default)", "base", "inputs", "bound", "block-wise"):
+        table.add_column(col)
+    for r in rows:
+        params = ", ".join(
+            f"{p['name']}{'*' if p['scope'] != 'global' else ''}"
+            f"={'required' if p['required'] else p['default']}" for p in r["parameters"])
+        inputs = f"{r['inputs']['min']}..{r['inputs']['max'] or 'n'}"
+        table.add_row(r["name"], params or "-", r["base"], inputs,
+                      "yes" if r["additive_bound"] else "no", r["blockwise"])
+    Console().print(table)
+    print("* per-model parameter (a global value is every model's default)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mergefs",
@@ -200,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"mergefs {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--strict", action="store_true",
+                   help="spec keys and parameters that mergekit ignores are errors, not warnings")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     budget_help = "override the spec's budget: full, 10%%, 0.1 or a size like 2GiB"
 
@@ -256,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C unmounts")
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     s.set_defaults(func=cmd_mount)
+
+    s = sub.add_parser("methods", help="list the merge methods, their parameters and defaults")
+    s.add_argument("--json", action="store_true", help="print the list as JSON")
+    s.set_defaults(func=cmd_methods)
 
     s = sub.add_parser("umount", help="unmount (also clears a mount whose process died)")
     s.add_argument("mountpoint")
