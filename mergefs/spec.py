@@ -300,8 +300,8 @@ class _Lenient:
         self.source, self.strict = source, strict
         self.warnings: list[str] = []
 
-    def ignore(self, key: str, why: str) -> None:
-        message = f"{self.source}: {key}: ignored ({why}; mergekit ignores it too)"
+    def ignore(self, key: str, why: str, mergekit: str = "mergekit ignores it too") -> None:
+        message = f"{self.source}: {key}: ignored ({why}; {mergekit})"
         if self.strict:
             raise _err(self.source, key, f"{why} (strict: ignored keys are errors)")
         self.warnings.append(message)
@@ -344,8 +344,6 @@ def _models(data: dict[str, Any], base_dir: Path, source: str) -> list[_Model]:
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
         out.append(_Model(mpath, key, dict(params_raw), options))
-    if len({m.path for m in out}) != len(out):
-        raise _err(source, "models", "the same model is listed twice")
     return out
 
 
@@ -371,21 +369,38 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
         else:
             glob[p.name] = p.default
 
+    for p in m.model_params:  # a global value of a per-model name: every model's default
+        if p.name in global_raw:
+            _method_value(source, f"parameters.{p.name}", p, global_raw[p.name])
     has_base = base is not None and m.caps.base != BasePolicy.IGNORED
     if m.caps.base == BasePolicy.REQUIRED and base is None:
         raise _err(source, "base_model", f"required by {m.name}")
-    listed = [x.path for x in models]
     if has_base:
         inputs = [x for x in models if x.path != base]
-    else:
-        inputs = list(models)
-        if base is not None and base not in listed:  # mergekit appends the base as an input
-            inputs.append(_Model(base, "base_model", {}, None))
-    per_input: list[dict[str, Any]] = []
-    for x in models:
-        if has_base and x.path == base:
-            for name in x.params_raw:
+        for x in models:
+            for name in x.params_raw if x.path == base else ():
                 lenient.ignore(f"{x.key}.parameters.{name}", "parameters of the base model")
+    else:
+        inputs = [x for x in models if x.path != base]
+        listed_base = [x for x in models if x.path == base]
+        # mergekit makes the base one more input, appended when not listed; it refuses the
+        # config when the base then has no weight. mergefs keeps it as the reference only.
+        candidate = listed_base[0] if listed_base else (
+            _Model(base, "base_model", {}, None) if base is not None else None)
+        if candidate is not None:
+            missing = [p.name for p in m.model_params if p.required
+                       and p.name not in candidate.params_raw and p.name not in global_raw]
+            if missing:
+                lenient.ignore(candidate.key, f"the base model has no {missing[0]}, so it is "
+                               "only the reference, not an input",
+                               mergekit="mergekit refuses such a config")
+            elif listed_base:
+                inputs.insert(models.index(listed_base[0]), listed_base[0])
+            else:
+                inputs.append(candidate)
+    if len({x.path for x in inputs}) != len(inputs):
+        raise _err(source, "models", "the same model is listed twice")
+    per_input: list[dict[str, Any]] = []
     for x in inputs:
         params: dict[str, Any] = {}
         for name in x.params_raw:
@@ -405,9 +420,7 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
             elif pdef.default is not REQUIRED:
                 params[pdef.name] = pdef.default
             else:
-                where = "base_model (appended as an input)" if x.key == "base_model" else key
-                raise _err(source, where if x.key == "base_model" else key,
-                           f"{pdef.name} is required by {m.name}")
+                raise _err(source, key, f"{pdef.name} is required by {m.name}")
         per_input.append(params)
     c = m.caps
     n = len(inputs)

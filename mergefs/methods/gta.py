@@ -138,7 +138,7 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
 
     return Method(
         name=name, family="gta", params=tuple(params),
-        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=0, max_inputs=None,
+        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
                           additive=sparsifier is None and not consensus,
                           random=sparsifier in ("random", "della_magprune"),
                           elementwise=elementwise, zero_delta_is_base=True),

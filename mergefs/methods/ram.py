@@ -71,7 +71,7 @@ def _elementwise(n: int, g: Mapping[str, Any]) -> bool:
 METHODS = (
     Method(
         name="ram", family="ram", params=(_eps(),),
-        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=0, max_inputs=None,
+        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
                           elementwise=_elementwise, zero_delta_is_base=True),
         merge=_ram, summary="average overlapping deltas, keep unique ones", arithmetic=RAM),
     Method(
@@ -79,7 +79,7 @@ METHODS = (
         params=(ParamDef("r", "float", Scope.GLOBAL, 0.1, doc="unique-delta boost"),
                 ParamDef("alpha", "float", Scope.GLOBAL, 0.2, doc="cap of the overlap ratio"),
                 _eps()),
-        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=0, max_inputs=None,
+        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
                           zero_delta_is_base=True),
         merge=_ramplus, summary="ram with unique deltas boosted by the overlap ratio",
         arithmetic=RAMPLUS),

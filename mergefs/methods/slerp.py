@@ -104,7 +104,8 @@ def _nuslerp_coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]
 METHODS = (
     Method(
         name="slerp", family="slerp",
-        params=(ParamDef("t", "float", Scope.GLOBAL, doc="interpolation factor, 0 = base"),),
+        params=(ParamDef("t", "float", Scope.GLOBAL, lo=0.0, hi=1.0,
+                         doc="interpolation factor, 0 = base"),),
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=1),
         merge=_slerp, summary="spherical interpolation of the base and one model",
         arithmetic=SLERP),

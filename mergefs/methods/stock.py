@@ -97,7 +97,7 @@ METHODS = (
         name="sce", family="stock",
         params=(INT8_MASK, ParamDef("select_topk", "float", Scope.GLOBAL, 1.0, 0.0, 1.0,
                                     doc="fraction of highest-variance elements kept")),
-        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=0, max_inputs=None),
+        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None),
         merge=_sce, summary="variance selection, energy weights, sign consensus",
         arithmetic=SCE),
 )
