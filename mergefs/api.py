@@ -188,7 +188,7 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
 def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
            force: bool = False) -> Any:
     """Re-execute a manifest and verify every byte; returns
-    :class:`mergefs.replay.ReplayResult`, raises on any difference."""
-    from .replay import replay as _replay
+    :class:`mergefs.replayer.ReplayResult`, raises on any difference."""
+    from .replayer import replay as _replay
 
     return _replay(manifest, out, overwrite=force)

@@ -45,15 +45,13 @@ def _sources(spec: Spec) -> list[str]:
 def _load(args: argparse.Namespace) -> Spec:
     from .outdir import check_writes
 
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec, strict=getattr(args, "strict", False))
     check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
         try:
             spec = spec.with_budget(parse_budget(args.budget))
         except MergefsError as exc:
             raise MergefsError(f"--budget: {exc}") from None
-        if spec.method == "slerp" and not spec.budget.is_full:
-            raise MergefsError("--budget: slerp has no base deltas to skip; use --budget full")
     return spec
 
 
@@ -246,7 +244,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .replay import replay
+    from .replayer import replay
 
     res = replay(args.manifest, args.out, overwrite=args.force)
     torn = f"; ignored {res.torn_lines} torn line(s)" if res.torn_lines else ""
@@ -273,6 +271,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return run_stats(args)
 
 
+def cmd_methods(args: argparse.Namespace) -> int:
+    from .methods import describe_methods
+
+    rows = describe_methods()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"merge methods ({len(rows)})")
+    for col in ("method", "parameters (default)", "base", "inputs", "bound", "block-wise"):
+        table.add_column(col)
+    for r in rows:
+        params = ", ".join(
+            f"{p['name']}{'*' if p['scope'] != 'global' else ''}"
+            f"={'required' if p['required'] else p['default']}" for p in r["parameters"])
+        inputs = f"{r['inputs']['min']}..{r['inputs']['max'] or 'n'}"
+        table.add_row(r["name"], params or "-", r["base"], inputs,
+                      "yes" if r["additive_bound"] else "no", r["blockwise"])
+    Console().print(table)
+    print("* per-model parameter (a global value is every model's default)")
+    return 0
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 
 
@@ -287,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks and debug logs")
+    p.add_argument("--strict", action="store_true",
+                   help="spec keys and parameters that mergekit ignores are errors, not warnings")
+    common.add_argument("--strict", action="store_true", default=argparse.SUPPRESS,
+                        help="spec keys and parameters that mergekit ignores are errors, not "
+                        "warnings")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     budget_help = ("override the spec's budget: full, 10%%, 0.1 (a fraction) or a size with a "
                    "unit like 2GiB or 500MB; a bare number above 1 is refused as ambiguous")
@@ -359,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C unmounts")
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     s.set_defaults(func=cmd_mount)
+
+    s = add("methods", help="list the merge methods, their parameters and defaults",
+            description="Every merge method (mergekit's 20), from the registry the engine "
+            "uses: parameters with defaults (* per model), whether it needs a base, how many "
+            "inputs, whether budgets have an error bound, and whether it merges block-wise.")
+    s.add_argument("--json", action="store_true", help="print the list as JSON")
+    s.set_defaults(func=cmd_methods)
 
     s = add("umount", help="unmount (also clears a mount whose process died)",
             description="Unmount MOUNTPOINT and wait for its server to record the manifest's "

@@ -3,7 +3,8 @@
 ``Session`` opens a spec's family, loads or builds the index and makes the plan. ``Engine`` then
 reads the base range and only the planned expert ranges of a unit (each run of adjacent planned
 blocks is one pread), checks every block's bytes against the index hashes (a changed source is
-refused, never merged), merges in float32 (``ops``) and casts to the output dtype. Every range
+refused, never merged), merges in float32 (the spec's method from ``methods``) and casts to the
+output dtype. Every range
 read and every unit produced is recorded in the manifest. ``materialise`` writes a Hugging Face
 directory whose files are byte-identical to what the mount serves (same ``output_layout``).
 
@@ -36,10 +37,10 @@ from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .manifest import SCHEMA_VERSION, ManifestWriter
-from .ops import OpParams, merge_gta, merge_slerp, resolve_params
+from .methods import Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
-from .spec import ADDITIVE, OUT_DTYPE_NAMES, Spec, check_coordinates
+from .spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,9 @@ class Engine:
         self.index = index
         self.layout = index.layout
         self.plan = plan
-        self.params: OpParams = resolve_params(spec)
+        self.method = spec.method_def
+        self.elementwise = self.method.elementwise(len(spec.input_order), spec.parameters)
+        self.input_params = tuple(spec.input_parameters())
         self.manifest = manifest
         self.verify_index = verify_index
         self.tindex = self.layout.tensor_index()
@@ -188,12 +191,12 @@ class Engine:
     def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
         """Merge units of tensor ``name`` as block runs ``(b0, b1)``.
 
-        Whole-tensor operators: one unit. Elementwise: single blocks, or runs of about
+        Whole-tensor methods: one unit. Elementwise: single blocks, or runs of about
         ``unit_elems`` elements when given.
         """
         t = self.tindex[name]
         blocks = self.layout.blocks_of(t)
-        if self.params.whole_tensor or not blocks:
+        if not self.elementwise or not blocks:
             return [(blocks.start, blocks.stop)]
         out = []
         b0 = blocks.start
@@ -252,50 +255,52 @@ class Engine:
                                self.index.base_hash)
         fetched = iter(got[1:])
         expert_bufs = [next(fetched) if rs else [] for rs in ranges]
-        p = self.params
         out_dtype = self.out_tensors[name].dtype
-        if not any(runs) and _is_identity(p, src_dtype, out_dtype, base_buf):
+        if not any(runs) and self._unread_is_base(src_dtype, out_dtype, base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
         w0 = decode_f32(base_buf, src_dtype)
-        deltas: list[np.ndarray | None] = []
-        expert_values: np.ndarray | None = None
-        acc = np.zeros_like(w0) if p.method in ADDITIVE else None
+        values: list[np.ndarray | None] = []  # per expert; None: the reference's values
         for i, src in enumerate(self.experts):
             if not runs[i]:
-                deltas.append(None)
-                if p.method == "slerp":
-                    expert_values = w0.copy()
+                values.append(None)
                 continue
-            full: np.ndarray = w0  # unused by additive merges (they accumulate in acc)
-            if acc is None:
-                full = w0.copy() if p.method == "slerp" else np.zeros_like(w0)
+            whole = runs[i] == [(b0, b1)]
+            full = None if whole else w0.copy()  # omitted blocks: W_i := W0 (zero delta)
             for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
-                s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
                 buf = self._check(src, self.labels[i], name, rng, raw, r0, r1,
                                   self.index.expert_hash[i])
                 wi = decode_f32(buf, src_dtype)
-                lo, hi = s0 - e0, s1 - e0
-                if acc is not None:  # additive: S += c_i * D_i, expert order, in place
-                    wi -= w0[lo:hi]  # D_i (float32); wi is a fresh array, so no copies
-                    wi *= np.float32(p.coefficients[i])
-                    acc[lo:hi] += wi
-                elif p.method == "slerp":
-                    full[lo:hi] = wi
+                if full is None:
+                    full = wi
                 else:
-                    full[lo:hi] = wi - w0[lo:hi]
-            if p.method == "slerp":
-                expert_values = full
-            deltas.append(full)
-        if acc is not None:
-            if np.float32(p.base_scale) == 1:
-                merged = np.add(w0, acc, out=acc)  # W0 + S, in place
-            else:
-                merged = np.float32(p.base_scale) * w0 + acc
-        elif p.method == "slerp":
-            merged = merge_slerp(p, w0, expert_values if expert_values is not None else w0)
-        else:
-            merged = merge_gta(p, w0, deltas, name, e0)
+                    full[int(lay.elem_start[r0]) - e0:int(lay.elem_end[r1 - 1]) - e0] = wi
+            values.append(full)
+        merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
+               ) -> np.ndarray:
+        """Run the method on one unit: float32 in, float32 out (flat)."""
+        import torch
+
+        shape = (w0.size,) if self.elementwise else self.out_tensors[name].shape
+        ref = torch.from_numpy(w0).reshape(shape)
+        inputs = tuple(ref if k == REFERENCE or values[k] is None
+                       else torch.from_numpy(values[k]).reshape(shape)
+                       for k in self.spec.input_order)
+        unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
+                    base=ref if self.spec.has_base else None, inputs=inputs,
+                    params=self.spec.parameters, input_params=self.input_params,
+                    expert_ids=tuple(range(len(inputs))))
+        with torch.no_grad():
+            out = self.method.merge(unit)
+        return np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+
+    def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
+        """True when a unit that reads no expert is exactly the base's bytes (see
+        :func:`_is_identity`): for methods whose output is the base when every delta is 0."""
+        return (self.method.caps.zero_delta_is_base and self.spec.has_base
+                and _is_identity(src_dtype, out_dtype, base_buf))
 
     def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
         with self._lock:
@@ -430,16 +435,15 @@ _IDENTITY_CHECK = {"BF16": ("<u2", 0x8000, 0x7FFF, 0x7F80),
                    "F32": ("<u4", 0x80000000, 0x7FFFFFFF, 0x7F800000)}
 
 
-def _is_identity(p: OpParams, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
-    """True when an additive unit with no expert reads is exactly the base's bytes.
+def _is_identity(src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
+    """True when a unit whose deltas are all zero is exactly the base's bytes.
 
-    Such a unit is ``M = W0 + S`` with ``S`` all +0.0, and ``w + 0.0 == w`` bit for bit except
-    for -0.0 and NaN; the cast back to the source dtype is exact. So the base's bytes are the
-    output when the dtype is unchanged and the unit holds neither (checked here).
+    Such a unit is ``M = W0 + S`` with ``S`` all zeros (of either sign), and ``w + 0.0 == w``
+    bit for bit except for -0.0 and NaN; the cast back to the source dtype is exact. So the
+    base's bytes are the output when the dtype is unchanged and the unit holds neither.
     """
     check = _IDENTITY_CHECK.get(src_dtype)
-    if (check is None or out_dtype != src_dtype or p.method not in ADDITIVE
-            or np.float32(p.base_scale) != 1):
+    if check is None or out_dtype != src_dtype:
         return False
     kind, neg_zero, magnitude, inf = check
     u = np.frombuffer(base_buf, dtype=kind)
@@ -494,9 +498,7 @@ class Session:
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing
             c.counters.reset()
-        self.params = resolve_params(spec)
-        self.plan = plan if plan is not None else make_plan(spec, self.params, self.index,
-                                                            budget_bytes)
+        self.plan = plan if plan is not None else make_plan(spec, self.index, budget_bytes)
         self.manifest = manifest
         self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest)
         if manifest is not None:

@@ -1,11 +1,13 @@
 """The planner: which (expert, block) deltas to read under a byte budget, and what that costs.
 
 Ranks non-zero ``(i, b)`` by ``|c_i| * ||D_ib||`` per byte (descending; ties by tensor, block,
-expert), takes them greedily while they fit, and skips ones that do not fit (a smaller one later
+expert; ``c_i`` is the method's coefficient from the registry), takes them greedily while they fit, and skips ones that do not fit (a smaller one later
 may). Zero-delta blocks cost nothing and are never read. Reports the budget, planned bytes, the
 tight and loose bounds on ``||E||`` of design.md, the exact ``||E||`` and ``||sum c_i D_i||`` from
 the index's Gram matrices (null when the index came from published sidecars, which hold no cross
-terms), and a plan hash. Pure and deterministic; no I/O.
+terms), and a plan hash. Bounds exist for additive methods only (the registry says which); for
+the others omitted blocks count as zero delta and the report says there is no bound. Pure and
+deterministic; no I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import xxhash
 
 from .errors import BudgetError
 from .index import BlockIndex
-from .ops import OpParams
 from .spec import Spec
 
 
@@ -43,7 +44,7 @@ class Plan:
 
     def report(self) -> dict[str, Any]:
         """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
-        rel = None
+        rel: float | None = None
         if self.bound_tight is not None and self.update_norm:
             rel = self.bound_tight / self.update_norm
         return {
@@ -116,8 +117,7 @@ def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple
     return tight, loose, float(np.sqrt(max(err_sq, 0.0))), float(np.sqrt(max(upd_sq, 0.0)))
 
 
-def make_plan(spec: Spec, params: OpParams, index: BlockIndex, budget_bytes: int | None = None
-              ) -> Plan:
+def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None) -> Plan:
     """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given)."""
     lay = index.layout
     n, nb = index.norms.shape
@@ -127,11 +127,9 @@ def make_plan(spec: Spec, params: OpParams, index: BlockIndex, budget_bytes: int
         budget_bytes = spec.budget.resolve(total)
     if budget_bytes < 0:
         raise BudgetError(f"budget must not be negative, got {budget_bytes} bytes")
-    if params.method == "slerp" and budget_bytes < total:
-        raise BudgetError("slerp has no base deltas to skip; it needs the full budget")
     nonzero = ~index.zero
     nonzero_bytes = int((block_bytes[None, :] * nonzero).sum())
-    coeffs = np.asarray(params.coefficients, dtype=np.float64)
+    coeffs = np.asarray(spec.expert_coefficients(), dtype=np.float64).reshape(n)
     selected = np.zeros((n, nb), dtype=bool)
     if budget_bytes >= nonzero_bytes:
         selected[:] = nonzero

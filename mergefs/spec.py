@@ -8,6 +8,7 @@ Pure validation; no tensor bytes are read here.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -18,38 +19,16 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from . import methods as registry
 from .errors import BudgetError, SpecError
+from .methods.base import REQUIRED, BasePolicy, Method, ParamDef, Scope
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
-ADDITIVE = ("linear", "task_arithmetic")
-GTA = ("ties", "dare_linear", "dare_ties", "breadcrumbs")
-METHODS = ADDITIVE + GTA + ("slerp",)
-
-# method -> (per-model parameter names, global parameter names with defaults)
-_MODEL_PARAMS: dict[str, tuple[str, ...]] = {
-    "linear": ("weight",),
-    "task_arithmetic": ("weight",),
-    "ties": ("weight", "density"),
-    "dare_linear": ("weight", "density"),
-    "dare_ties": ("weight", "density"),
-    "breadcrumbs": ("weight", "density", "gamma"),
-    "slerp": (),
-}
-_GLOBAL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "linear": {"normalize": True},
-    "task_arithmetic": {"normalize": False, "lambda": 1.0},
-    "ties": {"normalize": True, "lambda": 1.0},
-    "dare_linear": {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0},
-    "dare_ties": {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0},
-    "breadcrumbs": {"normalize": False, "lambda": 1.0},
-    "slerp": {"t": None},
-}
-_MODEL_DEFAULTS = {"density": 1.0, "gamma": 0.01}
-_IGNORED_PARAMS = ("int8_mask",)  # mergekit memory knobs with no effect on the result here
+log = logging.getLogger(__name__)
 
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
-                 "storage_options", "remote")
+                 "storage_options", "remote", "strict")
 _UNSUPPORTED_KEYS = (
     "slices",
     "tokenizer_source",
@@ -202,9 +181,21 @@ class ModelEntry:
     parameters: Mapping[str, Any]
 
 
+#: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
+REFERENCE = -1
+
+
 @dataclass(frozen=True)
 class Spec:
-    """A validated merge spec. ``raw`` is the resolved spec as plain JSON-able data."""
+    """A validated merge spec. ``raw`` is the resolved spec as plain JSON-able data.
+
+    ``base`` is the reference model: the coordinate system deltas are taken against and omitted
+    blocks fall back to (``base_model``; for methods that may run without one and a spec that
+    gives none, the first model). ``experts`` are the other models. ``input_order`` lists the
+    method's inputs in mergekit's order (:data:`REFERENCE` or an expert index), the base
+    excluded when ``has_base`` (it then plays mergekit's base role); ``base_parameters`` are the
+    reference's own per-model parameters when it is an input.
+    """
 
     source: str  # the spec file, or "<inline>"
     method: str
@@ -222,10 +213,34 @@ class Spec:
     raw: Mapping[str, Any] = field(repr=False)
     # URL of each remote source -> how to reach it (holds credentials: never log or write it)
     remote_sources: Mapping[str, RemoteOptions] = field(default_factory=dict, repr=False)
+    has_base: bool = True
+    input_order: tuple[int, ...] = ()
+    base_parameters: Mapping[str, Any] | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def method_def(self) -> Method:
+        m = registry.get(self.method)
+        assert m is not None
+        return m
 
     @property
     def is_additive(self) -> bool:
-        return self.method in ADDITIVE
+        return self.method_def.caps.additive
+
+    def input_parameters(self) -> list[Mapping[str, Any]]:
+        """Per-model parameters of the method's inputs, in ``input_order``."""
+        return [self.base_parameters or {} if k == REFERENCE else self.experts[k].parameters
+                for k in self.input_order]
+
+    def expert_coefficients(self) -> list[float]:
+        """Per expert, the method's coefficient ``c_i`` (ranking reads; the bound if additive)."""
+        per_input = self.method_def.coefficients(self.parameters, self.input_parameters())
+        out = [0.0] * len(self.experts)
+        for k, c in zip(self.input_order, per_input):
+            if k != REFERENCE:
+                out[k] = float(c)
+        return out
 
     def with_budget(self, budget: Budget) -> Spec:
         raw = dict(self.raw)
@@ -260,22 +275,6 @@ def _number(source: str, key: str, value: Any, lo: float | None = None, hi: floa
     return float(value)
 
 
-def _check_param(source: str, key: str, name: str, value: Any) -> Any:
-    if name in ("normalize", "rescale"):
-        if not isinstance(value, bool):
-            raise _err(source, key, f"expected true or false, got {value!r}")
-        return value
-    if name == "seed":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _err(source, key, f"expected an integer, got {value!r}")
-        return value
-    if name == "density":
-        return _number(source, key, value, 0.0, 1.0, lo_open=True)
-    if name in ("gamma", "t"):
-        return _number(source, key, value, 0.0, 1.0)
-    return _number(source, key, value)
-
-
 def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
                   allow_url: bool = False, follow: bool = True) -> str:
     if not isinstance(value, str) or not value:
@@ -289,8 +288,8 @@ def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
     return str(p.resolve() if follow else p.parent.resolve() / p.name)
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read and validate a spec file."""
+def load_spec(path: str | Path, strict: bool = False) -> Spec:
+    """Read and validate a spec file. ``strict``: ignored keys are errors, not warnings."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -300,57 +299,45 @@ def load_spec(path: str | Path) -> Spec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
-    return parse_spec(data, base_dir=p.resolve().parent, source=str(p))
+    return parse_spec(data, base_dir=p.resolve().parent, source=str(p), strict=strict)
 
 
-def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
-    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a spec is a YAML mapping with merge_method, base_model, models")
-    for key in data:
-        if key in _UNSUPPORTED_KEYS:
-            raise _err(source, key, "this mergekit feature is not supported by mergefs yet")
-        if key not in _MERGEKIT_KEYS + _MERGEFS_KEYS:
-            raise _err(source, key, "unknown key (mergekit keys: "
-                       f"{', '.join(_MERGEKIT_KEYS)}; mergefs keys: {', '.join(_MERGEFS_KEYS)})")
-    method = data.get("merge_method")
-    if method not in METHODS:
-        raise _err(source, "merge_method", f"{method!r} is not supported; choose one of "
-                   f"{', '.join(METHODS)}")
-    if "base_model" not in data:
-        raise _err(source, "base_model", "required: mergefs merges deltas against a base model")
-    base = _resolve_path(base_dir, data["base_model"], source, "base_model", allow_url=True)
-    top_options = _storage_options(data.get("storage_options"), source, "storage_options")
-    model_options: dict[str, dict[str, Any]] = {}  # per-model storage_options, by source
+class _Lenient:
+    """Collects what mergekit would silently ignore: one warning each, or an error if strict."""
 
-    global_raw = data.get("parameters") or {}
-    if not isinstance(global_raw, dict):
-        raise _err(source, "parameters", "expected a mapping")
-    allowed_model = _MODEL_PARAMS[method]
-    defaults = _GLOBAL_DEFAULTS[method]
-    glob: dict[str, Any] = {}
-    model_defaults: dict[str, Any] = {}
-    for name, value in global_raw.items():
-        key = f"parameters.{name}"
-        if name in _IGNORED_PARAMS:
-            continue
-        if name in defaults:
-            glob[name] = _check_param(source, key, name, value)
-        elif name in allowed_model:
-            model_defaults[name] = _check_param(source, key, name, value)
-        else:
-            raise _err(source, key, f"unknown parameter for {method}")
-    for name, default in defaults.items():
-        if name not in glob:
-            if default is None:
-                raise _err(source, f"parameters.{name}", f"required by {method}")
-            glob[name] = default
+    def __init__(self, source: str, strict: bool) -> None:
+        self.source, self.strict = source, strict
+        self.warnings: list[str] = []
 
+    def ignore(self, key: str, why: str, mergekit: str = "mergekit ignores it too") -> None:
+        message = f"{self.source}: {key}: ignored ({why}; {mergekit})"
+        if self.strict:
+            raise _err(self.source, key, f"{why} (strict: ignored keys are errors)")
+        self.warnings.append(message)
+
+
+def _method_value(source: str, key: str, pdef: ParamDef, value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        _number(source, key, value)  # raises the gradient / filter message
+    problem = pdef.check(value)
+    if problem:
+        raise _err(source, key, problem)
+    return float(value) if pdef.kind in ("float", "float?") and value is not None else value
+
+
+@dataclass
+class _Model:
+    path: str
+    key: str
+    params_raw: dict[str, Any]
+    options: dict[str, Any] | None
+
+
+def _models(data: dict[str, Any], base_dir: Path, source: str) -> list[_Model]:
     models = data.get("models")
     if not isinstance(models, list) or not models:
         raise _err(source, "models", "expected a non-empty list of {model: PATH, parameters: {...}}")
-    experts: list[ModelEntry] = []
-    base_weight: float | None = None
+    out: list[_Model] = []
     for k, entry in enumerate(models):
         key = f"models[{k}]"
         if not isinstance(entry, dict) or "model" not in entry:
@@ -359,50 +346,142 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         if extra:
             raise _err(source, f"{key}.{sorted(extra)[0]}", "not supported")
         mpath = _resolve_path(base_dir, entry["model"], source, f"{key}.model", allow_url=True)
+        options = None
         if "storage_options" in entry:
-            model_options[mpath] = _storage_options(entry["storage_options"], source,
-                                                    f"{key}.storage_options")
+            options = _storage_options(entry["storage_options"], source, f"{key}.storage_options")
         params_raw = entry.get("parameters") or {}
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
-        if mpath == base:
-            # The base listed among the models: for linear it joins the weighted sum (with its
-            # own weight, else the global default weight, as mergekit does); for the
-            # delta-based methods it is simply the base.
-            if method == "linear":
-                wb = params_raw.get("weight", model_defaults.get("weight"))
-                if wb is not None:
-                    base_weight = _check_param(source, f"{key}.parameters.weight", "weight", wb)
-            continue
-        params: dict[str, Any] = {}
-        for name, value in params_raw.items():
-            pkey = f"{key}.parameters.{name}"
-            if name in _IGNORED_PARAMS:
-                continue
-            if name not in allowed_model:
-                raise _err(source, pkey, f"unknown parameter for {method} (per-model parameters: "
-                           f"{', '.join(allowed_model) or 'none'})")
-            params[name] = _check_param(source, pkey, name, value)
-        for name in allowed_model:
-            if name not in params:
-                if name in model_defaults:
-                    params[name] = model_defaults[name]
-                elif name in _MODEL_DEFAULTS:
-                    params[name] = _MODEL_DEFAULTS[name]
-                else:
-                    raise _err(source, f"{key}.parameters.{name}", f"required by {method}")
-        experts.append(ModelEntry(mpath, params))
-    if not experts:
-        raise _err(source, "models", "no expert besides the base model")
-    if len({e.path for e in experts}) != len(experts):
+        out.append(_Model(mpath, key, dict(params_raw), options))
+    return out
+
+
+def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base: str | None,
+                    source: str, lenient: _Lenient) -> tuple[
+                        dict[str, Any], list[_Model], list[dict[str, Any]], bool]:
+    """Global parameters, the inputs in mergekit's order with their per-model parameters, and
+    whether the base plays the base role."""
+    global_raw = data.get("parameters") or {}
+    if not isinstance(global_raw, dict):
+        raise _err(source, "parameters", "expected a mapping")
+    by_name = {p.name: p for p in m.params}
+    for name in global_raw:
+        if name not in by_name:
+            lenient.ignore(f"parameters.{name}", f"{m.name} has no parameter {name!r}")
+    glob: dict[str, Any] = {}
+    for p in m.global_params:
+        key = f"parameters.{p.name}"
+        if p.name in global_raw:
+            glob[p.name] = _method_value(source, key, p, global_raw[p.name])
+        elif p.required:
+            raise _err(source, key, f"required by {m.name}")
+        else:
+            glob[p.name] = p.default
+
+    for p in m.model_params:  # a global value of a per-model name: every model's default
+        if p.name in global_raw:
+            _method_value(source, f"parameters.{p.name}", p, global_raw[p.name])
+    has_base = base is not None and m.caps.base != BasePolicy.IGNORED
+    if m.caps.base == BasePolicy.REQUIRED and base is None:
+        raise _err(source, "base_model", f"required by {m.name}")
+    if has_base:
+        inputs = [x for x in models if x.path != base]
+        for x in models:
+            for name in x.params_raw if x.path == base else ():
+                lenient.ignore(f"{x.key}.parameters.{name}", "parameters of the base model")
+    else:
+        inputs = [x for x in models if x.path != base]
+        listed_base = [x for x in models if x.path == base]
+        # mergekit makes the base one more input, appended when not listed; it refuses the
+        # config when the base then has no weight. mergefs keeps it as the reference only.
+        candidate = listed_base[0] if listed_base else (
+            _Model(base, "base_model", {}, None) if base is not None else None)
+        if candidate is not None:
+            missing = [p.name for p in m.model_params if p.required
+                       and p.name not in candidate.params_raw and p.name not in global_raw]
+            if missing:
+                lenient.ignore(candidate.key, f"the base model has no {missing[0]}, so it is "
+                               "only the reference, not an input",
+                               mergekit="mergekit refuses such a config")
+            elif listed_base:
+                inputs.insert(models.index(listed_base[0]), listed_base[0])
+            else:
+                inputs.append(candidate)
+    if len({x.path for x in inputs}) != len(inputs):
         raise _err(source, "models", "the same model is listed twice")
-    if method == "linear" and glob.get("normalize"):
-        total = (base_weight or 0.0) + sum(e.parameters["weight"] for e in experts)
-        if total == 0:
-            raise _err(source, "models", "linear with normalize: the weights sum to zero")
-    if method == "slerp" and len(experts) != 1:
-        raise _err(source, "models", f"slerp merges the base with exactly one model, got "
-                   f"{len(experts)}")
+    per_input: list[dict[str, Any]] = []
+    for x in inputs:
+        params: dict[str, Any] = {}
+        for name in x.params_raw:
+            pdef = by_name.get(name)
+            if pdef is None:
+                lenient.ignore(f"{x.key}.parameters.{name}", f"{m.name} has no parameter {name!r}")
+            elif pdef.scope == Scope.GLOBAL:
+                lenient.ignore(f"{x.key}.parameters.{name}",
+                               f"{name} is a global parameter of {m.name}")
+        for pdef in m.model_params:
+            key = f"{x.key}.parameters.{pdef.name}"
+            if pdef.name in x.params_raw:
+                params[pdef.name] = _method_value(source, key, pdef, x.params_raw[pdef.name])
+            elif pdef.name in global_raw:
+                params[pdef.name] = _method_value(source, f"parameters.{pdef.name}", pdef,
+                                                  global_raw[pdef.name])
+            elif pdef.default is not REQUIRED:
+                params[pdef.name] = pdef.default
+            else:
+                raise _err(source, key, f"{pdef.name} is required by {m.name}")
+        per_input.append(params)
+    c = m.caps
+    n = len(inputs)
+    if n < c.min_inputs or (c.max_inputs is not None and n > c.max_inputs):
+        what = "models besides the base" if has_base else "input models"
+        want = (f"exactly {c.min_inputs}" if c.min_inputs == c.max_inputs
+                else f"at least {c.min_inputs}" if c.max_inputs is None
+                else f"{c.min_inputs} to {c.max_inputs}")
+        raise _err(source, "models", f"{m.name} merges {want} {what}, got {n}")
+    if m.check is not None:
+        problem = m.check(glob, per_input)
+        if problem:
+            raise _err(source, "models", problem)
+    return glob, inputs, per_input, has_base
+
+
+def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool = False
+               ) -> Spec:
+    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a spec is a YAML mapping with merge_method, base_model, models")
+    strict = strict or data.get("strict") is True
+    lenient = _Lenient(source, strict)
+    for key in data:
+        if key in _UNSUPPORTED_KEYS:
+            raise _err(source, key, "this mergekit feature is not supported by mergefs yet")
+        if key not in _MERGEKIT_KEYS + _MERGEFS_KEYS:
+            lenient.ignore(key, "not a mergekit or mergefs key")
+    method = data.get("merge_method")
+    mdef = registry.get(method) if isinstance(method, str) else None
+    if mdef is None:
+        raise _err(source, "merge_method", f"{method!r} is not supported; choose one of "
+                   f"{', '.join(registry.METHODS)}")
+    base_given = None
+    if data.get("base_model") is not None:
+        base_given = _resolve_path(base_dir, data["base_model"], source, "base_model",
+                                   allow_url=True)
+    top_options = _storage_options(data.get("storage_options"), source, "storage_options")
+    models = _models(data, base_dir, source)
+    model_options = {x.path: x.options for x in models if x.options is not None}
+    glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, base_given, source,
+                                                        lenient)
+    base = base_given if base_given is not None else models[0].path
+    experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]
+    expert_index = {e.path: k for k, e in enumerate(experts)}
+    input_order = tuple(REFERENCE if x.path == base else expert_index[x.path] for x in inputs)
+    base_parameters = next((p for x, p in zip(inputs, per_input) if x.path == base), None)
+    base_weight = None
+    if base_parameters is not None and "weight" in base_parameters:
+        base_weight = base_parameters["weight"]
+    for w in lenient.warnings:
+        log.warning("%s", w)
 
     out_dtype = None
     for key in ("dtype", "out_dtype"):  # out_dtype wins when both are given
@@ -416,8 +495,6 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         budget = parse_budget(data.get("budget", "full"))
     except BudgetError as exc:
         raise SpecError(f"{source}: {exc}") from None
-    if method == "slerp" and not budget.is_full:
-        raise _err(source, "budget", "slerp has no base deltas to skip; it needs budget: full")
     try:
         block_size = parse_size(data.get("block_size", "1MiB"), "block_size")
     except ValueError as exc:
@@ -439,10 +516,10 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         raise SpecError(f"{source}: {exc}") from None
     cache_dir = _resolve_path(base_dir, cache["dir"], source, "cache.dir") if "dir" in cache else None
 
-    models_raw: list[dict[str, Any]] = [{"model": e.path, "parameters": dict(e.parameters)}
-                                        for e in experts]
-    if base_weight is not None:
-        models_raw.insert(0, {"model": base, "parameters": {"weight": base_weight}})
+    # the inputs in mergekit's order (an appended base listed last), so that replay re-parses
+    # the same inputs in the same order
+    models_raw: list[dict[str, Any]] = [{"model": x.path, "parameters": dict(p)}
+                                        for x, p in zip(inputs, per_input)]
     for entry_raw in models_raw:
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
@@ -454,7 +531,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
     }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
-        "base_model": base,
+        "base_model": base_given,
         "models": models_raw,
         "parameters": glob,
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
@@ -468,7 +545,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
                          "concurrency": remote_settings["concurrency"],
                          "retries": remote_settings["retries"]}
     return Spec(source, method, base, tuple(experts), base_weight, glob, out_dtype, budget,
-                block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources)
+                block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
+                has_base=has_base, input_order=input_order, base_parameters=base_parameters,
+                warnings=tuple(lenient.warnings))
 
 
 # -- remote sources -----------------------------------------------------------------------------

@@ -1,26 +1,23 @@
-"""Independent whole-tensor numpy reference for the merge operators of docs/operators.md.
+"""The whole-tensor reference for the merge methods of docs/operators.md: mergekit 0.1.5 itself.
 
-Written straight from the arithmetic contract, with the obvious algorithms (stable argsort for
-the magnitude rules, explicit loops over experts in stable order), so that tests can compare the
-production engine against it bit for bit. It reads checkpoints with safetensors' ``safe_open``
-and never imports mergefs.
+``reference_merge`` runs mergekit's registered method (``mergekit.merge_methods.get``) on whole
+float32 tensors, with mergefs' documented choices fed in where mergekit leaves a result to
+chance: sorts are made stable (ties by lower flat index) and ``torch.bernoulli`` draws mergefs'
+counter-based mask, here written independently (:func:`dare_uniform`). Omitted blocks are set to
+the reference model's values (a zero delta) before mergekit sees them. It reads checkpoints
+with safetensors' ``safe_open`` and never imports mergefs.
 
-Scalar conventions the contract leaves implicit, fixed here (one place each):
-
-- the additive coefficients ``c_i`` (and ``a``) are computed from the spec values in float64,
-  then cast; elsewhere weights, density, gamma and lambda are ``np.float32(x)`` before use;
-- counts ``floor(fraction * numel)`` use the float32 fraction multiplied in float64
-  (``math.floor(float(np.float32(fraction)) * numel)``, exact for numel < 2**29);
-- sums of spec weights in float64 run left to right from 0.0 (``w_b`` is added last, as
-  ``w_b + sum_i w_i``);
-- SLERP's ``t`` is used as the float64 spec value.
+mergekit's input order is kept: the models in ``models:`` order (the base excluded for methods
+with a base role); for methods that take the base as one more input (linear, karcher,
+passthrough) a base that is not listed is appended last, when it has the weight such methods
+need (mergefs otherwise keeps the base as the coordinate reference only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +27,12 @@ import xxhash
 import yaml
 from safetensors import safe_open
 
-ADDITIVE_METHODS = ("linear", "task_arithmetic")
-GENERALISED_METHODS = ("ties", "dare_linear", "dare_ties", "breadcrumbs")
-CONSENSUS_METHODS = ("ties", "dare_ties")
-METHODS = ADDITIVE_METHODS + GENERALISED_METHODS + ("slerp",)
-
-#: Global parameter defaults per method (mergekit's names).
-GLOBAL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "linear": {"normalize": True},
-    "task_arithmetic": {"normalize": False, "lambda": 1.0},
-    "ties": {"normalize": True, "lambda": 1.0},
-    "dare_linear": {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0},
-    "dare_ties": {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0},
-    "breadcrumbs": {"normalize": False, "lambda": 1.0},
-    "slerp": {},
-}
-#: Per-model parameter defaults; ``weight`` has none (required).
-MODEL_DEFAULTS: dict[str, float] = {"density": 1.0, "gamma": 0.01}
+#: Methods whose base (``base_model``) is one more input rather than the origin of deltas.
+BASE_AS_INPUT = ("linear", "karcher", "passthrough")
+#: Methods that may run without a base model.
+BASE_OPTIONAL = ("linear", "karcher", "passthrough", "multislerp", "nuslerp")
+#: mergefs-only parameters mergekit does not know.
+MERGEFS_ONLY = ("seed",)
 
 #: safetensors dtype name -> numpy dtype, for the floating dtypes the operators merge.
 FLOAT_DTYPES: dict[str, Any] = {
@@ -83,6 +69,38 @@ def dare_uniform(
 # Operators on whole tensors
 
 
+@contextlib.contextmanager
+def _mergefs_choices(seed: int, tensor_name: str) -> Iterator[None]:
+    """Stable sorts, and ``torch.bernoulli(p)`` as ``u(seed, tensor, k, j) < p_j`` for model k."""
+    import mergekit.merge_methods.generalized_task_arithmetic as gta
+    import torch
+
+    state = {"calls": 0, "model": 0}
+    orig = (torch.argsort, torch.sort, torch.bernoulli, gta.sparsify)
+
+    def argsort(x: Any, dim: int = -1, descending: bool = False, **_: Any) -> Any:
+        return orig[0](x, dim=dim, descending=descending, stable=True)
+
+    def sort(x: Any, dim: int = -1, descending: bool = False, **_: Any) -> Any:
+        return orig[1](x, dim=dim, descending=descending, stable=True)
+
+    def bernoulli(p: Any, *_: Any, **__: Any) -> Any:
+        u = dare_uniform(seed, tensor_name, state["model"], np.arange(p.numel()))
+        keep = u < p.reshape(-1).double().numpy()
+        return torch.from_numpy(keep.astype(np.float32)).reshape(p.shape).to(p.dtype)
+
+    def sparsify(*a: Any, **kw: Any) -> Any:
+        state["model"] = state["calls"]
+        state["calls"] += 1
+        return orig[3](*a, **kw)
+
+    torch.argsort, torch.sort, torch.bernoulli, gta.sparsify = argsort, sort, bernoulli, sparsify
+    try:
+        yield
+    finally:
+        torch.argsort, torch.sort, torch.bernoulli, gta.sparsify = orig
+
+
 def reference_merge(
     method: str,
     base: np.ndarray,
@@ -92,212 +110,82 @@ def reference_merge(
     model_params: Sequence[Mapping[str, Any]],
     base_weight: float | None = None,
     omit_masks: Sequence[np.ndarray | None] | None = None,
+    *,
+    base_params: Mapping[str, Any] | None = None,
+    base_position: int | None = None,
+    base_role: bool | None = None,
 ) -> np.ndarray:
-    """Merge one floating tensor exactly as docs/operators.md defines; float32, base's shape.
+    """Merge one floating tensor as mergekit does (with mergefs' choices); float32, base's shape.
 
     ``params`` is the spec's global ``parameters`` block, ``model_params[i]`` expert ``i``'s
-    ``parameters`` (a global value of a per-model name is its default). ``base_weight`` is the
-    base's weight when the base is listed among the models (``linear`` only). ``omit_masks[i]``
-    (any shape with the tensor's element count, or None) is True where expert ``i``'s delta is
-    omitted, i.e. set to exactly +0.0.
+    ``parameters`` (a global value of a per-model name is its default). For methods that take
+    the base as an input, ``base_weight`` / ``base_params`` make it one (at ``base_position``
+    among the inputs, default last). ``omit_masks[i]`` (any shape with the tensor's element
+    count, or None) is True where expert ``i``'s delta is omitted, i.e. its values are the
+    base's. ``base_role=False``: ``base`` is the first model of a spec without ``base_model``
+    (an input, and the reference omitted blocks fall back to).
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown merge method {method!r}")
-    w0 = _decode(base).ravel()
-    ws = [_decode(e).ravel() for e in experts]
-    if any(w.shape != w0.shape for w in ws):
-        raise ValueError(f"{tensor_name}: expert shape differs from base shape {base.shape}")
-    merged_params = {**GLOBAL_DEFAULTS[method], **params}
-    if method == "slerp":
-        if omit_masks is not None and any(m is not None and np.any(m) for m in omit_masks):
-            raise ValueError("slerp accepts only the full budget")
-        return _slerp(w0, ws, float(merged_params["t"])).reshape(base.shape)
+    import torch
+    from mergekit import merge_methods
+    from mergekit.merge_methods.base import ParameterScope, TensorEntry, TensorGroup, \
+        TensorMetadata
+
+    m = merge_methods.get(method)
+    w0 = torch.from_numpy(_decode(base).copy())
+    ws = []
+    masks = omit_masks if omit_masks is not None else [None] * len(experts)
+    for e, om in zip(experts, masks, strict=True):
+        w = torch.from_numpy(_decode(e).copy())
+        if w.shape != w0.shape:
+            raise ValueError(f"{tensor_name}: expert shape differs from base shape {base.shape}")
+        if om is not None:
+            omit = torch.from_numpy(np.asarray(om, dtype=bool).reshape(w.shape))
+            w = torch.where(omit, w0, w)
+        ws.append(w)
+    if not model_params:
+        model_params = [{}] * len(ws)
     if len(model_params) != len(ws):
         raise ValueError(f"{len(model_params)} model_params for {len(ws)} experts")
-    masks = omit_masks if omit_masks is not None else [None] * len(ws)
-    deltas = [_delta(w, w0, m) for w, m in zip(ws, masks, strict=True)]
-
-    def model_value(name: str, i: int) -> Any:
-        if name in model_params[i]:
-            return model_params[i][name]
-        if name in params:
-            return params[name]
-        if name in MODEL_DEFAULTS:
-            return MODEL_DEFAULTS[name]
-        raise ValueError(f"model {i}: required parameter {name!r} missing")
-
-    if method in ADDITIVE_METHODS:
-        weights = [float(model_value("weight", i)) for i in range(len(ws))]
-        merged = _additive(method, w0, deltas, weights, merged_params, base_weight)
-    else:
-        merged = _generalised(method, w0, deltas, tensor_name, merged_params, model_value)
-    return merged.reshape(base.shape)
+    entries = [TensorEntry(id=f"expert-{i}", tensor=w) for i, w in enumerate(ws)]
+    per_id = {f"expert-{i}": dict(p) for i, p in enumerate(model_params)}
+    if base_weight is not None and base_params is None:
+        base_params = {"weight": base_weight}
+    base_as_input = method in BASE_AS_INPUT or base_role is False
+    if base_as_input and base_params is not None:
+        pos = len(entries) if base_position is None else base_position
+        entries.insert(pos, TensorEntry(id="base", tensor=w0))
+        per_id["base"] = dict(base_params)
+    elif not base_as_input:
+        entries.insert(0, TensorEntry(id="base", tensor=w0, is_base=True))
+    group = TensorGroup(entries=tuple(entries), metadata=TensorMetadata(name=tensor_name))
+    names = {p.name: p for p in m.spec.parameters}
+    bound: dict[str, Any] = {}
+    for name, p in names.items():
+        if p.scope == ParameterScope.SHARED:
+            if name in params:
+                bound[name] = params[name]
+            continue
+        ids = [en.id for en in entries if p.scope == ParameterScope.INPUT or not en.is_base]
+        values = {}
+        for i in ids:
+            if name in per_id[i]:
+                values[i] = per_id[i][name]
+            elif name in params:
+                values[i] = params[name]
+            elif not p.required:
+                values[i] = p.default
+            else:
+                raise ValueError(f"{i}: required parameter {name!r} missing")
+        bound[name] = values
+    with _mergefs_choices(int(params.get("seed", 0)), tensor_name), torch.no_grad():
+        (out,) = m((group,), parameters=bound, dtype=torch.float32)
+    return out.to(torch.float32).numpy().reshape(base.shape)
 
 
 def _decode(arr: np.ndarray) -> np.ndarray:
     if not any(arr.dtype == np.dtype(d) for d in FLOAT_DTYPES.values()):
         raise ValueError(f"not a floating tensor: {arr.dtype}")
     return np.asarray(arr).astype(np.float32)
-
-
-def _delta(w: np.ndarray, w0: np.ndarray, omit: np.ndarray | None) -> np.ndarray:
-    """``D = W - W0`` in float32, with omitted elements set to +0.0."""
-    d = w - w0
-    if omit is None:
-        return d
-    omit_flat = np.asarray(omit, dtype=bool).ravel()
-    if omit_flat.shape != d.shape:
-        raise ValueError(f"omit mask has {omit_flat.size} elements, tensor {d.size}")
-    return np.where(omit_flat, np.float32(0.0), d)
-
-
-def _additive(
-    method: str,
-    w0: np.ndarray,
-    deltas: list[np.ndarray],
-    weights: list[float],
-    params: Mapping[str, Any],
-    base_weight: float | None,
-) -> np.ndarray:
-    """``M = a * W0 + S`` with ``S = sum_i c_i D_i`` in stable order (linear, task arithmetic)."""
-    total = 0.0
-    for w in weights:
-        total += w
-    normalize = bool(params["normalize"])
-    if method == "task_arithmetic":
-        n = total if normalize and abs(total) >= 1e-8 else 1.0
-        lam = float(params["lambda"])
-        a = 1.0
-        coeffs = [lam * w / n for w in weights]
-    else:
-        total = (0.0 if base_weight is None else float(base_weight)) + total
-        n = total if normalize else 1.0
-        if n == 0.0:
-            raise ValueError("linear: weights sum to zero with normalize")
-        a = total / n
-        coeffs = [w / n for w in weights]
-    s = np.zeros_like(w0)
-    for c, d in zip(coeffs, deltas, strict=True):
-        s = s + np.float32(c) * d
-    a32 = np.float32(a)
-    return (w0 if a32 == 1 else a32 * w0) + s
-
-
-def _generalised(
-    method: str,
-    w0: np.ndarray,
-    deltas: list[np.ndarray],
-    tensor_name: str,
-    params: Mapping[str, Any],
-    model_value: Callable[[str, int], Any],
-) -> np.ndarray:
-    """mergekit's generalised task arithmetic: sparsify, weight, consensus, normalise, add."""
-    weights = [np.float32(model_value("weight", i)) for i in range(len(deltas))]
-    xs = []
-    for i, d in enumerate(deltas):
-        density = np.float32(model_value("density", i))
-        if method == "ties":
-            t = _magnitude(d, density)
-        elif method == "breadcrumbs":
-            t = _magnitude_outliers(d, density, np.float32(model_value("gamma", i)))
-        else:
-            t = _random(d, density, int(params["seed"]), tensor_name, i, bool(params["rescale"]))
-        xs.append(t * weights[i])
-
-    mixed = np.zeros_like(w0)
-    if method in CONSENSUS_METHODS:
-        sgn = np.zeros_like(w0)
-        for x in xs:
-            sgn = sgn + x
-        majority = np.where(sgn >= 0, np.float32(1.0), np.float32(-1.0))
-        divisor = np.zeros_like(w0)
-        for x, w in zip(xs, weights, strict=True):
-            agree = np.sign(x) == majority
-            mixed = mixed + np.where(agree, x, np.float32(0.0))
-            divisor = divisor + np.where(agree, w, np.float32(0.0))
-        divisor = np.where(divisor == 0, np.float32(1.0), divisor)
-    else:
-        for x in xs:
-            mixed = mixed + x
-        total = np.float32(0.0)
-        for w in weights:
-            total = np.float32(total + w)
-        divisor = np.full_like(w0, total if abs(float(total)) >= 1e-8 else np.float32(1.0))
-
-    if bool(params["normalize"]):
-        mixed = mixed / divisor
-    lam = np.float32(params["lambda"])
-    if lam != 1:
-        mixed = mixed * lam
-    return w0 + mixed
-
-
-def _count(fraction: np.float32, numel: int) -> int:
-    """``floor(fraction * numel)`` with the float32 fraction multiplied in float64."""
-    return math.floor(float(fraction) * numel)
-
-
-def _magnitude(d: np.ndarray, density: np.float32) -> np.ndarray:
-    """TIES: keep the ``k`` largest ``|d|``, ties by lower flat index."""
-    if density >= 1:
-        return d
-    k = _count(density, d.size)
-    order = np.argsort(-np.abs(d), kind="stable")
-    kept = order[:k]
-    t = np.zeros_like(d)
-    t[kept] = d[kept]
-    return t
-
-
-def _magnitude_outliers(d: np.ndarray, density: np.float32, gamma: np.float32) -> np.ndarray:
-    """Breadcrumbs: drop the ``n_bot`` smallest and ``n_top`` largest ``|d|``."""
-    if density >= 1:
-        return d
-    numel = d.size
-    n_top = _count(gamma, numel)
-    n_bot = numel - _count(density, numel) - n_top
-    if n_bot < 0:
-        n_top += n_bot
-        n_bot = 0
-    order = np.argsort(np.abs(d), kind="stable")
-    kept = order[n_bot : numel - n_top]
-    t = np.zeros_like(d)
-    t[kept] = d[kept]
-    return t
-
-
-def _random(
-    d: np.ndarray, density: np.float32, seed: int, tensor_name: str, expert: int, rescale: bool
-) -> np.ndarray:
-    """DARE: keep element ``j`` iff ``u(seed, tensor, expert, j) < density``, maybe rescaled."""
-    if density >= 1:
-        return d
-    keep = dare_uniform(seed, tensor_name, expert, np.arange(d.size)) < float(density)
-    t = np.zeros_like(d)
-    t[keep] = d[keep] / density if rescale else d[keep]
-    return t
-
-
-def _slerp(v0: np.ndarray, experts: list[np.ndarray], t: float) -> np.ndarray:
-    """Spherical interpolation of flat float32 ``v0`` towards the single expert."""
-    if len(experts) != 1:
-        raise ValueError(f"slerp needs exactly one expert besides the base, got {len(experts)}")
-    if not 0.0 <= t <= 1.0:
-        raise ValueError(f"slerp t must be in [0, 1], got {t}")
-    v1 = experts[0]
-    n0 = np.linalg.norm(v0)
-    n1 = np.linalg.norm(v1)
-    u0 = v0 / n0 if n0 > 1e-8 else v0
-    u1 = v1 / n1 if n1 > 1e-8 else v1
-    dot = np.sum(u0 * u1)
-    if abs(float(dot)) > 0.9995:
-        s0, s1 = 1.0 - t, t
-    else:
-        theta0 = np.arccos(np.float64(dot))
-        sin0 = np.sin(theta0)
-        s0 = np.sin(theta0 - theta0 * t) / sin0
-        s1 = np.sin(theta0 * t) / sin0
-    return np.float32(s0) * v0 + np.float32(s1) * v1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +256,8 @@ def reference_merge_dir(
 
     ``spec`` is a YAML file (paths relative to it) or a dict (paths relative to
     ``relative_to``, default the current directory). Models whose path is the base's are not
-    experts; the base's weight, if listed, is ``linear``'s ``w_b``. Output dtype: ``out_dtype``,
+    experts (but inputs of linear, karcher, passthrough: see the module docstring). Output dtype:
+    ``out_dtype``,
     else ``dtype``, else each tensor's own. Non-floating tensors are the base's, unchanged.
     ``omit_masks`` maps a tensor name to per-expert omit masks (see :func:`reference_merge`).
     Writes nothing.
@@ -381,19 +270,22 @@ def reference_merge_dir(
         spec_dir = Path(spec).parent
     method = doc["merge_method"]
     params = dict(doc.get("parameters") or {})
-    base_path = (spec_dir / doc["base_model"]).resolve()
-    expert_paths: list[Path] = []
-    model_params: list[dict[str, Any]] = []
-    base_weight: float | None = None
-    for entry in doc["models"]:
-        path = (spec_dir / entry["model"]).resolve()
-        entry_params = dict(entry.get("parameters") or {})
-        if path == base_path:
-            weight = entry_params.get("weight", params.get("weight"))
-            base_weight = None if weight is None else float(weight)
-        else:
-            expert_paths.append(path)
-            model_params.append(entry_params)
+    listed = [((spec_dir / e["model"]).resolve(), dict(e.get("parameters") or {}))
+              for e in doc["models"]]
+    base_path = (spec_dir / doc["base_model"]).resolve() if doc.get("base_model") else listed[0][0]
+    expert_paths = [p for p, _ in listed if p != base_path]
+    model_params = [q for p, q in listed if p != base_path]
+    base_params: dict[str, Any] | None = None
+    base_position: int | None = None
+    base_role = None
+    if not doc.get("base_model") and method not in BASE_AS_INPUT:
+        base_params, base_position, base_role = listed[0][1], 0, False
+    elif method in BASE_AS_INPUT:
+        at = [k for k, (p, _) in enumerate(listed) if p == base_path]
+        own = listed[at[0]][1] if at else {}
+        if method != "linear" or "weight" in own or "weight" in params:
+            base_params, base_position = own, (at[0] if at else None)
+    base_weight = None
     out_dtype = doc.get("out_dtype") or doc.get("dtype")
 
     result = {}
@@ -411,8 +303,11 @@ def reference_merge_dir(
             name,
             params,
             model_params,
-            base_weight=base_weight if method == "linear" else None,
+            base_weight=base_weight,
             omit_masks=None if omit_masks is None else omit_masks.get(name),
+            base_params=base_params,
+            base_position=base_position,
+            base_role=base_role,
         )
         result[name] = cast_to(merged, out_dtype or own_dtype)
     return result

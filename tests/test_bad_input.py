@@ -213,19 +213,20 @@ def expert_other_dtype(c: Ctx) -> tuple[list[str], list[str]]:
 
 
 def unknown_method(c: Ctx) -> tuple[list[str], list[str]]:
-    spec = c.spec(doc_edit=lambda d: d.update(merge_method="model_stock"))
-    return ["plan", str(spec)], [str(spec), "merge_method", "'model_stock' is not supported"]
+    spec = c.spec(doc_edit=lambda d: d.update(merge_method="frankenmerge"))
+    return ["plan", str(spec)], [str(spec), "merge_method", "'frankenmerge' is not supported"]
 
 
 def unknown_global_parameter(c: Ctx) -> tuple[list[str], list[str]]:
     spec = c.spec(doc_edit=lambda d: d.update(parameters={"epsilon": 0.1}))
-    return ["merge", str(spec), str(c.tmp / "out")], [str(spec), "parameters.epsilon",
-                                                      "unknown parameter"]
+    return ["--strict", "merge", str(spec), str(c.tmp / "out")], [
+        str(spec), "parameters.epsilon", "has no parameter 'epsilon'", "strict"]
 
 
 def unknown_model_parameter(c: Ctx) -> tuple[list[str], list[str]]:
-    spec = c.spec(doc_edit=lambda d: d["models"][1]["parameters"].update(density=0.5))
-    return ["plan", str(spec)], [str(spec), "models[1].parameters.density", "unknown parameter"]
+    spec = c.spec(doc_edit=lambda d: d["models"][1]["parameters"].update(gamma=0.5))
+    return ["--strict", "plan", str(spec)], [str(spec), "models[1].parameters.gamma",
+                                             "has no parameter 'gamma'"]
 
 
 def parameter_out_of_range(c: Ctx) -> tuple[list[str], list[str]]:

@@ -38,7 +38,7 @@ from mergefs import cli
 from mergefs.engine import Session
 from mergefs.errors import BudgetError, MergefsError, SourceChanged, SpecError
 from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replay import replay
+from mergefs.replayer import replay
 from mergefs.spec import load_spec
 
 BLOCK = 512  # rows of 48 fp32 = 192 B: two rows a block, tensors span up to ~100 blocks
@@ -59,8 +59,13 @@ CASES: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None, float |
     "breadcrumbs": ("breadcrumbs", {"gamma": 0.05},
                     [{"density": 0.7}, {"density": 0.6, "gamma": 0.1}, {"density": 0.9}], None),
     "slerp": ("slerp", {"t": 0.3}, None, None),
+    # DARE without the L1 rescale is elementwise (block-wise units); with it, whole tensors
+    "dare_linear_norescale": ("dare_linear", {"seed": 5, "rescale": False},
+                              [{"density": 0.6}, {"density": 0.4}, {"density": 0.9}], None),
+    "dare_ties_norescale": ("dare_ties", {"lambda": 1.3, "normalize": True, "rescale": False},
+                            [{"density": 0.6}, {"density": 0.5}, {"density": 0.7}], None),
 }
-BUDGETED_CASES = [c for c in CASES if c != "slerp"]
+BUDGETED_CASES = list(CASES)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -371,18 +376,15 @@ def test_byte_and_fraction_budgets_match_reference(family_f32: Family, index_dir
     assert_matches(tmp_path / "out", expected)
 
 
-def test_slerp_refuses_partial_budget(family_f32: Family, index_dir: Path,
-                                      tmp_path: Path) -> None:
-    with pytest.raises(SpecError) as exc:
-        load_spec(write_case_spec(tmp_path / "a.yaml", family_f32, "slerp", index_dir,
-                                  budget="50%"))
-    assert "a.yaml: budget:" in str(exc.value)
-    spec = load_spec(write_case_spec(tmp_path / "b.yaml", family_f32, "slerp", index_dir))
-    with pytest.raises(BudgetError):
-        Session(spec, budget_bytes=1000).close()
-    rc = cli.main(["merge", str(tmp_path / "b.yaml"), str(tmp_path / "out"), "--budget", "50%"])
-    assert rc == 1
-    assert not (tmp_path / "out").exists()
+def test_every_method_runs_under_a_partial_budget(family_f32: Family, index_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """slerp too: omitted blocks of the model hold the base's values (a zero delta)."""
+    spec_path = write_case_spec(tmp_path / "b.yaml", family_f32, "slerp", index_dir,
+                                budget="50%")
+    session, _ = run_merge(spec_path, tmp_path / "out")
+    assert 0 < session.plan.planned_bytes <= session.plan.budget_bytes
+    assert_matches(tmp_path / "out", reference_merge_dir(
+        spec_path, omit_masks=plan_omit_masks(session, family_f32.base)))
 
 
 # -- the budget properties, over random budgets, coefficients and families ----------------------
@@ -724,8 +726,8 @@ def test_linear_global_weight_applies_to_listed_base(family_f32: Family, index_d
 
 
 @pytest.mark.parametrize("budget", ["full", "30%"])
-@pytest.mark.parametrize("case", ["linear_unnormalized", "task_arithmetic", "dare_linear",
-                                  "dare_ties"])
+@pytest.mark.parametrize("case", ["linear_unnormalized", "task_arithmetic",
+                                  "dare_linear_norescale", "dare_ties_norescale"])
 def test_block_units_match_reference(family_bf16: Family, index_dir: Path, tmp_path: Path,
                                      case: str, budget: str) -> None:
     """Elementwise operators merged one block at a time (as the mount serves them) give the

@@ -16,7 +16,6 @@ from mergefs import cli
 from mergefs.engine import Session
 from mergefs.errors import BudgetError
 from mergefs.index import BlockIndex, BlockLayout
-from mergefs.ops import resolve_params
 from mergefs.plan import make_plan, selected_from_runs, selected_runs
 from mergefs.spec import load_spec, parse_spec
 
@@ -63,7 +62,7 @@ def hand_index(norms: list[list[float]], block_elems: list[int],
 def plan_for(tmp_path: Path, weights: list[float], index: BlockIndex, budget: int,
              method: str = "task_arithmetic") -> Any:
     spec = hand_spec(tmp_path, weights, method)
-    return make_plan(spec, resolve_params(spec), index, budget)
+    return make_plan(spec, index, budget)
 
 
 def chosen(plan: Any) -> set[tuple[int, int]]:
@@ -151,24 +150,24 @@ def test_zero_blocks_cost_nothing(tmp_path: Path) -> None:
     assert none.error_exact == pytest.approx(5.0)
 
 
-def test_non_additive_has_no_bound_and_slerp_refuses(tmp_path: Path) -> None:
+def test_non_additive_has_no_bound_and_slerp_takes_budgets(tmp_path: Path) -> None:
     idx = hand_index(NORMS, [25] * 4)
     spec = parse_spec({"merge_method": "ties", "base_model": "b",
                        "models": [{"model": "x", "parameters": {"weight": 1.0}},
                                   {"model": "y", "parameters": {"weight": 0.5}}]},
                       base_dir=tmp_path)
-    plan = make_plan(spec, resolve_params(spec), idx, 300)
+    plan = make_plan(spec, idx, 300)
     assert plan.bound_tight is plan.bound_loose is plan.error_exact is plan.update_norm is None
     assert plan.report()["bound_relative_to_update"] is None
     assert plan.planned_bytes <= 300
     slerp = parse_spec({"merge_method": "slerp", "base_model": "b", "models": [{"model": "x"}],
                         "parameters": {"t": 0.5}}, base_dir=tmp_path)
     one = hand_index([NORMS[0]], [25] * 4)
+    partial = make_plan(slerp, one, 399)  # omitted blocks: the model's values are the base's
+    assert partial.planned_bytes <= 399 and partial.bound_tight is None
+    assert make_plan(slerp, one, 400).blocks_read == 3
     with pytest.raises(BudgetError):
-        make_plan(slerp, resolve_params(slerp), one, 399)
-    assert make_plan(slerp, resolve_params(slerp), one, 400).blocks_read == 3
-    with pytest.raises(BudgetError):
-        make_plan(spec, resolve_params(spec), idx, -1)
+        make_plan(spec, idx, -1)
 
 
 def test_selected_runs_round_trip() -> None:
@@ -237,7 +236,7 @@ def test_plan_is_deterministic(equal_family: Family, tmp_path: Path) -> None:
     a, b = open_session(spec_path), open_session(spec_path)
     assert np.array_equal(a.plan.selected, b.plan.selected)
     assert a.plan.plan_hash == b.plan.plan_hash
-    again = make_plan(a.spec, resolve_params(a.spec), a.index)
+    again = make_plan(a.spec, a.index)
     assert np.array_equal(again.selected, a.plan.selected)
     assert again.plan_hash == a.plan.plan_hash
     assert again.report() == a.plan.report()
@@ -289,9 +288,9 @@ def test_budget_equal_to_nonzero_bytes_reads_everything(equal_family: Family,
                                                         tmp_path: Path) -> None:
     s = open_session(family_spec(tmp_path, equal_family, [0.6, 0.2, 0.3]))
     nz = s.plan.nonzero_expert_bytes
-    exact = make_plan(s.spec, s.params, s.index, nz)
+    exact = make_plan(s.spec, s.index, nz)
     assert np.array_equal(exact.selected, ~s.index.zero) and exact.error_exact == 0.0
-    short = make_plan(s.spec, s.params, s.index, nz - 1)
+    short = make_plan(s.spec, s.index, nz - 1)
     assert short.planned_bytes == nz - 256
     assert short.error_exact is not None and short.error_exact > 0
 

@@ -153,7 +153,7 @@ def test_breadcrumbs_drops_both_tails() -> None:
         "breadcrumbs", base, [delta], "t", {"density": 0.5, "gamma": 0.1}, [{"weight": 1.0}]
     )
     assert merged.tolist() == [0, 0, 9, 0, 8, 0, 7, 0, 6, 5]
-    # target 9, n_top 2, n_bot -1 -> n_top 1, n_bot 0: only the largest goes.
+    # kept 9, n_top 2, n_bot max(0, 10 - 9 - 2) = 0: ascending ranks [0, 9), the largest goes.
     merged = reference_merge(
         "breadcrumbs", base, [delta], "t", {"density": 0.95, "gamma": 0.2}, [{"weight": 1.0}]
     )
@@ -168,8 +168,13 @@ def test_dare_linear_rescales_kept_elements(family_f32: Family) -> None:
     )
     delta = (expert - base).ravel()
     keep = dare_uniform(3, TENSOR, 0, np.arange(base.size)) < 0.5
-    want = base.ravel() + np.where(keep, delta / np.float32(0.5), np.float32(0))
-    assert np.array_equal(merged.ravel(), want)
+    got = merged.ravel()
+    assert np.array_equal(got[~keep], base.ravel()[~keep])
+    # mergekit's rescale: the L1 norm ratio of the delta and its kept part, not 1 / density
+    ratio = np.abs(delta).astype(np.float64).sum() / np.abs(delta[keep]).astype(np.float64).sum()
+    want = base.ravel() + np.where(keep, delta.astype(np.float64) * ratio, 0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-8)
+    assert abs(ratio - 2.0) > 1e-4
 
 
 def test_slerp_endpoints(family_f32: Family) -> None:

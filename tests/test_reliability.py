@@ -16,7 +16,7 @@ from mergefs.cli import main as cli_main
 from mergefs.engine import Session
 from mergefs.errors import ManifestError, MergefsError, SourceChanged
 from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replay import replay
+from mergefs.replayer import replay
 from mergefs.spec import load_spec
 
 

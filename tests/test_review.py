@@ -25,7 +25,7 @@ from mergefs.cache import UnitCache
 from mergefs.engine import Session
 from mergefs.errors import ManifestError
 from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replay import replay
+from mergefs.replayer import replay
 from mergefs.spec import load_spec
 from mergefs.view import View
 

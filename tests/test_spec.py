@@ -82,7 +82,7 @@ def test_plain_mergekit_config_parses(tmp_path: Path) -> None:
     assert spec.experts[0].parameters == {"density": 0.5, "weight": 0.5}
     assert spec.experts[1].parameters == {"density": 0.5, "weight": 0.3}
     assert spec.parameters["normalize"] is True and spec.parameters["lambda"] == 1.0
-    assert "int8_mask" not in spec.parameters
+    assert spec.parameters["int8_mask"] is True  # accepted; a no-op (docs/operators.md)
     assert spec.out_dtype == "F16"
     assert spec.budget == Budget("full") and spec.budget.is_full
     assert spec.block_size == 1 << 20
@@ -103,7 +103,8 @@ def test_defaults_and_global_model_parameters(tmp_path: Path) -> None:
     spec = load_spec(path)
     assert spec.experts[0].parameters == {"weight": 1.0, "density": 0.7}  # global default
     assert spec.experts[1].parameters == {"weight": 0.5, "density": 0.3}  # own value wins
-    assert spec.parameters == {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0}
+    assert spec.parameters == {"normalize": False, "lambda": 1.0, "rescale": True, "seed": 0,
+                               "int8_mask": False}
     assert spec.out_dtype is None
 
 
@@ -202,7 +203,7 @@ def with_model_params(params: dict[str, Any], method: str = "task_arithmetic",
 
 
 BAD: dict[str, tuple[Any, str]] = {
-    "unknown top-level key": (good_doc(mystery=1), "mystery"),
+    "unknown top-level key": (good_doc(mystery=1, strict=True), "mystery"),
     "slices": (good_doc(slices=[{"sources": [{"model": "a", "layer_range": [0, 4]}]}]),
                "slices"),
     "tokenizer_source": (good_doc(tokenizer_source="union"), "tokenizer_source"),
@@ -215,18 +216,19 @@ BAD: dict[str, tuple[Any, str]] = {
     "filter list": (with_model_params({"weight": [{"filter": "mlp", "value": 0.5},
                                                   {"value": 0.3}]}),
                     "models[0].parameters.weight"),
-    "unknown method": (good_doc(merge_method="model_stock"), "merge_method"),
+    "unknown method": (good_doc(merge_method="frankenmerge"), "merge_method"),
     "missing method": ({k: v for k, v in good_doc().items() if k != "merge_method"},
                        "merge_method"),
     "missing base": ({k: v for k, v in good_doc().items() if k != "base_model"},
                      "base_model"),
-    "unknown global parameter": (good_doc(parameters={"epsilon": 0.1}), "parameters.epsilon"),
-    "unknown model parameter": (with_model_params({"weight": 0.5, "density": 0.5}),
-                                "models[0].parameters.density"),
+    "unknown global parameter": (good_doc(parameters={"epsilon": 0.1}, strict=True),
+                                 "parameters.epsilon"),
+    "unknown model parameter": (with_model_params({"weight": 0.5, "gamma": 0.5}, strict=True),
+                                "models[0].parameters.gamma"),
     "density above 1": (with_model_params({"weight": 0.5, "density": 1.5}, "ties"),
                         "models[0].parameters.density"),
-    "density zero": (with_model_params({"weight": 0.5, "density": 0}, "dare_ties"),
-                     "models[0].parameters.density"),
+    "density negative": (with_model_params({"weight": 0.5, "density": -0.5}, "dare_ties"),
+                         "models[0].parameters.density"),
     "global density negative": (good_doc(merge_method="ties", parameters={"density": -0.1}),
                                 "parameters.density"),
     "missing weight": (with_model_params({}), "models[0].parameters.weight"),
@@ -239,8 +241,6 @@ BAD: dict[str, tuple[Any, str]] = {
                                       models=[{"model": "./a"}]), "parameters.t"),
     "slerp two experts": (good_doc(merge_method="slerp", parameters={"t": 0.5},
                                    models=[{"model": "./a"}, {"model": "./b"}]), "models"),
-    "slerp partial budget": (good_doc(merge_method="slerp", parameters={"t": 0.5},
-                                      models=[{"model": "./a"}], budget="50%"), "budget"),
     "bad dtype": (good_doc(dtype="float8"), "dtype"),
     "bad out_dtype": (good_doc(out_dtype="int8"), "out_dtype"),
     "negative budget": (good_doc(budget=-1), "budget"),
@@ -426,3 +426,58 @@ def test_open_family_checks_coordinates(small_family: Family, tmp_path: Path) ->
     }))
     with pytest.raises(SpecError, match=r"model\.norm\.weight"):
         open_family(load_spec(path))
+
+
+# -- leniency: what mergekit silently ignores is a warning, or an error with strict --------------
+
+def test_ignored_keys_warn_once_each_and_strict_refuses(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    doc = good_doc(normalize=True, anchors={"x": 1}, parameters={"lambda": 1.0, "typo": 2})
+    doc["models"][0]["parameters"]["t"] = 0.5  # a parameter task_arithmetic does not have
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with caplog.at_level("WARNING", logger="mergefs.spec"):
+        spec = load_spec(path)
+    keys = ["normalize", "anchors", "parameters.typo", "models[0].parameters.t"]
+    assert len(spec.warnings) == len(keys)
+    for key, warning in zip(sorted(keys), sorted(spec.warnings)):
+        assert f": {key}: ignored" in warning and str(path) in warning
+    assert len(caplog.records) == len(keys)
+    assert spec.parameters.get("typo") is None and spec.raw["models"][0]["parameters"] == {
+        "weight": 0.5, "density": 1.0}
+    with pytest.raises(SpecError, match="strict"):
+        load_spec(path, strict=True)
+
+
+def test_slerp_model_weight_is_ignored_like_mergekit(tmp_path: Path) -> None:
+    doc = good_doc(merge_method="slerp", parameters={"t": 0.5},
+                   models=[{"model": "./a", "parameters": {"weight": 1.0}}])
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_spec(path)
+    assert len(spec.warnings) == 1 and "models[0].parameters.weight" in spec.warnings[0]
+
+
+def test_linear_base_without_weight_is_only_the_reference(tmp_path: Path) -> None:
+    doc = good_doc(merge_method="linear", parameters={})
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_spec(path)
+    assert spec.input_order == (0, 1) and "mergekit refuses" in spec.warnings[0]
+    doc["parameters"] = {"weight": 0.25}  # mergekit then averages the base in, appended last
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_spec(path)
+    assert spec.input_order == (0, 1, -1) and spec.base_weight == 0.25 and not spec.warnings
+    assert spec.raw["models"][-1] == {"model": spec.base, "parameters": {"weight": 0.25}}
+
+
+def test_methods_without_base_use_the_first_model_as_reference(tmp_path: Path) -> None:
+    doc = good_doc(merge_method="karcher", parameters={})
+    del doc["base_model"]
+    for m in doc["models"]:
+        del m["parameters"]
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_spec(path)
+    assert spec.base.endswith("expert-a") and [e.path[-8:] for e in spec.experts] == ["expert-b"]
+    assert spec.input_order == (-1, 0) and not spec.has_base

@@ -1,0 +1,56 @@
+"""The method registry: every merge method mergefs runs, one module per family.
+
+``get(name)`` returns a :class:`~.base.Method` (parameters, capabilities, arithmetic);
+``describe_methods()`` is what ``mergefs methods`` prints. Adding a method means adding one
+module (or one row of a family) and its tests; nothing else names methods. Pure; any thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import gta, linear, ram, simple, slerp, spherical, stock
+from .base import REQUIRED, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+
+__all__ = ["BasePolicy", "Capabilities", "Method", "ParamDef", "Scope", "Unit", "METHODS",
+           "get", "describe_methods"]
+
+_ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
+                            *spherical.METHODS, *simple.METHODS, *ram.METHODS)
+_BY_NAME: dict[str, Method] = {m.name: m for m in _ALL}
+assert len(_BY_NAME) == len(_ALL), "duplicate method names"
+
+#: Every method name, in registry order.
+METHODS: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def get(name: str) -> Method | None:
+    return _BY_NAME.get(name)
+
+
+def _param_row(p: ParamDef) -> dict[str, Any]:
+    return {"name": p.name, "scope": p.scope.value, "type": p.kind,
+            "default": None if p.default is REQUIRED else p.default, "required": p.required,
+            "range": None if p.kind == "bool" else p.describe_range(),
+            "mergefs_only": p.mergefs_only, "no_op": p.no_op or None, "doc": p.doc}
+
+
+def describe_methods() -> list[dict[str, Any]]:
+    """One JSON-able row per method: name, family, parameters with defaults, capabilities."""
+    rows = []
+    for m in _ALL:
+        c = m.caps
+        rows.append({
+            "name": m.name, "family": m.family, "summary": m.summary,
+            "parameters": [_param_row(p) for p in m.params],
+            "base": c.base.value,
+            "inputs": {"min": c.min_inputs, "max": c.max_inputs},
+            "additive_bound": c.additive,
+            "blockwise": "yes" if m.elementwise(2, _defaults(m)) else "no",
+            "random": c.random,
+        })
+    return rows
+
+
+def _defaults(m: Method) -> dict[str, Any]:
+    return {p.name: p.default for p in m.global_params if not p.required}

@@ -1,0 +1,176 @@
+"""What a merge method is: its parameters, its capabilities and its arithmetic on one unit.
+
+A :class:`Method` is plain data plus one function: ``merge(unit) -> tensor``. Spec validation,
+the planner, the engine, ``mergefs methods`` and docs/operators.md all read these declarations;
+nothing else in mergefs tests a method's name. Pure; runs on any thread.
+
+Arithmetic is written with torch CPU float32 kernels on zero-copy views of the engine's numpy
+buffers, op for op as mergekit 0.1.5 evaluates the same formula: mergekit's results are defined
+by those kernels (fused multiply-add in ``addcmul``, reduction orders that change with the number
+of inputs and the SIMD width, Sleef transcendentals), which numpy cannot reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Scope(str, Enum):
+    """Where a parameter is set: once globally, or per model (a global value is the default)."""
+
+    GLOBAL = "global"
+    #: every input model, the base included when it is an input (mergekit's INPUT scope)
+    MODEL = "model"
+    #: every input model but the base (mergekit's NON_BASE scope)
+    NON_BASE = "non_base"
+
+
+class BasePolicy(str, Enum):
+    """mergekit's base policy: the base is the origin of the deltas, optional, or just an input."""
+
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    IGNORED = "ignored"  # the base_model, if any, is one more weighted input (linear, karcher)
+
+
+REQUIRED = object()  # default of a parameter without a default
+
+
+@dataclass(frozen=True)
+class ParamDef:
+    """One parameter: mergekit's name, type, default and the range mergefs accepts."""
+
+    name: str
+    kind: str  # "bool" | "float" | "int" | "float?" (a float or null)
+    scope: Scope
+    default: Any = REQUIRED
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    doc: str = ""
+    mergefs_only: bool = False  # not a mergekit parameter (``seed``)
+    no_op: str = ""  # accepted but without effect on the result here: why
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def describe_range(self) -> str:
+        if self.kind == "bool":
+            return "true|false"
+        lo = "-inf" if self.lo is None else f"{self.lo:g}"
+        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
+
+    def check(self, value: Any) -> str | None:
+        """None if ``value`` is valid, else what is wrong with it."""
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+        if self.kind == "float?" and value is None:
+            return None
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"expected an integer, got {value!r}"
+        elif (isinstance(value, bool) or not isinstance(value, (int, float))
+              or not math.isfinite(value)):
+            return f"expected a number, got {value!r}"
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return f"must be {'>' if self.lo_open else '>='} {self.lo}, got {value}"
+        if self.hi is not None and value > self.hi:
+            return f"must be <= {self.hi}, got {value}"
+        return None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the planner and the engine may assume about a method."""
+
+    base: BasePolicy
+    min_inputs: int  # number of non-base inputs (all inputs when the base is ignored)
+    max_inputs: int | None
+    additive: bool = False  # M is affine in the deltas with fixed c_i: the error bound holds
+    random: bool = False  # draws a mask (mergefs: counter-based, seeded, reproducible)
+    #: elementwise: may run on any slice of a tensor (given the number of inputs and the
+    #: global parameters); otherwise the engine hands it whole tensors
+    elementwise: Callable[[int, Mapping[str, Any]], bool] = field(
+        default=lambda n, g: False, compare=False)
+    #: the output is the base exactly when every delta is zero (an unread unit is the base)
+    zero_delta_is_base: bool = False
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The inputs of one merge unit, float32, as torch tensors that must not be modified.
+
+    ``base`` is the base's values when the method has a base; ``inputs`` the other inputs in
+    mergekit's order (a model the plan omits here holds the reference model's values, i.e. a
+    zero delta). Whole-tensor units have the tensor's shape; elementwise units are flat slices
+    starting at flat element ``elem_offset``.
+    """
+
+    tensor: str
+    shape: tuple[int, ...]
+    elem_offset: int
+    base: torch.Tensor | None
+    inputs: tuple[torch.Tensor, ...]
+    params: Mapping[str, Any]  # global parameters, defaults filled in
+    input_params: tuple[Mapping[str, Any], ...]  # per input (same order as ``inputs``)
+    expert_ids: tuple[int, ...]  # per input: its index among the non-base models (mask keys)
+
+    def per_input(self, name: str) -> list[Any]:
+        return [p[name] for p in self.input_params]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A merge method: parameters, capabilities, arithmetic and its documentation."""
+
+    name: str
+    family: str
+    params: tuple[ParamDef, ...]
+    caps: Capabilities
+    merge: Callable[[Unit], torch.Tensor] = field(compare=False)
+    #: per input (mergekit order), c_i for ranking reads by |c_i| ||D_i|| (and the bound's
+    #: coefficients when additive)
+    coefficients: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], list[float]] = \
+        field(compare=False, default=lambda g, per: [1.0] * len(per))
+    #: a method-specific check of the resolved parameters: None, or what is wrong
+    check: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], str | None] | None = \
+        field(compare=False, default=None)
+    summary: str = ""
+    arithmetic: str = ""  # docs/operators.md text: the exact formula
+
+    def param(self, name: str) -> ParamDef | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def global_params(self) -> tuple[ParamDef, ...]:
+        return tuple(p for p in self.params if p.scope == Scope.GLOBAL)
+
+    @property
+    def model_params(self) -> tuple[ParamDef, ...]:
+        return tuple(p for p in self.params if p.scope != Scope.GLOBAL)
+
+    def elementwise(self, n_inputs: int, params: Mapping[str, Any]) -> bool:
+        return bool(self.caps.elementwise(n_inputs, params))
+
+
+# -- parameter shorthands shared by the method modules --------------------------------------------
+
+def weight(scope: Scope = Scope.NON_BASE, default: Any = REQUIRED) -> ParamDef:
+    return ParamDef("weight", "float", scope, default, doc="the model's weight")
+
+
+def flag(name: str, default: bool, doc: str = "", no_op: str = "") -> ParamDef:
+    return ParamDef(name, "bool", Scope.GLOBAL, default, doc=doc, no_op=no_op)
+
+
+INT8_MASK = flag("int8_mask", False, "store masks as int8",
+                 no_op="a memory knob in mergekit; masks here never change the result")

@@ -1,0 +1,163 @@
+"""docs/operators.md, rendered from the registry (a test keeps the file equal to this output).
+
+Pure; no I/O. Regenerate with
+``python -c "from mergefs.methods.docs import render; print(render(), end='')" > docs/operators.md``.
+"""
+
+from __future__ import annotations
+
+from .base import REQUIRED, Method, Scope
+
+INTRO = """\
+# Merge methods: exact arithmetic
+
+<!-- Generated from mergefs/methods (mergefs.methods.docs.render); edit the registry, not this
+file. -->
+
+mergefs runs every merge method of mergekit 0.1.5 and produces the same bytes as mergekit
+computing in float32 (`dtype: float32`) and writing the output dtype. This page is generated from
+the method registry (`mergefs/methods/`), which spec validation, the planner, the engine and
+`mergefs methods` read too.
+
+## Conventions
+
+- Inputs are decoded to float32; the merge runs in float32; the result is cast once to the
+  output dtype (`out_dtype`, else `dtype`, else each tensor's own) with round-to-nearest-even.
+  mergekit's `dtype` is its compute dtype: a config that gives only `dtype: bfloat16` is computed
+  in bfloat16 by mergekit and in float32 by mergefs (the output dtype is bfloat16 in both).
+  Non-floating tensors pass through from the base unchanged.
+- The arithmetic runs in torch CPU float32 kernels, in mergekit's order of operations, on
+  zero-copy views of mergefs' buffers: mergekit's bytes are those kernels' (fused multiply-add in
+  `addcmul_`, sums over the model axis that are sequential for up to 4 models and
+  position-dependent beyond, Sleef transcendentals), which numpy cannot reproduce bit for bit.
+  Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
+  scalars converted by the kernel.
+- Parameters use mergekit's names and defaults. Per-model parameters sit under
+  `models[].parameters`; a global value of a per-model name is every model's default. Lists
+  (gradients) and `{filter, value}` settings are not supported yet and are rejected.
+- Inputs come in mergekit's order: the models as listed. For methods with a base, the base is
+  the origin of the deltas and not an input. For linear, karcher and passthrough the base is one
+  more input, appended last when it is not listed (mergekit does this; linear then needs a
+  global `weight`, and without one mergekit refuses the config, while mergefs warns and keeps
+  the base as the coordinate reference only).
+- Leniency: like mergekit, mergefs runs configs with unknown top-level keys, parameters a
+  method does not use and misspelt parameter names, printing one warning per ignored key;
+  `--strict` (or `strict: true` in the spec) makes them errors.
+- `D_i = W_i - W0` (float32). Under a budget every block the plan omits for model `i` holds the
+  reference model's values (`W_i := W0` there, a zero delta); methods without a base use the
+  first model as the reference.
+
+## Budgets
+
+Additive methods keep the error bound of design.md (their coefficients `c_i` are listed per
+method). For the others the plan ranks reads by `|c_i| ||D_ib||` (the weights, or 1), omitted
+blocks count as zero delta, there is no bound (`mergefs plan` says so), and the full budget is
+bit-identical to the full read. Every method accepts a budget.
+
+Block-wise methods are merged one block (or run of blocks) at a time, as the mount serves them;
+whole-tensor methods read and merge the whole tensor for any byte of it (their statistics, such
+as norms, ranks, variances or L1 rescales, span the whole tensor; model_stock's angles and
+sce's variances could come from the index's Gram matrices, which is not done yet).
+
+`inputs`: how many models besides the base (for linear, karcher and passthrough: all inputs).
+
+| method | base | inputs | bound | block-wise |
+|---|---|---|---|---|
+"""
+
+RANDOM = """\
+## The counter-based uniform `u(seed, tensor, i, j)`
+
+DARE and DELLA masks in mergekit come from `torch.bernoulli` (not reproducible without
+`--random-seed`, and dependent on merge order). mergefs keeps element `j` (flat index in the
+tensor) of model `i` (its position among the non-base inputs) iff `u(seed, tensor, i, j) < p_j`,
+compared in float64 with the float32 keep probability `p_j` (DARE: `density`; DELLA: its rank
+probabilities). `seed` is a mergefs parameter (default 0).
+
+    key  = xxh3_64(f"{seed}\\x00{tensor}\\x00{i}".encode())          # uint64
+    x    = (key + j * 0x9E3779B97F4A7C15) mod 2**64                 # splitmix64 input
+    x    = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 mod 2**64
+    x    = (x ^ (x >> 27)) * 0x94D049BB133111EB mod 2**64
+    x    =  x ^ (x >> 31)
+    u    = (x >> 11) * 2**-53                                        # in [0, 1)
+
+## Known differences from mergekit
+
+- Magnitude selections (ties, breadcrumbs, della ranks) order equal `|delta|` by lower flat
+  index; mergekit's sorts are not stable, so outputs may differ only at elements whose `|delta|`
+  equals a selection threshold (common in bfloat16/float16 families, rare in float32).
+- Random masks are mergefs' own (above); with the same mask mergekit gives the same bytes.
+- arcee_fusion sorts every element for its quantiles; mergekit samples 10^6 elements with
+  replacement above 10^6 elements (not reproducible).
+- mergekit's full-tensor reductions (norms, L1 sums) split work across torch's threads; mergefs
+  uses the same kernels and thread count, so a machine with a different SIMD width or thread
+  count can round those sums differently, in mergekit as in mergefs.
+- Refused where mergekit would not refuse: methods with a base and no other model (mergekit
+  returns the base), slerp's `t` outside [0, 1], and linear weights summing to zero with
+  normalize (mergekit divides by zero).
+"""
+
+
+def _param_line(p: object) -> str:
+    from .base import ParamDef
+
+    assert isinstance(p, ParamDef)
+    scope = {Scope.GLOBAL: "global", Scope.MODEL: "per model (base included)",
+             Scope.NON_BASE: "per model"}[p.scope]
+    default = "required" if p.default is REQUIRED else repr(p.default)
+    notes = []
+    if p.kind != "bool":
+        notes.append(f"range {p.describe_range()}")
+    if p.mergefs_only:
+        notes.append("mergefs only")
+    if p.no_op:
+        notes.append(f"no effect: {p.no_op}")
+    extra = "".join(f"; {n}" for n in notes)
+    doc = f"{p.doc[0].upper()}{p.doc[1:]}." if p.doc else ""
+    return f"- `{p.name}` ({scope}; default {default}{extra}): {doc}"
+
+
+def _method_section(m: Method) -> str:
+    c = m.caps
+    lines = [f"### `{m.name}`", "", f"{m.summary[0].upper()}{m.summary[1:]}.", ""]
+    lines += [_param_line(p) for p in m.params] or ["- no parameters"]
+    lines += ["", m.arithmetic.rstrip(), ""]
+    if c.additive:
+        lines += ["Additive: the bound of design.md holds with the coefficients above.", ""]
+    return "\n".join(lines)
+
+
+def render() -> str:
+    from . import _ALL, _defaults
+
+    rows = []
+    for m in _ALL:
+        c = m.caps
+        inputs = f"{c.min_inputs}..{c.max_inputs if c.max_inputs is not None else 'n'}"
+        block = "yes" if m.elementwise(2, _defaults(m)) else "no"
+        if m.family == "gta" and block == "yes":
+            block = "yes, up to 4 models"
+        if m.name in ("dare_ties", "dare_linear"):
+            block = "with `rescale: false`, up to 4 models"
+        if m.name == "ram":
+            block = "yes, up to 4 models"
+        rows.append(f"| {m.name} | {c.base.value} | {inputs} | "
+                    f"{'yes' if c.additive else 'no'} | {block} |")
+    families: dict[str, list[Method]] = {}
+    for m in _ALL:
+        families.setdefault(m.family, []).append(m)
+    body = []
+    for family, ms in families.items():
+        title = {"linear": "Linear", "gta": "Generalised task arithmetic",
+                 "slerp": "Spherical interpolation", "stock": "Model stock and SCE",
+                 "spherical": "Means on the hypersphere", "simple": "Small methods",
+                 "ram": "RAM"}[family]
+        body.append(f"## {title}\n")
+        if family == "gta":
+            body.append(ms[0].arithmetic.rstrip() + "\n")
+            for m in ms:
+                body.append(f"### `{m.name}`\n\n{m.summary[0].upper()}{m.summary[1:]}.\n\n"
+                            + "\n".join(_param_line(p) for p in m.params) + "\n")
+        else:
+            body.extend(_method_section(m) for m in ms)
+    return INTRO + "\n".join(rows) + "\n\n" + "\n".join(body) + "\n" + RANDOM

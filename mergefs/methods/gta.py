@@ -1,0 +1,162 @@
+"""Generalised task arithmetic: one arithmetic, eight methods as rows (sparsifier x consensus x
+defaults), as mergekit registers them: task_arithmetic, ties, dare_linear, dare_ties,
+breadcrumbs, breadcrumbs_ties, della, della_linear. Pure; runs on any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import sparsify as sp
+from .base import INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight
+
+#: Sums over the input axis are sequential (input order, from +0.0) in torch's CPU kernels for
+#: up to this many inputs at every element; beyond, the order depends on the element's position
+#: in the tensor, so units must be whole tensors to equal mergekit.
+SEQUENTIAL_SUM_MAX = 4
+
+ARITHMETIC = """\
+Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
+
+1. Sparsify each `D_i` (per-model `density`; `rescale` multiplies the kept values by
+   `||D_i||_1 / ||kept||_1` (float32 sums) unless either is below 1e-7):
+   - magnitude (ties): density >= 1 keeps all, <= 0 none; else keep the
+     `max(1, int(density * n))` largest `|D_i|` (ties by lower flat index).
+   - magnitude_outliers (breadcrumbs): `n_top = int(gamma * n)`, `kept = int(density * n)`,
+     `n_bot = max(0, n - kept - n_top)`; keep ascending ranks `[n_bot, n_bot + kept)`
+     (stable order).
+   - random (dare): keep element j iff `u(seed, tensor, i, j) < float32(density)`.
+   - della_magprune (della): per row (1-D: one row), stable ascending rank `r` (1-based) of
+     `|D_i|`, `p = (density - epsilon) + ((r - min r) / (max r - min r)) * 2 * epsilon`
+     (float32); keep iff `u(seed, tensor, i, j) < p_j`.
+   Masks multiply (`D * mask`, float32).
+2. `X_i = T_i * w_i` (float32 weights).
+3. Sign consensus (ties, dare_ties, breadcrumbs_ties, della): `majority = +1 where sum_i X_i >= 0
+   else -1`; `mask_i = sign(X_i) == majority`; `mixed = sum_i X_i * mask_i`,
+   `divisor = sum_i w_i * mask_i`, 1 where 0. Otherwise `mixed = sum_i X_i`,
+   `divisor = sum_i w_i` (1 where `|divisor| < 1e-8`). Sums run over the input axis in order from
+   +0.0 (torch's order for up to 4 models; more models make the units whole tensors).
+4. `mixed /= divisor` if normalize; `mixed *= lambda` if lambda != 1.
+5. `M = W0 + mixed`.
+"""
+
+
+def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-def]
+    def merge(u: Unit) -> Any:
+        import torch
+
+        base = u.base
+        assert base is not None
+        if not u.inputs:
+            return base
+        g = u.params
+        deltas = base.new_empty((len(u.inputs), *base.shape))
+        for k, x in enumerate(u.inputs):
+            d = x - base
+            p = u.input_params[k]
+            if sparsifier == "magnitude":
+                d = sp.magnitude(d, p["density"], g["rescale"])
+            elif sparsifier == "magnitude_outliers":
+                d = sp.magnitude_outliers(d, p["density"], p["gamma"], g["rescale"])
+            elif sparsifier == "random":
+                d = sp.random(d, p["density"], g["rescale"], g["seed"], u.tensor,
+                              u.expert_ids[k], u.elem_offset)
+            elif sparsifier == "della_magprune":
+                d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
+                             u.expert_ids[k])
+            deltas[k] = d
+        w = torch.tensor(u.per_input("weight"), dtype=deltas.dtype)
+        while w.dim() < deltas.dim():
+            w.unsqueeze_(-1)
+        deltas.mul_(w)
+        if consensus:
+            majority = (deltas.sum(dim=0) >= 0).to(deltas.dtype) * 2 - 1
+            mask = deltas.sign() == majority
+            mixed = (deltas * mask).sum(dim=0)
+            divisor = (w * mask).sum(dim=0)
+            divisor[divisor == 0] = 1
+        else:
+            mixed = deltas.sum(dim=0)
+            divisor = w.sum(dim=0)
+            divisor[divisor.abs() < 1e-8] = 1
+        if g["normalize"]:
+            mixed /= divisor
+        if g["lambda"] != 1:
+            mixed *= g["lambda"]
+        return base + mixed
+
+    return merge
+
+
+def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
+    """``c_i = lambda * w_i / n``, ``n = sum w`` when normalize (and ``|sum| >= 1e-8``) else 1."""
+    w = [float(p["weight"]) for p in per]
+    total = sum(w)
+    n = total if g.get("normalize") and abs(total) >= 1e-8 else 1.0
+    return [float(g.get("lambda", 1.0)) * x / n for x in w]
+
+
+def _della_check(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> str | None:
+    for k, p in enumerate(per):
+        d, e = p["density"], p["epsilon"]
+        if 0 < d < 1 and (d + e >= 1 or d - e <= 0):
+            return (f"model {k}: density {d} +/- epsilon {e} must lie in (0, 1) "
+                    "(mergekit refuses it too)")
+    return None
+
+
+def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, rescale: bool,
+         summary: str) -> Method:
+    """One row of the family: mergekit's sparsifier, consensus and defaults for ``name``."""
+    params: list[ParamDef] = [
+        INT8_MASK,
+        flag("normalize", normalize, "divide by the sum of the (agreeing) weights"),
+        flag("rescale", rescale, "rescale kept deltas to the L1 norm of the delta",
+             no_op="" if sparsifier else "no sparsifier: nothing to rescale"),
+        ParamDef("lambda", "float", Scope.GLOBAL, 1.0, doc="scale of the merged delta"),
+        weight(),
+        ParamDef("density", "float", Scope.NON_BASE, 1.0, 0.0, 1.0,
+                 doc="fraction of each delta kept",
+                 no_op="" if sparsifier else "no sparsifier: every delta is kept"),
+    ]
+    if sparsifier == "magnitude_outliers":
+        params.append(ParamDef("gamma", "float", Scope.NON_BASE, 0.01, 0.0, 1.0,
+                               doc="fraction of largest-magnitude deltas dropped"))
+    if sparsifier == "della_magprune":
+        params.append(ParamDef("epsilon", "float", Scope.NON_BASE, 0.15, 0.0, 1.0,
+                               doc="spread of keep probabilities around density"))
+    if sparsifier in ("random", "della_magprune"):
+        params.append(ParamDef("seed", "int", Scope.GLOBAL, 0, mergefs_only=True,
+                               doc="seed of mergefs' reproducible masks"))
+    blockwise = sparsifier is None or sparsifier == "random"
+
+    def elementwise(n: int, g: Mapping[str, Any]) -> bool:
+        if sparsifier == "random" and g.get("rescale"):
+            return False  # the L1 rescale needs whole tensors
+        return blockwise and n <= SEQUENTIAL_SUM_MAX
+
+    return Method(
+        name=name, family="gta", params=tuple(params),
+        caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
+                          additive=sparsifier is None and not consensus,
+                          random=sparsifier in ("random", "della_magprune"),
+                          elementwise=elementwise, zero_delta_is_base=True),
+        merge=_merge(sparsifier, consensus), coefficients=_coefficients,
+        check=_della_check if sparsifier == "della_magprune" else None, summary=summary, arithmetic=ARITHMETIC)
+
+
+METHODS = (
+    _row("task_arithmetic", None, False, False, False, "W0 + lambda * sum w_i D_i"),
+    _row("ties", "magnitude", True, True, False, "top-k by magnitude, sign consensus"),
+    _row("dare_ties", "random", True, False, True, "random drop and rescale, sign consensus"),
+    _row("dare_linear", "random", False, False, True, "random drop and rescale, weighted sum"),
+    _row("breadcrumbs", "magnitude_outliers", False, False, False,
+         "drop smallest and largest deltas, weighted sum"),
+    _row("breadcrumbs_ties", "magnitude_outliers", True, False, False,
+         "drop smallest and largest deltas, sign consensus"),
+    _row("della", "della_magprune", True, True, True,
+         "rank-dependent random drop, rescale, sign consensus"),
+    _row("della_linear", "della_magprune", False, False, True,
+         "rank-dependent random drop, rescale, weighted sum"),
+)

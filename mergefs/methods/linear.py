@@ -1,0 +1,62 @@
+"""``linear``: mergekit's weighted average (model soup) of every input, the base included when it is
+listed or given as ``base_model``. Pure; runs on any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import BasePolicy, Capabilities, Method, Scope, Unit, flag, weight
+
+ARITHMETIC = """\
+Inputs `W_m` are the models in `models:` order, then `base_model` if it is set and not listed
+(mergekit appends it; it then takes the global `weight`). With float32 weights `w_m`:
+
+    R = zeros(float32)
+    for m in order:  R = fma(W_m, w_m, R)        # torch addcmul_: one rounding per step
+    M = R / (sum_m w_m)  if normalize  else R    # the weight sum in float32, input order
+
+Under a budget an omitted block of model m holds the reference model's values there (`W_m := W0`),
+so `M_B - M = sum_m c_m (W0 - W_m)` on omitted blocks with `c_m = w_m / n` (`n` the weight sum
+when normalize, else 1): the additive bound holds. Elementwise.
+"""
+
+
+def _merge(u: Unit) -> Any:
+    import torch
+
+    first = u.inputs[0]
+    w = torch.tensor([u.per_input("weight")], dtype=torch.float32)  # (1, n): one output
+    rows = [x.reshape(1, -1) for x in u.inputs]
+    result = torch.zeros_like(rows[0])
+    for x, c in zip(rows, w.unbind(1)):
+        result.addcmul_(x, c.reshape(1, 1))
+    if u.params["normalize"]:
+        result.div_(w.sum(dim=1).reshape(1, 1))
+    return result.reshape(first.shape)
+
+
+def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
+    """``c_m = w_m / n`` for every input, ``n = sum w`` when normalize, else 1."""
+    total = sum(float(p["weight"]) for p in per)
+    n = total if g.get("normalize") and total != 0 else 1.0
+    return [float(p["weight"]) / n for p in per]
+
+
+def _check(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> str | None:
+    if g["normalize"] and sum(float(p["weight"]) for p in per) == 0:
+        return "linear with normalize: the weights sum to zero (mergekit would divide by zero)"
+    return None
+
+
+METHODS = (
+    Method(
+        name="linear", family="linear",
+        params=(flag("normalize", True, "divide by the sum of the weights"),
+                weight(Scope.MODEL)),
+        caps=Capabilities(base=BasePolicy.IGNORED, min_inputs=1, max_inputs=None,
+                          additive=True, elementwise=lambda n, g: True),
+        merge=_merge, coefficients=_coefficients, check=_check,
+        summary="weighted average sum w_m W_m / sum w_m (model soup)", arithmetic=ARITHMETIC),
+)

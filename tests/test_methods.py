@@ -1,0 +1,107 @@
+"""The method registry: declarations equal mergekit's, every method under a budget (against the
+mergekit oracle with omitted blocks as zero deltas), under the mount (bytes equal to ``mergefs
+merge``), ``mergefs methods`` and the generated docs/operators.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from families import Family, make_llama_family
+from reference import reference_merge_dir
+from test_engine import assert_matches, plan_omit_masks
+from test_mergekit_parity import CASES, config
+
+from mergefs import cli
+from mergefs.engine import Session
+from mergefs.methods import METHODS, describe_methods, get
+from mergefs.methods.base import REQUIRED, Scope
+from mergefs.methods.docs import render
+from mergefs.spec import load_spec
+
+mergekit = pytest.importorskip("mergekit")
+
+#: one representative parity case per method (CASES holds several for some)
+ONE_CASE = {method: case for case, (method, *_rest) in sorted(CASES.items(), reverse=True)}
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return make_llama_family(tmp_path_factory.mktemp("methods"), n_experts=4, seed=5)
+
+
+def write(tmp_path: Path, cfg: dict[str, Any], name: str = "spec", **extra: Any) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    doc = {**cfg, "block_size": "2KiB", "index_dir": str(tmp_path.parent / "index"), **extra}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_registry_is_mergekit_s() -> None:
+    from mergekit import merge_methods
+    from mergekit.merge_methods.base import MISSING, ParameterScope
+
+    theirs = {m.spec.name: m.spec for m in merge_methods.registered_methods()}
+    assert set(METHODS) == set(theirs)
+    scopes = {ParameterScope.SHARED: Scope.GLOBAL, ParameterScope.INPUT: Scope.MODEL,
+              ParameterScope.NON_BASE: Scope.NON_BASE}
+    for name, spec in theirs.items():
+        ours = {p.name: p for p in get(name).params if not p.mergefs_only}  # type: ignore[union-attr]
+        assert set(ours) == {p.name for p in spec.parameters}, name
+        for p in spec.parameters:
+            mine = ours[p.name]
+            assert mine.scope == scopes[p.scope], (name, p.name)
+            want = REQUIRED if p.default is MISSING else p.default
+            assert mine.default == want or (mine.default is want), (name, p.name)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_budget_is_zero_delta_in_omitted_blocks(method: str, llama4: Family,
+                                                tmp_path: Path) -> None:
+    _, _, n, kw = CASES[ONE_CASE[method]]
+    spec_path = write(tmp_path, config(llama4, method, n, **kw), budget="40%")
+    session = Session(load_spec(spec_path))
+    try:
+        assert session.plan.planned_bytes <= session.plan.budget_bytes
+        assert (session.plan.bound_tight is None) != session.spec.is_additive
+        session.engine.materialise(tmp_path / "out")
+        masks = plan_omit_masks(session, llama4.base)
+    finally:
+        session.close()
+    assert_matches(tmp_path / "out", reference_merge_dir(spec_path, omit_masks=masks))
+
+
+@pytest.mark.mount
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,
+                    reason="needs /dev/fuse and fusermount3")
+@pytest.mark.parametrize("method", METHODS)
+def test_mount_equals_merge(method: str, llama4: Family, tmp_path: Path, mounts: Any) -> None:
+    from test_mount import merge, sha256
+    from viewcases import tree
+
+    _, _, n, kw = CASES[ONE_CASE[method]]
+    spec = write(tmp_path, config(llama4, method, n, **kw), budget="60%")
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
+        {r: sha256(p) for r, p in tree(out).items()}
+
+
+def test_methods_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["methods", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(METHODS) and rows == describe_methods()
+    ties = next(r for r in rows if r["name"] == "ties")
+    assert {p["name"]: p["default"] for p in ties["parameters"]}["normalize"] is True
+    assert cli.main(["methods"]) == 0
+    assert "breadcrumbs_ties" in capsys.readouterr().out
+
+
+def test_operators_md_is_rendered_from_the_registry() -> None:
+    doc = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
+    assert doc.read_text() == render(), "regenerate docs/operators.md (see mergefs.methods.docs)"
