@@ -99,18 +99,28 @@ class Merge:
         """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier
         merge output as a whole). ``manifest``: an exact path that must not exist; default a
         new timestamped manifest beside the spec's ``manifest`` path."""
-        from .engine import Session
+        from .engine import Session, open_family
         from .manifest import ManifestWriter
-        from .outdir import check_outdir
+        from .outdir import check_outdir, check_outside, check_source_files
 
         spec = self._spec(budget)
         out = Path(outdir)
         self._check_writes(outdir=out, index_dir=spec.index_dir,
                            manifest=manifest or spec.manifest)
+        check_outside(out, spec=spec.source, manifest=manifest or spec.manifest,
+                      index_dir=spec.index_dir, cache_dir=spec.cache_dir)
         check_outdir(out, force)
-        writer = ManifestWriter(manifest) if manifest else ManifestWriter.for_run(spec.manifest)
+        family = open_family(spec)
         try:
-            session = Session(spec, manifest=writer)
+            check_source_files(out, [family[0], *family[1]])
+            writer = ManifestWriter(manifest) if manifest else \
+                ManifestWriter.for_run(spec.manifest)
+        except BaseException:
+            for c in [family[0], *family[1]]:
+                c.close()
+            raise
+        try:
+            session = Session(spec, manifest=writer, family=family)
             try:
                 session.engine.materialise(out, threads=threads, overwrite=force)
                 totals = session.finish()
@@ -133,7 +143,9 @@ class Merge:
             raise MergefsError("mount needs a spec file (the server process reads it)")
         b = _budget(budget)
         if b is not None:
-            argv += [f"--budget={b.describe() if b.kind != 'bytes' else f'{int(b.value)}B'}"]
+            argv += [f"--budget={b.to_spec()}"]
+        if manifest is not None:
+            manifest = os.path.abspath(manifest)  # the server runs in /
         for flag, value in (("--cache-size", cache_size), ("--cache-dir", cache_dir),
                             ("--manifest", manifest)):
             if value is not None:

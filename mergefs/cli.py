@@ -55,11 +55,12 @@ def _load(args: argparse.Namespace) -> Spec:
     return spec
 
 
-def _session(spec: Spec, manifest: Any = None, quiet: bool = False) -> Any:
+def _session(spec: Spec, manifest: Any = None, quiet: bool = False,
+             family: Any = None) -> Any:
     from .engine import Session, open_family
     from .index import build_layout, index_bytes_total
 
-    base, experts = open_family(spec)
+    base, experts = family if family is not None else open_family(spec)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total, enabled=not quiet) as tick:
         return Session(spec, manifest=manifest, on_index_bytes=tick, family=(base, experts))
@@ -219,15 +220,20 @@ def _open_manifest(spec: Spec, explicit: str | None) -> Any:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .outdir import check_outdir, check_writes
+    from .engine import open_family
+    from .outdir import check_outdir, check_outside, check_source_files, check_writes
 
     spec = _load(args)
     out = Path(args.outdir)
     # Everything is validated before the manifest or any output exists.
     check_writes(_sources(spec), outdir=out, manifest=args.manifest or spec.manifest)
+    check_outside(out, spec=spec.source, manifest=args.manifest or spec.manifest,
+                  index_dir=spec.index_dir, cache_dir=spec.cache_dir)
     check_outdir(out, args.force)
+    family = open_family(spec)
+    check_source_files(out, [family[0], *family[1]])
     manifest = _open_manifest(spec, args.manifest)
-    session = _session(spec, manifest)
+    session = _session(spec, manifest, family=family)
     try:
         out_bytes = sum(f.size_bytes for f in session.engine.out_files)
         with byte_progress("merging", out_bytes) as tick:

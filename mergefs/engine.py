@@ -127,6 +127,8 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
                     "the merge)", CONFIG_NAME)
         return {}
     if not isinstance(config, dict):
+        log.warning("%s of the base is not a JSON object: copied unchanged (its dtype may not "
+                    "match the merge)", CONFIG_NAME)
         return {}
     name = OUT_DTYPE_NAMES[spec.out_dtype]
     config["torch_dtype"] = name
@@ -149,8 +151,11 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
                 labels[i] = cand
                 break
     for i, lab in enumerate(labels):
-        if not lab or labels.count(lab) > 1:  # the same path twice, or only "base" left
-            labels[i] = f"expert-{i}"
+        if not lab:  # only "base" left, or the same path twice: name it by its position
+            labels[i] = f"{parts[i][-1]}#{i}"
+    for i, lab in enumerate(labels):
+        if labels.count(lab) > 1:
+            labels[i] = f"{lab}#{i}"
     return labels
 
 

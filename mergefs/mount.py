@@ -166,6 +166,8 @@ def run_mount(args: argparse.Namespace, spec: Spec) -> int:
                            "`mergefs merge`")
     cfg = make_config(args, spec)
     explicit = getattr(args, "manifest", None)
+    if explicit:
+        explicit = os.path.abspath(explicit)  # the daemon runs in /
     check_writes([spec.base, *(e.path for e in spec.experts)],
                  manifest=explicit or spec.manifest, cache_dir=cfg.cache_dir, log=cfg.log_file)
     check_mountpoint(cfg.mountpoint)
@@ -375,7 +377,7 @@ def _is_dead(mnt: Path) -> bool:
 
 
 def run_umount(args: argparse.Namespace) -> int:
-    mnt = Path(os.path.abspath(args.mountpoint))
+    mnt = Path(os.path.realpath(args.mountpoint))
     if not is_mounted(mnt):
         raise MergefsError(f"{mnt}: not mounted")
     pid = _server_pid(mnt)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MARKER = ".mergefs/merge.json"  # inside a merge output: what wrote it (and lets --force replace)
 _PARTIAL = ".mergefs-partial-"
+_OLD = ".mergefs-old-"
 
 
 class UnsafePath(MergefsError):
@@ -80,6 +81,38 @@ def check_writes(sources: Iterable[str], outdir: str | Path | None = None,
                                  f"source {src}; put it elsewhere")
 
 
+def check_outside(outdir: str | Path, **paths: str | Path | None) -> None:
+    """Refuse inputs and records of the run that lie inside ``outdir`` (the spec, its manifest,
+    index or cache): ``--force`` replaces the directory as a whole and would delete them, and
+    a new output directory would not be empty when the merge ends."""
+    out = _real(outdir)
+    for label, path in paths.items():
+        if path is None or "://" in str(path):
+            continue
+        if _inside(_real(path), out):
+            raise UnsafePath(f"{path}: the {label.replace('_', ' ')} lies inside the output "
+                             f"directory {outdir}, which the merge replaces as a whole; put it "
+                             "elsewhere")
+
+
+def check_source_files(outdir: str | Path, sources: Iterable[Any]) -> None:
+    """Refuse an output directory that holds any file of an opened local source (checkpoint),
+    e.g. a Hub snapshot whose weight files are symlinks into it."""
+    out = _real(outdir)
+    for src in sources:
+        root = getattr(src, "root", None)
+        if root is None or getattr(src, "is_remote", False):
+            continue
+        root = Path(root)
+        rels = [*getattr(src, "files", ()), *getattr(src, "extra_files", ())]
+        for rel in rels:
+            p = root / rel if root.is_dir() else root
+            if _inside(_real(p), out):
+                raise UnsafePath(f"{outdir}: output directory holds {_real(p)}, a file of the "
+                                 f"source {root}; choose another output directory (--force "
+                                 "never overrides this)")
+
+
 def _is_mountpoint(p: Path) -> bool:
     try:
         return os.path.ismount(p)
@@ -93,6 +126,13 @@ def check_outdir(out: Path, force: bool) -> None:
         raise MergefsError(f"{out}: is a symlink; give the directory it points to, or a new one")
     if out.exists() and not out.is_dir():
         raise MergefsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and _is_mountpoint(out):
+        raise MergefsError(f"{out}: is a mountpoint; mergefs writes the output beside the "
+                           "directory and renames it into place, which a mountpoint cannot take: "
+                           f"give a directory inside it (e.g. {out / 'merged'})")
+    if out.exists() and _inside(_real(Path.cwd()), _real(out)):
+        raise MergefsError(f"{out}: holds the current directory; the output is renamed into "
+                           "place, so give a path outside the current directory")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not force:
@@ -101,10 +141,6 @@ def check_outdir(out: Path, force: bool) -> None:
         raise MergefsError(f"{out}: not empty and not written by mergefs (no {MARKER}); --force "
                            "replaces only earlier merge outputs: remove it yourself or choose "
                            "another directory")
-    cwd = _real(Path.cwd())
-    if _is_mountpoint(out) or _inside(cwd, _real(out)):
-        raise MergefsError(f"{out}: is a mountpoint or holds the current directory; refusing to "
-                           "replace it")
 
 
 _RENAME_EXCHANGE = 2
@@ -141,21 +177,27 @@ def _pid_alive(pid: int) -> bool:
 
 def _clean_stale(out: Path) -> None:
     """Remove temporary siblings left by merges that were killed (their pid is gone)."""
-    prefix = f".{out.name}{_PARTIAL}"
     try:
         entries = list(out.parent.iterdir())
     except OSError:
         return
     for p in entries:
-        if not p.name.startswith(prefix) or p.is_symlink() or not p.is_dir():
-            continue
-        try:
-            pid = int(p.name[len(prefix):].split(".")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            log.info("removing %s, left by an interrupted merge (pid %d)", p, pid)
-            shutil.rmtree(p, ignore_errors=True)
+        for kind in (_PARTIAL, _OLD):
+            prefix = f".{out.name}{kind}"
+            if not p.name.startswith(prefix) or p.is_symlink() or not p.is_dir():
+                continue
+            try:
+                pid = int(p.name[len(prefix):].split(".")[0])
+            except ValueError:
+                continue
+            if pid == os.getpid() or _pid_alive(pid):
+                continue
+            if kind == _OLD and not out.exists():  # killed between the two fallback renames
+                log.warning("restoring %s from %s (an interrupted --force)", out, p)
+                os.rename(p, out)
+            else:
+                log.info("removing %s, left by an interrupted merge (pid %d)", p, pid)
+                shutil.rmtree(p, ignore_errors=True)
 
 
 class Staging:
@@ -187,12 +229,18 @@ class Staging:
         check_outdir(self.out, self.force)  # again: it may have changed while we merged
         if self.out.is_dir() and any(self.out.iterdir()):
             if _exchange(self.tmp, self.out):
-                shutil.rmtree(self.tmp)  # now the old tree
-            else:
-                old = self.out.with_name(f".{self.out.name}.mergefs-old-{os.getpid()}")
+                self.committed = True  # the new tree is in place; what follows is cleanup
+                shutil.rmtree(self.tmp, ignore_errors=True)  # now the old tree
+            else:  # no RENAME_EXCHANGE here (NFS, ...): two renames, undone on any failure
+                old = self.out.with_name(f".{self.out.name}{_OLD}{os.getpid()}")
                 os.rename(self.out, old)
-                os.rename(self.tmp, self.out)
-                shutil.rmtree(old)
+                try:
+                    os.rename(self.tmp, self.out)
+                except BaseException:
+                    os.rename(old, self.out)
+                    raise
+                self.committed = True
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(self.tmp, self.out)  # replaces an empty directory atomically
         _fsync_dir(self.out.parent)

@@ -115,6 +115,14 @@ class Budget:
     def is_full(self) -> bool:
         return self.kind == "full" or (self.kind == "fraction" and self.value >= 1.0)
 
+    def to_spec(self) -> str:
+        """The budget as a spec value that parses back to exactly this budget."""
+        if self.kind == "full":
+            return "full"
+        if self.kind == "fraction":
+            return repr(float(self.value))
+        return f"{int(self.value)}B"
+
     def describe(self) -> str:
         if self.kind == "full":
             return "full"
@@ -244,7 +252,7 @@ class Spec:
 
     def with_budget(self, budget: Budget) -> Spec:
         raw = dict(self.raw)
-        raw["budget"] = budget.describe()
+        raw["budget"] = budget.to_spec()
         return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
 
     def source_options(self, path: str) -> RemoteOptions | None:
@@ -535,7 +543,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool
         "models": models_raw,
         "parameters": glob,
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
-        "budget": budget.describe(),
+        "budget": budget.to_spec(),
         "block_size": block_size,
     }
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log

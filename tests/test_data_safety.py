@@ -322,3 +322,72 @@ def test_stats_shows_the_last_read_errors(tmp_path: Path, mounts: Mounts) -> Non
     assert "changed since it was indexed" in proc.stdout.replace("\n", " ") or \
         "source changed" in proc.stdout.replace("\n", " ")
     assert "SIGBUS" in proc.stdout
+
+
+# -- review findings: what --force or a layout could still destroy -------------------------------
+
+
+def test_records_and_inputs_inside_the_output_are_refused(tmp_path: Path, fam: Family) -> None:
+    spec = spec_for(tmp_path, fam)
+    out = tmp_path / "out"
+    assert run_cli("merge", str(spec), str(out)).returncode == 0
+    # a spec kept inside the output (mergekit writes mergekit_config.yml there)
+    inner = out / "mergekit_config.yml"
+    inner.write_text(spec.read_text())
+    before = tree_digest(out)
+    one_line_error(run_cli("merge", str(inner), str(out), "--force"), "lies inside the output")
+    one_line_error(run_cli("merge", str(spec), str(out), "--force", "--manifest",
+                           str(out / "run2.jsonl")), "manifest", "lies inside the output")
+    assert tree_digest(out) == before  # nothing deleted, nothing added
+    fresh = tmp_path / "fresh"
+    one_line_error(run_cli("merge", str(spec), str(fresh), "--manifest",
+                           str(fresh / "m.jsonl")), "lies inside the output")
+    assert not fresh.exists()  # refused before anything was written
+
+
+def test_source_files_symlinked_into_the_output_are_refused(tmp_path: Path, fam: Family) -> None:
+    out = tmp_path / "out"
+    assert run_cli("merge", str(spec_for(tmp_path, fam)), str(out)).returncode == 0
+    linked = tmp_path / "linked"  # a Hub-snapshot-like expert: its files point into `out`
+    linked.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (linked / f).symlink_to(out / f)
+    lfam = Family(fam.base, [fam.experts[0], linked], fam.root, fam.dtype, fam.tensor_names)
+    spec = spec_for(tmp_path, lfam, name="linked.yaml")
+    before = tree_digest(out)
+    one_line_error(run_cli("merge", str(spec), str(out), "--force"), "a file of the source",
+                   str(linked))
+    assert tree_digest(out) == before
+
+
+def test_merge_into_the_current_directory_is_refused(tmp_path: Path, fam: Family) -> None:
+    spec = spec_for(tmp_path, fam)
+    here = tmp_path / "here"
+    here.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "mergefs.cli", "merge", str(spec), "."],
+                          cwd=here, capture_output=True, text=True, timeout=120, check=False)
+    one_line_error(proc, "holds the current directory")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_merge_into_a_mountpoint_is_refused_up_front(tmp_path: Path, fam: Family) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(vol)], check=True)
+    try:
+        spec = spec_for(tmp_path, fam)
+        one_line_error(run_cli("merge", str(spec), str(vol)), "is a mountpoint", "merged")
+        assert not list(tmp_path.glob(".vol.mergefs-*")) and not list(vol.iterdir())
+        assert not (tmp_path / "spec.manifest.jsonl").exists()  # refused before the manifest
+    finally:
+        subprocess.run(["umount", str(vol)], check=False)
+
+
+def test_byte_budget_manifest_replays(tmp_path: Path, fam: Family) -> None:
+    spec = spec_for(tmp_path, fam)
+    m = tmp_path / "m.jsonl"
+    assert run_cli("merge", str(spec), str(tmp_path / "o"), "--budget", "4KiB",
+                   "--manifest", str(m)).returncode == 0
+    assert json.loads(m.read_text().splitlines()[0])["spec"]["budget"] == "4096B"
+    proc = run_cli("replay", str(m))
+    assert proc.returncode == 0, proc.stderr
