@@ -9,6 +9,7 @@ Pure validation; no tensor bytes are read here.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from . import hub
 from .errors import BudgetError, SpecError
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
@@ -280,6 +282,17 @@ def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
     return str((p if p.is_absolute() else base_dir / p).resolve())
 
 
+def _resolve_model(base_dir: Path, value: Any, source: str, key: str, hub_config: hub.HubConfig,
+                   records: dict[str, Any]) -> str:
+    """base_model or models[].model as mergekit reads it: a path, a URL or a Hub id (mergefs.hub);
+    a Hub model's pinned record (id, commit, snapshot) goes to ``records`` for Spec.raw."""
+    found = hub.resolve_model(value, base_dir, hub_config, f"{source}: {key}")
+    if found.repo_id is None:  # a local path or a URL, resolved as before
+        return _resolve_path(base_dir, found.path, source, key, allow_url=True)
+    records[found.path] = found.record()
+    return found.path
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file."""
     p = Path(path)
@@ -294,8 +307,12 @@ def load_spec(path: str | Path) -> Spec:
     return parse_spec(data, base_dir=p.resolve().parent, source=str(p))
 
 
-def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
-    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``."""
+def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
+               hub_config: hub.HubConfig | None = None) -> Spec:
+    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``; Hub ids
+    in ``hub_config``'s cache (default: from the environment, read here, at the edge)."""
+    hub_config = hub_config or hub.HubConfig.from_environ(os.environ)
+    hub_records: dict[str, Any] = {}
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a spec is a YAML mapping with merge_method, base_model, models")
     for key in data:
@@ -310,7 +327,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
                    f"{', '.join(METHODS)}")
     if "base_model" not in data:
         raise _err(source, "base_model", "required: mergefs merges deltas against a base model")
-    base = _resolve_path(base_dir, data["base_model"], source, "base_model", allow_url=True)
+    base = _resolve_model(base_dir, data["base_model"], source, "base_model", hub_config,
+                          hub_records)
     top_options = _storage_options(data.get("storage_options"), source, "storage_options")
     model_options: dict[str, dict[str, Any]] = {}  # per-model storage_options, by source
 
@@ -349,7 +367,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
         extra = set(entry) - {"model", "parameters", "storage_options"}
         if extra:
             raise _err(source, f"{key}.{sorted(extra)[0]}", "not supported")
-        mpath = _resolve_path(base_dir, entry["model"], source, f"{key}.model", allow_url=True)
+        mpath = _resolve_model(base_dir, entry["model"], source, f"{key}.model", hub_config,
+                               hub_records)
         if "storage_options" in entry:
             model_options[mpath] = _storage_options(entry["storage_options"], source,
                                                     f"{key}.storage_options")
@@ -437,6 +456,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
     for entry_raw in models_raw:
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
+        entry_raw["model"] = hub_records.get(entry_raw["model"], entry_raw["model"])
     remote_settings = _remote_settings(data.get("remote"), source)
     remote_sources = {
         p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
@@ -445,7 +465,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>") -> Spec:
     }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
-        "base_model": base,
+        "base_model": hub_records.get(base, base),
         "models": models_raw,
         "parameters": glob,
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
