@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from fsspec.implementations.memory import MemoryFileSystem
 from families import Family, make_family, write_spec
 
 from mergefs import cli, hub
@@ -337,3 +338,45 @@ def test_cli_error_for_a_missing_id_is_one_line(cache: Path, tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "base_model: org/base@nope: " in err[0]
     assert "revision nope is not in the Hugging Face cache" in err[0]
+
+
+class FakeHfFileSystem(MemoryFileSystem):
+    """An in-memory stand-in for huggingface_hub's HfFileSystem (``hf://org/name@rev/file``)."""
+
+    protocol = "hf"
+    store: dict[str, Any] = {}
+    pseudo_dirs = [""]
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:  # type: ignore[override]
+        return super()._strip_protocol(str(path).removeprefix("hf://"))
+
+
+def test_cli_merge_with_an_uncached_id_reads_it_through_hf_urls(
+        fam: Family, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    commit = "d" * 40
+    FakeHfFileSystem.store.clear()
+    fs = FakeHfFileSystem(skip_instance_cache=True)
+    for f in fam.experts[1].iterdir():
+        fs.pipe_file(f"hf://org/remote@{commit}/{f.name}", f.read_bytes())
+    registry = importlib.import_module("fsspec.registry")._registry
+    monkeypatch.setitem(registry, "hf", FakeHfFileSystem)
+    monkeypatch.setattr(hub, "hub_commit", lambda *a: commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    extra = {"block_size": 1024}
+    plain = write_spec(tmp_path / "plain.yaml", fam, "task_arithmetic", weights=[0.6, -0.3],
+                       parameters={"lambda": 0.8},
+                       extra={**extra, "index_dir": str(tmp_path / "idx-plain")})
+    doc = hub_doc(**extra, index_dir=str(tmp_path / "idx-ids"))
+    doc["models"][1]["model"] = "org/remote"
+    ids = tmp_path / "ids.yaml"
+    ids.write_text(yaml.safe_dump(doc))
+    assert cli.main(["merge", str(plain), str(tmp_path / "out-plain")]) == 0
+    assert cli.main(["merge", str(ids), str(tmp_path / "out-ids")]) == 0
+    assert sha256_tree(tmp_path / "out-ids") == sha256_tree(tmp_path / "out-plain")
+    header = json.loads((tmp_path / "ids.manifest.jsonl").read_text().splitlines()[0])
+    assert header["sources"]["expert:1"]["root"] == f"hf://org/remote@{commit}"
