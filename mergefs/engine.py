@@ -162,13 +162,13 @@ class Engine:
     # -- reading -------------------------------------------------------------------------
     def _range(self, src: Checkpoint, name: str, e0: int, e1: int) -> ReadRange:
         loc = src.tensors[name]
-        item = self.layout.itemsize[self.tindex[name]]
+        item = DTYPES[loc.dtype][0]  # the source's own dtype (experts may differ from the base)
         return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
 
     def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
                b0: int, b1: int, hashes: np.ndarray) -> memoryview:
         """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
-        item = self.layout.itemsize[self.tindex[name]]
+        item = DTYPES[src.tensors[name].dtype][0]
         origin = int(self.layout.elem_start[b0])
         for b in range(b0, b1) if self.verify_index else ():
             lo = (int(self.layout.elem_start[b]) - origin) * item
@@ -223,7 +223,7 @@ class Engine:
                 s0, s1 = int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1])
                 buf = self._check(src, f"expert:{i}", name, rng, raw, r0, r1,
                                   self.index.expert_hash[i])
-                wi = decode_f32(buf, src_dtype)
+                wi = decode_f32(buf, src.tensors[name].dtype)  # promoted to float32
                 lo, hi = s0 - e0, s1 - e0
                 if acc is not None:  # additive: S += c_i * D_i, expert order, in place
                     wi -= w0[lo:hi]  # D_i (float32); wi is a fresh array, so no copies

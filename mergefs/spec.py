@@ -21,6 +21,7 @@ import yaml
 
 from . import hub
 from .errors import BudgetError, SpecError
+from .format import FLOAT_DTYPES
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
 ADDITIVE = ("linear", "task_arithmetic")
@@ -588,7 +589,9 @@ def _remote_settings(value: Any, source: str) -> dict[str, Any]:
 
 
 def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
-    """Every expert must have exactly the base's tensor names, shapes and dtypes.
+    """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
+    dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
+    promotes mixed inputs).
 
     ``base`` and ``experts`` are :class:`mergefs.checkpoint.Checkpoint`. Lists the first few
     differences per expert.
@@ -599,7 +602,8 @@ def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None
             other = ex.tensors.get(name)
             if other is None:
                 diffs.append(f"{name}: missing")
-            elif other.shape != loc.shape or other.dtype != loc.dtype:
+            elif other.shape != loc.shape or (other.dtype != loc.dtype and not
+                                               {other.dtype, loc.dtype} <= FLOAT_DTYPES):
                 diffs.append(f"{name}: {other.dtype}{list(other.shape)} vs base "
                              f"{loc.dtype}{list(loc.shape)}")
         for name in ex.tensors:
