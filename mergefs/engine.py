@@ -35,6 +35,7 @@ from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
+from .lora import open_source
 from .manifest import SCHEMA_VERSION, ManifestWriter
 from .ops import OpParams, merge_gta, merge_slerp, resolve_params
 from .plan import Plan, make_plan, selected_runs
@@ -107,7 +108,8 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
-    experts = [open_checkpoint(e.path, spec.source_options(e.path)) for e in spec.experts]
+    experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
+               for e in spec.experts]
     check_coordinates(base, experts)
     return base, experts
 

@@ -3,7 +3,8 @@
 The grammar is mergekit's (``mergekit/common.py``, ``ModelReference`` and ``ModelPath``): a string
 ``PATH[@REVISION][+LORA[@REVISION]]``, or a mapping ``{model: PATH | {path, revision}, lora: ...,
 override_architecture: ...}``. :func:`parse_reference` reads either into a :class:`ModelRef`;
-:func:`resolve_reference` turns one into a :class:`Resolved` source, in this order:
+:func:`resolve_model` resolves each part (model and LoRA adapter) with :func:`resolve_reference`
+into a :class:`Resolved` source, in this order:
 
 1. a local path (relative to the spec's directory) that exists wins, as in mergekit;
 2. else a Hub id found in the local Hugging Face cache, in the layout huggingface_hub writes
@@ -93,21 +94,52 @@ class Resolved:
 
     ``path`` is an absolute local path (a directory or file, a cached snapshot included) or a
     URL; ``repo_id`` and ``commit`` are set when a Hub id was resolved (``revision`` is the one
-    written, None for the default branch).
+    written, None for the default branch). For ``model+lora``, ``model`` and ``lora`` are the
+    two parts and ``path`` is :func:`join_lora` of theirs (opened by :mod:`mergefs.lora`).
     """
 
     path: str
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
+    model: Resolved | None = None
+    lora: Resolved | None = None
 
-    def record(self) -> str | dict[str, Any]:
-        """What a recorded spec holds: the path, or for a Hub model a mapping mergekit also
-        reads, pinned to the commit, with the path it resolved to (parsing it again resolves
-        the same commit: a fixed point)."""
+    @property
+    def plain(self) -> bool:
+        """A path or URL as written: nothing to record beyond it."""
+        return self.repo_id is None and self.lora is None
+
+    def _path_record(self) -> str | dict[str, Any]:
         if self.repo_id is None:
             return self.path
-        return {"model": {"path": self.repo_id, "revision": self.commit}, "resolved": self.path}
+        return {"path": self.repo_id, "revision": self.commit}
+
+    def record(self) -> str | dict[str, Any]:
+        """What a recorded spec holds: the path, or a mapping mergekit also reads, with Hub ids
+        pinned to their commit and the path it resolved to (parsing it again resolves the same
+        sources: a fixed point)."""
+        if self.lora is not None and self.model is not None:
+            return {"model": self.model._path_record(), "lora": self.lora._path_record(),
+                    "resolved": self.path}
+        if self.repo_id is None:
+            return self.path
+        return {"model": self._path_record(), "resolved": self.path}
+
+
+def join_lora(model_path: str, adapter_path: str) -> str:
+    """The source path of a model with a LoRA adapter: mergekit's ``MODEL+LORA``, resolved
+    (the adapter part is always an absolute local path)."""
+    return f"{model_path}+{adapter_path}"
+
+
+def split_lora(path: str) -> tuple[str, str] | None:
+    """``(model, adapter)`` of a :func:`join_lora` path; None for any other path (an existing
+    local path holding ``+`` included)."""
+    k = path.rfind("+/")
+    if k <= 0 or ("://" not in path and Path(path).exists()) or not Path(path[k + 1:]).is_dir():
+        return None
+    return path[:k], path[k + 1 :]
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -181,14 +213,25 @@ def resolve_model(value: Any, base_dir: Path, config: HubConfig, where: str) -> 
                                    or (base_dir / Path(value).expanduser()).exists()):
         return Resolved(value)
     ref = parse_reference(value, where)
-    if ref.lora is not None:
-        raise _err(where, f"{ref}: model+lora (a LoRA adapter applied to a model) is not "
-                   "supported yet")
-    if "://" in ref.model.path:
-        if ref.model.revision is not None:
-            raise _err(where, f"a revision applies to Hub ids, not to the URL {ref.model.path}")
-        return Resolved(ref.model.path)
-    return resolve_reference(ref.model, base_dir, config, where)
+    if ref.lora is None:
+        if "://" in ref.model.path:
+            if ref.model.revision is not None:
+                raise _err(where, f"a revision applies to Hub ids, not to the URL "
+                           f"{ref.model.path}")
+            return Resolved(ref.model.path)
+        return resolve_reference(ref.model, base_dir, config, where)
+    if "://" in ref.model.path or "://" in ref.lora.path:
+        raise _err(where, f"{ref}: model+lora with a URL is not supported yet (give local "
+                   "paths or Hub ids)")
+    model = resolve_reference(ref.model, base_dir, config, where)
+    lora = resolve_reference(ref.lora, base_dir, config, f"{where} (lora)")
+    if "://" in lora.path:
+        raise _err(where, f"{ref}: LoRA adapter {ref.lora} is not cached locally; reading "
+                   "adapters remotely is not supported yet (download it, e.g. "
+                   "`huggingface-cli download`)")
+    if not Path(lora.path).is_dir():
+        raise _err(where, f"{ref}: LoRA adapter {ref.lora}: no such directory {lora.path}")
+    return Resolved(join_lora(model.path, lora.path), model=model, lora=lora)
 
 
 def resolve_reference(ref: ModelPath, base_dir: Path, config: HubConfig, where: str) -> Resolved:

@@ -306,17 +306,18 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
 
 
 def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
-    return int(layout.block_bytes().sum()) + int(_expert_itemsize(experts, layout).dot(
-        np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
-                    len(layout.tensors))).sum())
+    elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
+                        len(layout.tensors))
+    items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
+    return int(layout.block_bytes().sum()) + int((np.asarray(items, np.int64) @ elems).sum())
 
 
 def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:
-    """(N, T) bytes per element of each expert's tensors (their dtypes may differ from the
-    base's: promoted for compute)."""
+    """(N, T) bytes each expert reads per element of its tensors (their dtypes may differ from
+    the base's; a LoRA expert computes its adapted tensors from the base's bytes: 0)."""
     out = np.zeros((len(experts), len(layout.tensors)), dtype=np.int64)
     for i, e in enumerate(experts):
-        out[i] = [DTYPES[e.tensors[name].dtype][0] for name in layout.tensors]
+        out[i] = [e.read_itemsize(name) for name in layout.tensors]
     return out
 
 

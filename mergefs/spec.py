@@ -288,8 +288,10 @@ def _resolve_model(base_dir: Path, value: Any, source: str, key: str, hub_config
     """base_model or models[].model as mergekit reads it: a path, a URL or a Hub id (mergefs.hub);
     a Hub model's pinned record (id, commit, snapshot) goes to ``records`` for Spec.raw."""
     found = hub.resolve_model(value, base_dir, hub_config, f"{source}: {key}")
-    if found.repo_id is None:  # a local path or a URL, resolved as before
+    if found.plain:  # a local path or a URL, resolved as before
         return _resolve_path(base_dir, found.path, source, key, allow_url=True)
+    if found.lora is not None and key == "base_model":
+        raise _err(source, key, "model+lora as the base model is not supported yet")
     records[found.path] = found.record()
     return found.path
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
@@ -249,12 +251,47 @@ def test_missing_id_or_revision_names_the_id(ref: str, needles: list[str], cache
         assert needle in msg, (needle, msg)
 
 
-def test_lora_reference_is_refused_clearly(tmp_path: Path, offline: hub.HubConfig) -> None:
+def test_lora_ids_resolve_from_the_cache(fam: Family, cache: Path, tmp_path: Path,
+                                         offline: hub.HubConfig) -> None:
+    from safetensors.numpy import save_file
+
+    from mergefs.checkpoint import open_checkpoint
+    from mergefs.lora import open_source
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    out_dim, in_dim = open_checkpoint(fam.base).tensors[name].shape
+    rng = np.random.default_rng(0)
+    a = rng.normal(0, 0.1, (2, in_dim)).astype(np.float32)
+    b = rng.normal(0, 0.1, (out_dim, 2)).astype(np.float32)
+    made = tmp_path / "adapter"
+    made.mkdir()
+    (made / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
+                                                          "lora_alpha": 4}))
+    save_file({f"base_model.model.{name[:-7]}.lora_A.weight": a,
+               f"base_model.model.{name[:-7]}.lora_B.weight": b},
+              str(made / "adapter_model.safetensors"))
+    lora_cache = tmp_path / "cache"
+    shutil.copytree(cache, lora_cache, symlinks=True)
+    cache_model(lora_cache, "org/lora", made, COMMIT_C, refs=("v1",))
     doc = hub_doc()
-    doc["models"][0]["model"] = "org/math+org/math-lora"
-    with pytest.raises(SpecError, match=r"models\[0\]\.model: org/math\+org/math-lora: "
-                                        "model\\+lora .* not supported yet"):
-        parse_spec(doc, tmp_path, "s", offline)
+    doc["models"][0]["model"] = "org/base+org/lora@v1"
+    spec = parse_spec(doc, tmp_path, "s", hub.HubConfig(lora_cache, offline=True))
+    path = hub.join_lora(snap(lora_cache, "org/base", COMMIT_A), snap(lora_cache, "org/lora",
+                                                                      COMMIT_C))
+    assert spec.experts[0].path == path
+    assert spec.raw["models"][0]["model"] == {
+        "model": {"path": "org/base", "revision": COMMIT_A},
+        "lora": {"path": "org/lora", "revision": COMMIT_C}, "resolved": path}
+    base = open_checkpoint(spec.base)
+    src = open_source(path, None, base)
+    want = np.frombuffer(base.read_tensor(name), np.float32).reshape(out_dim, in_dim) + 2 * (
+        b @ a)
+    got = np.frombuffer(src.read_tensor(name), np.float32).reshape(out_dim, in_dim)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+    doc["models"][0]["model"] = "org/base+org/lora@v2"
+    with pytest.raises(SpecError, match=r"models\[0\]\.model \(lora\): org/lora@v2: .*revision "
+                                        "v2 is not in the Hugging Face cache"):
+        parse_spec(doc, tmp_path, "s", hub.HubConfig(lora_cache, offline=True))
 
 
 # -- not cached, online: the Hub's filesystem, by ranges ----------------------------------------
