@@ -63,7 +63,9 @@ class HubConfig:
         cache = (environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
                  or os.path.join(home, "hub"))
         flag = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
-        return cls(Path(os.path.expandvars(cache)).expanduser(), flag.upper() in _TRUE)
+        # absolute: resolved paths are recorded in manifests and replayed from elsewhere
+        return cls(Path(os.path.expandvars(cache)).expanduser().absolute(),
+                   flag.upper() in _TRUE)
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,9 @@ def find_cached(cache_dir: Path, repo_id: str, revision: str | None
     if not _COMMIT_RE.fullmatch(commit) or not snapshot.is_dir():
         return None, (f"the cache {cache_dir} has ref {rev} -> {commit[:40]!r} but no such "
                       "snapshot")
+    if not any(snapshot.glob("*.safetensors")):  # huggingface_hub downloads files one by one
+        return None, (f"its snapshot {commit[:12]} in the Hugging Face cache {cache_dir} has no "
+                      ".safetensors weights (a partial download)")
     return (commit, snapshot), ""
 
 

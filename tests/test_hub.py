@@ -137,6 +137,7 @@ def test_cache_dir_and_offline_follow_huggingface_hub_rules(tmp_path: Path) -> N
     env = {"HF_HOME": "/elsewhere", "HF_HUB_CACHE": str(tmp_path / "c"), "HF_HUB_OFFLINE": "1"}
     assert hub.HubConfig.from_environ(env) == hub.HubConfig(tmp_path / "c", offline=True)
     assert not hub.HubConfig.from_environ({"HF_HUB_OFFLINE": "0"}).offline
+    assert hub.HubConfig.from_environ({"HF_HUB_CACHE": "rel"}).cache_dir == Path("rel").absolute()
 
 
 @pytest.mark.parametrize("revision, commit", [
@@ -154,6 +155,15 @@ def test_branch_differs_from_main(cache: Path) -> None:
                                                                                 COMMIT_A)))
     assert hub.find_cached(cache, "org/code", "dev")[0] == (COMMIT_C, Path(snap(cache, "org/code",
                                                                                  COMMIT_C)))
+
+
+def test_a_partial_snapshot_is_not_cached(tmp_path: Path, fam: Family) -> None:
+    only_config = tmp_path / "cfg"
+    only_config.mkdir()
+    (only_config / "config.json").write_text("{}")
+    cache_model(tmp_path, "o/partial", only_config, COMMIT_A)
+    found, why = hub.find_cached(tmp_path, "o/partial", None)
+    assert found is None and "no .safetensors weights (a partial download)" in why
 
 
 def test_ambiguous_prefix_and_dangling_ref(tmp_path: Path, fam: Family) -> None:
