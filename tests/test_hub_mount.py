@@ -51,3 +51,21 @@ def test_hub_lora_and_mixed_dtypes_through_the_mount(tmp_path: Path, mounts: Mou
     ids = torch.arange(16).reshape(1, 16)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want(ids).logits)
+
+
+def test_a_remote_base_mounts(tmp_path: Path, mounts: Mounts) -> None:
+    """A base behind a URL (``file://`` here, as ``hf://`` for an uncached Hub id): its ranges
+    are read on demand and its small files (config.json, ...) served from memory."""
+    from transformers import AutoModelForCausalLM
+
+    fam = make_llama_family(tmp_path / "f", n_experts=1, seed=9)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "merge_method": "task_arithmetic", "base_model": f"file://{fam.base}",
+        "models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.5}}],
+        "block_size": 4096, "index_dir": str(tmp_path / "idx"), "budget": "50%"}))
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    got = {rel: sha256(p) for rel, p in tree(m.path).items()}
+    assert "config.json" in got and got == {rel: sha256(p) for rel, p in tree(out).items()}
+    assert AutoModelForCausalLM.from_pretrained(m.path).config.num_hidden_layers == 2
