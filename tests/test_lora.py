@@ -229,3 +229,17 @@ def test_bf16_model_is_bit_equal_to_peft(tmp_path: Path) -> None:
     assert src.factors
     for name in tensor_names(tmp_path / "m"):
         assert bytes(src.read_tensor(name)) == read_tensor(tmp_path / "m", name).tobytes(), name
+
+
+def test_adapter_on_another_model_reads_and_counts_that_model(fam: Family, adapter: Path,
+                                                              tmp_path: Path) -> None:
+    merged = peft_merged(fam.experts[0], adapter, tmp_path / "on-expert")
+    base = open_checkpoint(fam.base)
+    src = open_source(hub.join_lora(str(fam.experts[0]), str(adapter)), None, base)
+    assert src.own_model and src.read_itemsize("model.layers.0.self_attn.q_proj.weight") == 4
+    for name in tensor_names(merged):
+        got = np.frombuffer(src.read_tensor(name), np.float32).reshape(src.tensors[name].shape)
+        close(got, read_tensor(merged, name))
+    assert src.counters.bytes_read >= sum(loc.size_bytes for loc in src.tensors.values()
+                                          if loc.dtype == "F32")
+    assert base.counters.bytes_read == 0
