@@ -96,16 +96,16 @@ def open_source(path: str, options: RemoteOptions | None, base: Checkpoint | Non
     parts = split_lora(path)
     if parts is not None:
         model_path, adapter = parts
-        if base is not None and model_path == str(base.root):
-            return open_lora(base, adapter, own_model=False, name=path)
         if "://" in model_path:
             raise SourceError(f"{path}: a LoRA adapter on a remote model is not supported yet "
                               "(the model must be local or cached)")
+        if base is not None and model_path == str(base.root):
+            return open_lora(base, adapter, own_model=False, name=path)
         return open_lora(open_checkpoint(model_path, options), adapter, own_model=True, name=path)
     if "://" not in path and is_adapter_dir(path):
         if base is None or base.is_remote:
             raise SourceError(f"{path}: a bare LoRA adapter needs a local base model to apply "
-                              "to")
+                              "to (a remote base is not supported yet)")
         return open_lora(base, path, own_model=False, name=path)
     return open_checkpoint(path, options)
 
