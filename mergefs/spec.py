@@ -314,6 +314,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                hub_config: hub.HubConfig | None = None) -> Spec:
     """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``; Hub ids
     in ``hub_config``'s cache (default: from the environment, read here, at the edge)."""
+    # The one read of the environment (HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE): spec loading is
+    # the edge; library code below gets the cache directory and offline flag passed in.
     hub_config = hub_config or hub.HubConfig.from_environ(os.environ)
     hub_records: dict[str, Any] = {}
     if not isinstance(data, dict):
