@@ -150,6 +150,23 @@ def test_revisions_resolve_in_the_cache(cache: Path, revision: str | None, commi
     assert found == (commit, Path(snap(cache, "org/math", commit)))
 
 
+@pytest.mark.parametrize("repo_id, revision", [("org/math", None), ("org/math", "v1.0"),
+                                               ("org/math", COMMIT_B), ("org/code", "dev"),
+                                               ("org/code", None), ("solo", None)])
+def test_resolution_agrees_with_huggingface_hub(cache: Path, repo_id: str,
+                                                revision: str | None) -> None:
+    """The fake cache is one huggingface_hub reads, and resolves revisions the same way."""
+    import huggingface_hub
+
+    found, why = hub.find_cached(cache, repo_id, revision)
+    assert found is not None, why
+    theirs = huggingface_hub.try_to_load_from_cache(repo_id, "config.json", cache_dir=cache,
+                                                    revision=revision)
+    assert isinstance(theirs, str) and Path(theirs) == found[1] / "config.json"
+    info = {r.repo_id: r for r in huggingface_hub.scan_cache_dir(cache).repos}
+    assert found[0] in {rev.commit_hash for rev in info[repo_id].revisions}
+
+
 def test_branch_differs_from_main(cache: Path) -> None:
     assert hub.find_cached(cache, "org/code", None)[0] == (COMMIT_A, Path(snap(cache, "org/code",
                                                                                 COMMIT_A)))
