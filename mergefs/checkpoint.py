@@ -257,6 +257,10 @@ class Checkpoint:
         """Copy a non-weight file to ``dst`` (OSError on failure, as shutil.copyfile)."""
         shutil.copyfile(self.root / rel, dst)
 
+    def read_itemsize(self, name: str) -> int:
+        """Bytes read from this source per element of tensor ``name`` (what a plan charges)."""
+        return fmt.DTYPES[self.tensors[name].dtype][0]
+
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
 

@@ -127,11 +127,11 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
                   f"  ({rep['blocks_zero']} zero-delta)")
-    block_bytes = session.index.layout.block_bytes()
+    block_bytes = session.index.expert_block_bytes()  # (N, B): experts' dtypes may differ
     for i, label in enumerate(session.engine.labels):
-        got = int((block_bytes * plan.selected[i]).sum())
+        got, all_i = int((block_bytes[i] * plan.selected[i]).sum()), int(block_bytes[i].sum())
         table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
-                      f"{human_bytes(int(block_bytes.sum()))}{pct(got, int(block_bytes.sum()))}")
+                      f"{human_bytes(all_i)}{pct(got, all_i)}")
     if rep["bound_tight"] is not None:
         table.add_row("||E|| tight bound", f"{rep['bound_tight']:.6g}")
         table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
@@ -173,9 +173,9 @@ def _tensor_reads_table(session: Any, top: int) -> Table:
     """Per tensor: expert bytes, how much the plan reads, skips and finds zero (top by bytes)."""
     lay = session.index.layout
     plan = session.plan
-    block_bytes = lay.block_bytes()
-    n = plan.selected.shape[0]
-    total_t = np.bincount(lay.tensor_of, weights=block_bytes, minlength=len(lay.tensors)) * n
+    block_bytes = session.index.expert_block_bytes()  # (N, B)
+    total_t = np.bincount(lay.tensor_of, weights=block_bytes.sum(axis=0),
+                          minlength=len(lay.tensors))
     read_t = np.bincount(lay.tensor_of, weights=(plan.selected * block_bytes).sum(axis=0),
                          minlength=len(lay.tensors))
     zero_t = np.bincount(lay.tensor_of, weights=(session.index.zero * block_bytes).sum(axis=0),

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
 from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
+from .lora import open_source
 from .manifest import SCHEMA_VERSION, ManifestWriter
 from .methods import Unit
 from .outdir import Staging
@@ -136,12 +138,25 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
     return {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode()}
 
 
+_HUB_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def _label_parts(path: str) -> list[str]:
+    """Path components a label is made of: a Hub snapshot or ``hf://`` URL as ``org/name``."""
+    m = _HUB_SNAPSHOT.search(path)
+    if m:
+        return [f"{m.group(1)}/{m.group(2)}"]
+    body = path.split("://", 1)[-1].rstrip("/")
+    if path.startswith("hf://"):
+        return [body.split("@", 1)[0]]
+    return [q for q in body.split("/") if q] or [path]
+
+
 def expert_labels(paths: Sequence[str]) -> list[str]:
     """Short unique names of experts for plans, stats and manifests: the shortest trailing
     path components that tell them apart (``math-7b``, ``a/ckpt`` vs ``b/ckpt``), never
     ``base``; a URL's scheme is dropped."""
-    parts = [[q for q in p.split("://", 1)[-1].rstrip("/").split("/") if q] or [p]
-             for p in paths]
+    parts = [_label_parts(p) for p in paths]
     labels: list[str] = [""] * len(paths)
     for i, comps in enumerate(parts):
         for k in range(1, len(comps) + 1):
@@ -161,7 +176,8 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
-    experts = [open_checkpoint(e.path, spec.source_options(e.path)) for e in spec.experts]
+    experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
+               for e in spec.experts]
     check_coordinates(base, experts)
     return base, experts
 
@@ -220,13 +236,13 @@ class Engine:
     # -- reading -------------------------------------------------------------------------
     def _range(self, src: Checkpoint, name: str, e0: int, e1: int) -> ReadRange:
         loc = src.tensors[name]
-        item = self.layout.itemsize[self.tindex[name]]
+        item = DTYPES[loc.dtype][0]  # the source's own dtype (experts may differ from the base)
         return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
 
     def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
                b0: int, b1: int, hashes: np.ndarray) -> memoryview:
         """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
-        item = self.layout.itemsize[self.tindex[name]]
+        item = DTYPES[src.tensors[name].dtype][0]
         origin = int(self.layout.elem_start[b0])
         for b in range(b0, b1) if self.verify_index else ():
             lo = (int(self.layout.elem_start[b]) - origin) * item
@@ -274,7 +290,7 @@ class Engine:
             for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
                 buf = self._check(src, self.labels[i], name, rng, raw, r0, r1,
                                   self.index.expert_hash[i])
-                wi = decode_f32(buf, src_dtype)
+                wi = decode_f32(buf, src.tensors[name].dtype)  # promoted to float32
                 if full is None:
                     full = wi
                 else:

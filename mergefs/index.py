@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,7 @@ from safetensors.numpy import load_file, save_file
 from .checkpoint import Checkpoint, ReadRange, read_many
 from .dtypes import NUMPY_DTYPES, decode_f32
 from .errors import SourceError
-from .format import FLOAT_DTYPES
+from .format import DTYPES, FLOAT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,19 @@ class BlockIndex:
     zero: np.ndarray  # (N, B) bool, expert bytes == base bytes
     gram: np.ndarray  # (B, N, N) float64, <D_ib, D_jb>
     has_gram: bool = True  # False: only the diagonal is known (statistics from sidecars)
+    #: (N, T) bytes per element of each expert's tensors; None: the base's (``layout.itemsize``)
+    expert_itemsize: np.ndarray | None = None
 
     @property
     def n_experts(self) -> int:
         return int(self.norms.shape[0])
+
+    def expert_block_bytes(self) -> np.ndarray:
+        """(N, B) bytes of each expert's blocks: what reading them costs."""
+        if self.expert_itemsize is None:
+            return np.broadcast_to(self.layout.block_bytes(), self.norms.shape)
+        elems = self.layout.elem_end - self.layout.elem_start
+        return elems[None, :] * self.expert_itemsize[:, self.layout.tensor_of]
 
     def tensor_norms(self) -> np.ndarray:
         """(N, T) per-tensor delta norms."""
@@ -158,7 +167,7 @@ def _pointer_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: in
 def _source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
     t = int(layout.tensor_of[b0])
     loc = src.tensors[layout.tensors[t]]
-    item = layout.itemsize[t]
+    item = DTYPES[loc.dtype][0]  # the source's own dtype: experts may differ from the base
     return ReadRange(loc.file, loc.start + int(layout.elem_start[b0]) * item,
                      loc.start + int(layout.elem_end[b1 - 1]) * item)
 
@@ -212,44 +221,47 @@ class _Builder:
         got = read_many([(src, [_source_ranges(src, lay, b0, b1)])
                          for src in [self.base, *self.experts]])
         base_buf, bufs = got[0][0], [g[0] for g in got[1:]]
+        dtypes = [e.tensors[lay.tensors[t]].dtype for e in self.experts]  # may differ from base
         scratch = np.empty((len(self.experts), GRAM_COLS), dtype=np.float64)
         for b in range(b0, b1):
-            lo = (int(lay.elem_start[b]) - origin) * item
-            hi = (int(lay.elem_end[b]) - origin) * item
-            bb = base_buf[lo:hi]
+            e0, e1 = int(lay.elem_start[b]) - origin, int(lay.elem_end[b]) - origin
+            bb = base_buf[e0 * item:e1 * item]
             base_hash = xxhash.xxh3_64_intdigest(bb)
             self.base_hash[b] = base_hash
             base_u8 = np.frombuffer(bb, dtype=np.uint8)
-            live: list[tuple[int, memoryview]] = []  # experts whose block differs from the base
+            live: list[tuple[int, memoryview, str]] = []  # experts whose block differs
             for i, buf in enumerate(bufs):
-                eb = buf[lo:hi]
+                ei = DTYPES[dtypes[i]][0]
+                eb = buf[e0 * ei:e1 * ei]
                 h = xxhash.xxh3_64_intdigest(eb)
                 self.expert_hash[i, b] = h
-                if h == base_hash and np.array_equal(np.frombuffer(eb, dtype=np.uint8), base_u8):
+                if dtypes[i] == dtype and h == base_hash and np.array_equal(
+                        np.frombuffer(eb, dtype=np.uint8), base_u8):
                     self.zero[i, b] = True
                 else:
-                    live.append((i, eb))
+                    live.append((i, eb, dtypes[i]))
             if live:
-                self._gram(b, live, decode_f32(bb, dtype), dtype, item, scratch)
+                self._gram(b, live, decode_f32(bb, dtype), scratch)
         if self.on_bytes is not None:
             with self.lock:
                 self.on_bytes(len(base_buf) + sum(len(x) for x in bufs))
 
-    def _gram(self, b: int, live: list[tuple[int, memoryview]], w0: np.ndarray, dtype: str,
-              item: int, scratch: np.ndarray) -> None:
+    def _gram(self, b: int, live: list[tuple[int, memoryview, str]], w0: np.ndarray,
+              scratch: np.ndarray) -> None:
         """Gram matrix and norms of block b's non-zero deltas (zero-delta rows stay 0).
 
         Deltas are float32 ``W_i - W0`` widened to float64 and accumulated in float64, as
         always; they are made GRAM_COLS columns at a time so that they stay in the CPU cache.
         """
-        rows = [i for i, _ in live]
+        rows = [i for i, _, _ in live]
         g = np.zeros((len(rows), len(rows)), dtype=np.float64)
-        values = np.zeros(GRAM_COLS, dtype=np.float32)
+        values = {dt: np.zeros(GRAM_COLS, dtype=np.float32) for _, _, dt in live}  # per dtype
         for s in range(0, w0.size, GRAM_COLS):
             e = min(w0.size, s + GRAM_COLS)
             d = scratch[: len(rows), : e - s]
-            for r, (_, eb) in enumerate(live):
-                wi = _decode_into(eb[s * item : e * item], dtype, values[: e - s])
+            for r, (_, eb, dt) in enumerate(live):
+                item = DTYPES[dt][0]
+                wi = _decode_into(eb[s * item : e * item], dt, values[dt][: e - s])
                 np.subtract(wi, w0[s:e], out=d[r])  # float32 difference, stored as float64
             g += d @ d.T
         self.gram[b][np.ix_(rows, rows)] = g
@@ -294,7 +306,19 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
 
 
 def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
-    return int(layout.block_bytes().sum()) * (1 + len(experts))
+    elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
+                        len(layout.tensors))
+    items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
+    return int(layout.block_bytes().sum()) + int((np.asarray(items, np.int64) @ elems).sum())
+
+
+def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:
+    """(N, T) bytes each expert reads per element of its tensors (their dtypes may differ from
+    the base's; a LoRA expert computes its adapted tensors from the base's bytes: 0)."""
+    out = np.zeros((len(experts), len(layout.tensors)), dtype=np.int64)
+    for i, e in enumerate(experts):
+        out[i] = [e.read_itemsize(name) for name in layout.tensors]
+    return out
 
 
 def _save(index: BlockIndex, path: Path, meta: dict[str, str]) -> None:
@@ -445,7 +469,7 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     if path.is_file() and not rebuild and stale is None:
         index = _load(path, key, layout)
         if index is not None and index.n_experts == len(experts) and (index.has_gram or sidecars):
-            return index, False
+            return replace(index, expert_itemsize=_expert_itemsize(experts, layout)), False
     log.info("building block index: %s", "rebuild requested" if rebuild
              else stale or _why_rebuilt(pointer, base, experts))
     if sidecars and any(e.is_remote for e in experts):
@@ -464,4 +488,4 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
         os.replace(tmp, pointer)
     except OSError as exc:
         raise SourceError(f"{folder}: cannot write the index: {exc.strerror}") from None
-    return index, True
+    return replace(index, expert_itemsize=_expert_itemsize(experts, layout)), True

@@ -159,11 +159,6 @@ def ensure_index(spec: Spec, progress: bool = True) -> None:
 
 
 def run_mount(args: argparse.Namespace, spec: Spec) -> int:
-    if "://" in spec.base:
-        # The view passes the base's non-weight files through from local disk.
-        raise MergefsError(f"{spec.source}: base_model: mount needs a local base model "
-                           "(remote experts are fine); copy the base locally or use "
-                           "`mergefs merge`")
     cfg = make_config(args, spec)
     explicit = getattr(args, "manifest", None)
     if explicit:

@@ -121,35 +121,35 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None) ->
     """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given)."""
     lay = index.layout
     n, nb = index.norms.shape
-    block_bytes = lay.block_bytes()
-    total = int(block_bytes.sum()) * n
+    block_bytes = index.expert_block_bytes()  # (N, B): experts' dtypes may differ
+    total = int(block_bytes.sum())
     if budget_bytes is None:
         budget_bytes = spec.budget.resolve(total)
     if budget_bytes < 0:
         raise BudgetError(f"budget must not be negative, got {budget_bytes} bytes")
     nonzero = ~index.zero
-    nonzero_bytes = int((block_bytes[None, :] * nonzero).sum())
+    nonzero_bytes = int((block_bytes * nonzero).sum())
     coeffs = np.asarray(spec.expert_coefficients(), dtype=np.float64).reshape(n)
     selected = np.zeros((n, nb), dtype=bool)
     if budget_bytes >= nonzero_bytes:
         selected[:] = nonzero
     else:
-        score = np.abs(coeffs)[:, None] * index.norms / np.maximum(block_bytes, 1)[None, :]
+        score = np.abs(coeffs)[:, None] * index.norms / np.maximum(block_bytes, 1)
         ii, bb = np.nonzero(nonzero)
         # lexsort: last key is primary. Descending score, then tensor, block, expert ascending.
         order = np.lexsort((ii, bb, lay.tensor_of[bb], -score[ii, bb]))
-        costs = block_bytes[bb[order]]
+        costs = block_bytes[ii[order], bb[order]]
         cum = np.cumsum(costs)
         fits = int(np.searchsorted(cum, budget_bytes, side="right"))
         take = list(order[:fits])
         used = int(cum[fits - 1]) if fits else 0
         for k in order[fits:]:  # fill the remainder with later blocks that still fit
-            c = int(block_bytes[bb[k]])
+            c = int(block_bytes[ii[k], bb[k]])
             if used + c <= budget_bytes:
                 take.append(k)
                 used += c
         selected[ii[take], bb[take]] = True
-    planned = int((block_bytes[None, :] * selected).sum())
+    planned = int((block_bytes * selected).sum())
     assert planned <= max(budget_bytes, 0) or budget_bytes >= nonzero_bytes
     tight = loose = exact = update = None
     if spec.is_additive:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from . import hub
 from . import methods as registry
 from .errors import BudgetError, SpecError
+from .format import FLOAT_DTYPES
 from .methods.base import REQUIRED, BasePolicy, Method, ParamDef, Scope
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
@@ -296,6 +299,19 @@ def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
     return str(p.resolve() if follow else p.parent.resolve() / p.name)
 
 
+def _resolve_model(base_dir: Path, value: Any, source: str, key: str, hub_config: hub.HubConfig,
+                   records: dict[str, Any]) -> str:
+    """base_model or models[].model as mergekit reads it: a path, a URL or a Hub id (mergefs.hub);
+    a Hub model's pinned record (id, commit, snapshot) goes to ``records`` for Spec.raw."""
+    found = hub.resolve_model(value, base_dir, hub_config, f"{source}: {key}")
+    if found.plain:  # a local path or a URL, resolved as before
+        return _resolve_path(base_dir, found.path, source, key, allow_url=True)
+    if found.lora is not None and key == "base_model":
+        raise _err(source, key, "model+lora as the base model is not supported yet")
+    records[found.path] = found.record()
+    return found.path
+
+
 def load_spec(path: str | Path, strict: bool = False) -> Spec:
     """Read and validate a spec file. ``strict``: ignored keys are errors, not warnings."""
     p = Path(path)
@@ -341,7 +357,8 @@ class _Model:
     options: dict[str, Any] | None
 
 
-def _models(data: dict[str, Any], base_dir: Path, source: str) -> list[_Model]:
+def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+            hub_records: dict[str, Any]) -> list[_Model]:
     models = data.get("models")
     if not isinstance(models, list) or not models:
         raise _err(source, "models", "expected a non-empty list of {model: PATH, parameters: {...}}")
@@ -353,7 +370,8 @@ def _models(data: dict[str, Any], base_dir: Path, source: str) -> list[_Model]:
         extra = set(entry) - {"model", "parameters", "storage_options"}
         if extra:
             raise _err(source, f"{key}.{sorted(extra)[0]}", "not supported")
-        mpath = _resolve_path(base_dir, entry["model"], source, f"{key}.model", allow_url=True)
+        mpath = _resolve_model(base_dir, entry["model"], source, f"{key}.model", hub_config,
+                               hub_records)
         options = None
         if "storage_options" in entry:
             options = _storage_options(entry["storage_options"], source, f"{key}.storage_options")
@@ -454,9 +472,14 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
     return glob, inputs, per_input, has_base
 
 
-def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool = False
-               ) -> Spec:
-    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``."""
+def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
+               hub_config: hub.HubConfig | None = None, *, strict: bool = False) -> Spec:
+    """Validate a spec already loaded from YAML. Paths resolve against ``base_dir``; Hub ids
+    in ``hub_config``'s cache (default: from the environment, read here, at the edge)."""
+    # The one read of the environment (HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE): spec loading is
+    # the edge; library code below gets the cache directory and offline flag passed in.
+    hub_config = hub_config or hub.HubConfig.from_environ(os.environ)
+    hub_records: dict[str, Any] = {}
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a spec is a YAML mapping with merge_method, base_model, models")
     strict = strict or data.get("strict") is True
@@ -473,10 +496,10 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool
                    f"{', '.join(registry.METHODS)}")
     base_given = None
     if data.get("base_model") is not None:
-        base_given = _resolve_path(base_dir, data["base_model"], source, "base_model",
-                                   allow_url=True)
+        base_given = _resolve_model(base_dir, data["base_model"], source, "base_model",
+                                    hub_config, hub_records)
     top_options = _storage_options(data.get("storage_options"), source, "storage_options")
-    models = _models(data, base_dir, source)
+    models = _models(data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
     glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, base_given, source,
                                                         lenient)
@@ -531,6 +554,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool
     for entry_raw in models_raw:
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
+        entry_raw["model"] = hub_records.get(entry_raw["model"], entry_raw["model"])
     remote_settings = _remote_settings(data.get("remote"), source)
     remote_sources = {
         p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
@@ -539,7 +563,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool
     }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
-        "base_model": base_given,
+        "base_model": (hub_records.get(base_given, base_given) if base_given is not None
+                       else None),
         "models": models_raw,
         "parameters": glob,
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
@@ -664,7 +689,9 @@ def _remote_settings(value: Any, source: str) -> dict[str, Any]:
 
 
 def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
-    """Every expert must have exactly the base's tensor names, shapes and dtypes.
+    """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
+    dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
+    promotes mixed inputs).
 
     ``base`` and ``experts`` are :class:`mergefs.checkpoint.Checkpoint`. Lists the first few
     differences per expert.
@@ -675,7 +702,8 @@ def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None
             other = ex.tensors.get(name)
             if other is None:
                 diffs.append(f"{name}: missing")
-            elif other.shape != loc.shape or other.dtype != loc.dtype:
+            elif other.shape != loc.shape or (other.dtype != loc.dtype and not
+                                               {other.dtype, loc.dtype} <= FLOAT_DTYPES):
                 diffs.append(f"{name}: {other.dtype}{list(other.shape)} vs base "
                              f"{loc.dtype}{list(loc.shape)}")
         for name in ex.tensors:

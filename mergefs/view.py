@@ -130,6 +130,11 @@ class View:
         mount_ns = int(self.started_unix * 1e9)
         entries: dict[str, tuple[Kind, dict[str, Any]]] = {}
         for rel in base.extra_files:
+            if base.is_remote:  # small files beside remote weights: fetched once, kept in memory
+                data = base.read_extra(rel)
+                entries[PurePosixPath(rel).as_posix()] = (
+                    "static", {"size_bytes": len(data), "mtime_ns": weights_mtime, "static": data})
+                continue
             src = base.root / rel
             st = os.stat(src)
             rewritten = self.engine.extra_overrides.get(rel)
