@@ -138,7 +138,7 @@ def test_merge_with_a_lora_expert(fam: Family, adapter: Path, merged: Path,
     lm_head = open_checkpoint(merged).tensors["lm_head.weight"].size_bytes
     assert expert_read(totals) == lm_head
     full_totals = json.loads((tmp_path / "full.manifest.jsonl").read_text().splitlines()[-1])
-    assert full_expert_read(totals) >= 4 * lm_head  # its changed blocks
+    assert expert_read(full_totals) >= 4 * lm_head  # its changed blocks
     # mergekit's mapping form and a bare adapter directory give the same merge
     mapping = merge(tmp_path, "mapping", spec_doc(fam, {"model": str(fam.base),
                                                         "lora": str(adapter)}))
