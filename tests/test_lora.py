@@ -117,7 +117,8 @@ def merge(tmp_path: Path, name: str, doc: dict[str, Any]) -> Path:
 
 
 def sha256_tree(root: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())
+            if p.is_file()}  # not .mergefs/ (which run wrote the directory)
 
 
 def expert_read(totals: dict) -> int:
