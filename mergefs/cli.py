@@ -249,6 +249,43 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import parse_grid, plot, run_sweep
+
+    _load(args)  # validates the spec and the index dir first
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    for b in budgets:
+        try:
+            parse_budget(b)
+        except MergefsError as exc:
+            raise MergefsError(f"--budgets: {exc}") from None
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else []
+    rows = run_sweep(args.spec, budgets, methods, parse_grid(args.grid or []),
+                     strict=getattr(args, "strict", False), progress=not args.json)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+    else:
+        pct = (lambda x: "-" if x is None else f"{100 * x:.1f}%")
+        table = Table(title=f"what budgets buy ({args.spec}; from the index, nothing read)")
+        for col in ("variant", "budget", "expert bytes read", "bound / update",
+                    "error / update", "update energy kept"):
+            table.add_column(col, justify="left" if col == "variant" else "right")
+        for r in rows:
+            err = None if r.error_exact is None or not r.update_norm else \
+                r.error_exact / r.update_norm
+            read = f"{human_bytes(r.planned_bytes)} ({pct(r.planned_bytes / r.total_expert_bytes if r.total_expert_bytes else 0)})"
+            table.add_row(r.variant, r.budget, read,
+                          pct(r.bound_share) if r.bound_share is not None else
+                          ("no bound" if r.bound_tight is None else "-"),
+                          pct(err), pct(r.energy_kept))
+        Console().print(table)
+    if args.plot:
+        plot(rows, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from .replayer import replay
 
@@ -348,6 +385,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also list the N largest tensors with the bytes read, skipped and zero")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.set_defaults(func=cmd_plan)
+
+    s = add("sweep", help="what a range of budgets (and methods, coefficients) buys, from "
+            "the index alone",
+            description="Plan the spec at every budget (and method and --grid point) from the "
+            "block index, reading no expert bytes once the index exists, and print bytes read, "
+            "the error bound and the exact error as shares of the merge update, and the share "
+            "of the update's energy kept. --plot writes a PNG.",
+            epilog="example: mergefs sweep spec.yaml --budgets 1%,5%,10%,20%,50%,full "
+            "--grid parameters.lambda=0.5,1.0 --plot sweep.png")
+    s.add_argument("spec", help=SPEC_HELP)
+    s.add_argument("--budgets", default="1%,2%,5%,10%,20%,50%,full",
+                   help="comma-separated budgets (default: %(default)s)")
+    s.add_argument("--methods", help="comma-separated merge methods to compare (default: the "
+                   "spec's)")
+    s.add_argument("--grid", action="append", metavar="KEY=V1,V2",
+                   help="a coefficient grid over a spec key, e.g. parameters.lambda=0.5,1 or "
+                   "models.0.parameters.weight=0.2,0.4 (repeat for a product)")
+    s.add_argument("--plot", metavar="PNG", help="also write a plot of the sweep")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON")
+    s.set_defaults(func=cmd_sweep)
 
     s = add("merge", help="materialise the merge as a Hugging Face directory",
             description="Read base + planned expert blocks, merge, write OUTDIR "

@@ -34,7 +34,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         .venv/bin/python -m pip install -q "torch==2.13.0"
         .venv/bin/python -m pip install -q -e ".[test,remote]"
     else
-        echo "[setup] installing mergefs"
+        echo "[setup] installing mergefs (torch==2.13.0 CPU build from local disk first)"
+        .venv/bin/python -m pip install -q "torch==2.13.0"
         .venv/bin/python -m pip install -q -e .
     fi
     touch "$stamp"
