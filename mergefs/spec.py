@@ -535,7 +535,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>", strict: bool
         raw["remote"] = {"coalesce_gap": remote_settings["gap_bytes"],
                          "concurrency": remote_settings["concurrency"],
                          "retries": remote_settings["retries"]}
-    return Spec(source, method, base, tuple(experts), base_weight, glob, out_dtype, budget,
+    return Spec(source, mdef.name, base, tuple(experts), base_weight, glob, out_dtype, budget,
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings))
