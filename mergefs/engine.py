@@ -4,9 +4,9 @@
 reads the base range and only the planned expert ranges of a unit (each run of adjacent planned
 blocks is one pread), checks every block's bytes against the index hashes (a changed source is
 refused, never merged), merges in float32 (the spec's method from ``methods``) and casts to the
-output dtype. Every range
-read and every unit produced is recorded in the manifest. ``materialise`` writes a Hugging Face
-directory whose files are byte-identical to what the mount serves (same ``output_layout``).
+output dtype. Every range read and every unit produced is recorded in the manifest.
+``materialise`` writes a Hugging Face directory whose files are byte-identical to what the mount
+serves (same ``output_layout``).
 
 Merging and reading block on disk and CPU: call from worker threads, never the trio thread.
 """

@@ -425,7 +425,7 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
     c = m.caps
     n = len(inputs)
     if n < c.min_inputs or (c.max_inputs is not None and n > c.max_inputs):
-        what = "models besides the base" if has_base else "input models"
+        what = "model(s) besides the base" if has_base else "input model(s)"
         want = (f"exactly {c.min_inputs}" if c.min_inputs == c.max_inputs
                 else f"at least {c.min_inputs}" if c.max_inputs is None
                 else f"{c.min_inputs} to {c.max_inputs}")
