@@ -231,20 +231,19 @@ class Engine:
     def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
                ) -> np.ndarray:
         """Run the method on one unit: float32 in, float32 out (flat)."""
-        import torch
-
         shape = (w0.size,) if self.elementwise else self.out_tensors[name].shape
-        ref = torch.from_numpy(w0).reshape(shape)
+        ref = w0.reshape(shape)
         inputs = tuple(ref if k == REFERENCE or values[k] is None
-                       else torch.from_numpy(values[k]).reshape(shape)
+                       else values[k].reshape(shape)  # type: ignore[union-attr]
                        for k in self.spec.input_order)
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
                     params=self.spec.parameters, input_params=self.input_params,
                     expert_ids=tuple(range(len(inputs))))
-        with torch.no_grad():
-            out = self.method.merge(unit)
-        return np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+        out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
+        if not isinstance(out, np.ndarray):
+            out = out.detach().numpy()
+        return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
 
     def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
         """True when a unit that reads no expert is exactly the base's bytes (see
