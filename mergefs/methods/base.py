@@ -7,7 +7,9 @@ nothing else in mergefs tests a method's name. Pure; runs on any thread.
 Arithmetic is written with torch CPU float32 kernels on zero-copy views of the engine's numpy
 buffers, op for op as mergekit 0.1.5 evaluates the same formula: mergekit's results are defined
 by those kernels (fused multiply-add in ``addcmul``, reduction orders that change with the number
-of inputs and the SIMD width, Sleef transcendentals), which numpy cannot reproduce bit for bit.
+of inputs and the SIMD width, Sleef transcendentals), which numpy does not reproduce in general.
+Elementwise methods also have numpy kernels equal to torch's (:mod:`.exact`) and use them, so
+torch is imported only by the methods that need it.
 """
 
 from __future__ import annotations
