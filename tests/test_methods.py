@@ -165,3 +165,32 @@ def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path
         res = subprocess.run([sys.executable, "-c", code, str(spec), str(tmp_path / method)],
                              capture_output=True, text=True, check=False)
         assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("method, kw", [
+    ("karcher", {"base": "none"}),
+    ("linear", {"weights": [0.6, 0.4], "parameters": {"weight": 0.2}}),  # base appended
+    ("dare_ties", {"weights": [0.6, 0.4], "parameters": {"density": 0.5}}),
+])
+def test_replay_reproduces_every_method(method: str, kw: dict[str, Any], llama4: Family,
+                                        tmp_path: Path) -> None:
+    spec = write(tmp_path, config(llama4, method, 2, **kw), budget="50%")
+    manifest = tmp_path / "m.jsonl"
+    assert cli.main(["merge", str(spec), str(tmp_path / "out"), "--manifest", str(manifest)]) == 0
+    assert cli.main(["replay", str(manifest)]) == 0
+
+
+def test_methods_package_imports_only_leaves() -> None:
+    """methods sits right after errors/sizes/dtypes/format in the import order
+    (architecture.md): it never imports spec, engine or anything later."""
+    import ast
+
+    allowed = {"errors", "sizes", "dtypes", "format", "methods"}
+    pkg = Path(__file__).resolve().parent.parent / "mergefs" / "methods"
+    for path in pkg.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                top = "methods" if node.level == 1 else (node.module or "").split(".")[0]
+                assert top in allowed, f"{path.name} imports {node.module} (level {node.level})"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergefs."):
+                assert node.module.split(".")[1] in allowed, f"{path.name}: {node.module}"

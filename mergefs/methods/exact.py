@@ -34,7 +34,7 @@ def fma32(x: np.ndarray, c: np.float32, acc: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
-def small_sum(values: Sequence[float]) -> np.float32:
+def small_sum(values: Sequence[float | np.float32]) -> np.float32:
     """torch's float32 ``sum`` of a few contiguous values (``row_sum``): four interleaved partial
     sums from +0.0, the remainder added to the first, then the partials added in order."""
     v = [np.float32(x) for x in values]

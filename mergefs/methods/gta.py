@@ -52,6 +52,7 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
     g = u.params
     w = [np.float32(x) for x in u.per_input("weight")]
     xs = []
+    divisor: np.ndarray | np.float32
     for k, x in enumerate(u.inputs):
         d = x - base
         if sparsifier == "random" and u.input_params[k]["density"] < 1:
