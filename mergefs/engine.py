@@ -4,9 +4,9 @@
 reads the base range and only the planned expert ranges of a unit (each run of adjacent planned
 blocks is one pread), checks every block's bytes against the index hashes (a changed source is
 refused, never merged), merges in float32 (the spec's method from ``methods``) and casts to the
-output dtype. Every range
-read and every unit produced is recorded in the manifest. ``materialise`` writes a Hugging Face
-directory whose files are byte-identical to what the mount serves (same ``output_layout``).
+output dtype. Every range read and every unit produced is recorded in the manifest.
+``materialise`` writes a Hugging Face directory whose files are byte-identical to what the mount
+serves (same ``output_layout``).
 
 Merging and reading block on disk and CPU: call from worker threads, never the trio thread.
 """
@@ -302,20 +302,19 @@ class Engine:
     def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
                ) -> np.ndarray:
         """Run the method on one unit: float32 in, float32 out (flat)."""
-        import torch
-
         shape = (w0.size,) if self.elementwise else self.out_tensors[name].shape
-        ref = torch.from_numpy(w0).reshape(shape)
+        ref = w0.reshape(shape)
         inputs = tuple(ref if k == REFERENCE or values[k] is None
-                       else torch.from_numpy(values[k]).reshape(shape)
+                       else values[k].reshape(shape)  # type: ignore[union-attr]
                        for k in self.spec.input_order)
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
                     params=self.spec.parameters, input_params=self.input_params,
                     expert_ids=tuple(range(len(inputs))))
-        with torch.no_grad():
-            out = self.method.merge(unit)
-        return np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+        out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
+        if not isinstance(out, np.ndarray):
+            out = out.detach().numpy()
+        return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
 
     def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
         """True when a unit that reads no expert is exactly the base's bytes (see

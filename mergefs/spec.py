@@ -460,7 +460,7 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
     c = m.caps
     n = len(inputs)
     if n < c.min_inputs or (c.max_inputs is not None and n > c.max_inputs):
-        what = "models besides the base" if has_base else "input models"
+        what = "model(s) besides the base" if has_base else "input model(s)"
         want = (f"exactly {c.min_inputs}" if c.min_inputs == c.max_inputs
                 else f"at least {c.min_inputs}" if c.max_inputs is None
                 else f"{c.min_inputs} to {c.max_inputs}")
@@ -577,7 +577,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         raw["remote"] = {"coalesce_gap": remote_settings["gap_bytes"],
                          "concurrency": remote_settings["concurrency"],
                          "retries": remote_settings["retries"]}
-    return Spec(source, method, base, tuple(experts), base_weight, glob, out_dtype, budget,
+    return Spec(source, mdef.name, base, tuple(experts), base_weight, glob, out_dtype, budget,
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings))

@@ -127,8 +127,7 @@ def reference_merge(
     """
     import torch
     from mergekit import merge_methods
-    from mergekit.merge_methods.base import ParameterScope, TensorEntry, TensorGroup, \
-        TensorMetadata
+    from mergekit.merge_methods.base import ParameterScope, TensorEntry, TensorGroup, TensorMetadata
 
     m = merge_methods.get(method)
     w0 = torch.from_numpy(_decode(base).copy())

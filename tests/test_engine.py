@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from mergefs import cli
 from mergefs.engine import Session
-from mergefs.errors import BudgetError, MergefsError, SourceChanged, SpecError
+from mergefs.errors import MergefsError, SourceChanged
 from mergefs.manifest import ManifestWriter, read_manifest
 from mergefs.replayer import replay
 from mergefs.spec import load_spec

@@ -27,14 +27,14 @@ from families import Family, make_llama_family
 torch = pytest.importorskip("torch")
 mergekit = pytest.importorskip("mergekit")
 
-from mergekit.config import MergeConfiguration  # noqa: E402
-from mergekit.merge import run_merge  # noqa: E402
-from mergekit.options import MergeOptions  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+from safetensors.torch import load_file
 
-from mergefs.engine import Session  # noqa: E402
-from mergefs.methods import prng  # noqa: E402
-from mergefs.spec import load_spec  # noqa: E402
+from mergefs.engine import Session
+from mergefs.methods import prng
+from mergefs.spec import load_spec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -299,4 +299,101 @@ def test_equal_to_mergekit(case: str, families: dict[str, Family], tmp_path: Pat
         allowed = threshold_ties(fam, n, cfg, "magnitude")
     elif method.startswith("breadcrumbs"):
         allowed = threshold_ties(fam, n, cfg, "outliers")
+    assert_identical(mk, fs, allowed)
+
+
+# -- mergekit's own configs: examples/*.yml and tests/test_basic_merges.py ----------------------
+# Transcribed from arcee-ai/mergekit (the examples that use only supported features: no slices,
+# gradients, filters or methods outside 0.1.5's registry), with model names replaced by local
+# stand-ins. mergefs runs them as they are; mergekit runs them with dtype float32 and out_dtype
+# the config's dtype (the rule of this suite: mergekit's dtype is its compute dtype).
+
+EXAMPLES: dict[str, str] = {
+    "examples/linear.yml": """
+models:
+  - model: MODEL_A
+    parameters:
+      weight: 1.0
+  - model: MODEL_B
+    parameters:
+      weight: 0.3
+  - model: MODEL_C
+    parameters:
+      weight: 0.5
+merge_method: linear
+dtype: float16
+""",
+    "examples/bio-merge.yml": """
+models:
+  - model: MODEL_A
+    parameters:
+      density: 0.5
+      weight: 0.5
+  - model: MODEL_B
+    parameters:
+      density: 0.5
+      weight: 0.5
+merge_method: ties
+base_model: BASE
+parameters:
+  normalize: false
+  int8_mask: true
+dtype: float16
+""",
+    "examples/arcee_fusion.yml": """
+models:
+  - model: BASE
+  - model: MODEL_A
+merge_method: arcee_fusion
+base_model: BASE
+dtype: bfloat16
+""",
+}
+
+
+def _basic(method: str, base: str | None, params: dict[str, Any] | None) -> str:
+    """test_basic_merges.py's two_model_config: weights 0.6 and 0.4, dtype bfloat16."""
+    doc: dict[str, Any] = {"merge_method": method,
+                           "models": [{"model": "MODEL_A", "parameters": {"weight": 0.6}},
+                                      {"model": "MODEL_B", "parameters": {"weight": 0.4}}],
+                           "dtype": "bfloat16"}
+    if base is not None:
+        doc["base_model"] = base
+    if params is not None:
+        doc["parameters"] = params
+    return yaml.safe_dump(doc)
+
+
+EXAMPLES.update({
+    "test_basic_merges:gpt2_copy": "merge_method: passthrough\nmodels:\n  - model: MODEL_A\n"
+                                   "dtype: bfloat16\n",
+    "test_basic_merges:linear": _basic("linear", None, None),
+    # model_a is the base there and listed with a weight, which slerp ignores (a warning here)
+    "test_basic_merges:slerp": _basic("slerp", "MODEL_A", {"t": 0.35}),
+    "test_basic_merges:task_arithmetic": _basic("task_arithmetic", "BASE", None),
+    "test_basic_merges:breadcrumbs": _basic("breadcrumbs", "BASE", None),
+    "test_basic_merges:ties": _basic("ties", "BASE", {"density": 0.3}),
+    "test_basic_merges:dare_ties": _basic("dare_ties", "BASE", {"density": 0.66}),
+    "test_basic_merges:model_stock": _basic("model_stock", "BASE", None),
+    "test_basic_merges:model_stock_filterwise": _basic("model_stock", "BASE",
+                                                       {"filter_wise": True}),
+})
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_mergekit_example_configs(name: str, families: dict[str, Family], tmp_path: Path) -> None:
+    fam = families["float32"]
+    names = {"BASE": fam.base, "MODEL_A": fam.experts[0], "MODEL_B": fam.experts[1],
+             "MODEL_C": fam.experts[2]}
+    text = EXAMPLES[name]
+    for key in sorted(names, key=len, reverse=True):
+        text = text.replace(key, str(names[key]))
+    cfg = yaml.safe_load(text)
+    with mergefs_masks() if cfg["merge_method"].startswith("dare") else contextlib.nullcontext():
+        mk = run_mergekit({**cfg, "dtype": "float32", "out_dtype": cfg["dtype"]}, tmp_path / "mk")
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    allowed = None
+    if cfg["merge_method"] == "ties":
+        n = sum(1 for m in cfg["models"] if m["model"] != cfg.get("base_model"))
+        allowed = threshold_ties(fam, n, cfg, "magnitude")
     assert_identical(mk, fs, allowed)

@@ -105,3 +105,92 @@ def test_methods_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_operators_md_is_rendered_from_the_registry() -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
     assert doc.read_text() == render(), "regenerate docs/operators.md (see mergefs.methods.docs)"
+
+
+# -- the numpy kernels equal torch's, bit for bit -------------------------------------------------
+
+def _bits(a: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def test_fma32_equals_torch_addcmul() -> None:
+    import numpy as np
+    import torch
+
+    from mergefs.methods import exact
+
+    rng = np.random.default_rng(0)
+    n = 200_000
+    scale = np.exp2(rng.integers(-40, 40, size=(3, n))).astype(np.float32)
+    x, acc, _ = (rng.normal(size=(3, n)).astype(np.float32) * scale)
+    x[:100] = np.float32(1e-40)  # subnormals
+    acc[100:200] = -x[100:200] * np.float32(0.75)  # cancellation
+    for c in (0.3, -1.7, 1e-3, 3.0):
+        c32 = np.float32(c)
+        want = torch.from_numpy(acc.copy()).addcmul_(torch.from_numpy(x),
+                                                      torch.tensor(c32).reshape(1))
+        assert np.array_equal(_bits(exact.fma32(x, c32, acc)), _bits(want.numpy())), c
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_small_sum_equals_torch_sum(n: int) -> None:
+    import numpy as np
+    import torch
+
+    from mergefs.methods import exact
+
+    rng = np.random.default_rng(n)
+    for _ in range(200):
+        v = (rng.normal(size=n) * np.exp2(rng.integers(-30, 30, size=n))).astype(np.float32)
+        want = torch.from_numpy(v).reshape(1, n).sum(dim=1)[0].item()
+        assert _bits(exact.small_sum(v.tolist())) == _bits(np.float32(want))
+
+
+def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path) -> None:
+    """linear, task arithmetic, DARE without rescale and passthrough merge without importing
+    torch (it costs a mount ~230 MiB of memory)."""
+    import subprocess
+    import sys
+
+    for method, kw in [("linear", {"weights": [0.5, 0.5], "base": "none"}),
+                       ("task_arithmetic", {"weights": [0.5, 0.5]}),
+                       ("dare_ties", {"weights": [0.5, 0.5],
+                                      "parameters": {"density": 0.5, "rescale": False}})]:
+        spec = write(tmp_path, config(llama4, method, 2, **kw), name=method)
+        code = ("import sys; from mergefs import cli; rc = cli.main(['merge', sys.argv[1], "
+                "sys.argv[2]]); assert 'torch' not in sys.modules, 'torch imported'; "
+                "sys.exit(rc)")
+        res = subprocess.run([sys.executable, "-c", code, str(spec), str(tmp_path / method)],
+                             capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("method, kw", [
+    ("karcher", {"base": "none"}),
+    ("linear", {"weights": [0.6, 0.4], "parameters": {"weight": 0.2}}),  # base appended
+    ("dare_ties", {"weights": [0.6, 0.4], "parameters": {"density": 0.5}}),
+])
+def test_replay_reproduces_every_method(method: str, kw: dict[str, Any], llama4: Family,
+                                        tmp_path: Path) -> None:
+    spec = write(tmp_path, config(llama4, method, 2, **kw), budget="50%")
+    manifest = tmp_path / "m.jsonl"
+    assert cli.main(["merge", str(spec), str(tmp_path / "out"), "--manifest", str(manifest)]) == 0
+    assert cli.main(["replay", str(manifest)]) == 0
+
+
+def test_methods_package_imports_only_leaves() -> None:
+    """methods sits right after errors/sizes/dtypes/format in the import order
+    (architecture.md): it never imports spec, engine or anything later."""
+    import ast
+
+    allowed = {"errors", "sizes", "dtypes", "format", "methods"}
+    pkg = Path(__file__).resolve().parent.parent / "mergefs" / "methods"
+    for path in pkg.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                top = "methods" if node.level == 1 else (node.module or "").split(".")[0]
+                assert top in allowed, f"{path.name} imports {node.module} (level {node.level})"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergefs."):
+                assert node.module.split(".")[1] in allowed, f"{path.name}: {node.module}"

@@ -19,7 +19,8 @@ CASES: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     "linear": ("linear", {}, None),
     "task_arithmetic": ("task_arithmetic", {"lambda": 0.7}, None),
     "ties": ("ties", {}, [{"density": 0.5}, {"density": 0.3}, {"density": 0.8}]),
-    "dare_linear": ("dare_linear", {"seed": 5},
+    # without the L1 rescale DARE is elementwise: block-wise units (rescaled DARE: whole tensors)
+    "dare_linear": ("dare_linear", {"seed": 5, "rescale": False},
                     [{"density": 0.6}, {"density": 0.4}, {"density": 0.9}]),
     "dare_ties": ("dare_ties", {"lambda": 1.3},
                   [{"density": 0.6}, {"density": 0.5}, {"density": 0.7}]),

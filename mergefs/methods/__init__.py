@@ -12,8 +12,17 @@ from typing import Any
 from . import gta, linear, ram, simple, slerp, spherical, stock
 from .base import REQUIRED, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
 
-__all__ = ["BasePolicy", "Capabilities", "Method", "ParamDef", "Scope", "Unit", "METHODS",
-           "get", "describe_methods"]
+__all__ = [
+    "METHODS",
+    "BasePolicy",
+    "Capabilities",
+    "Method",
+    "ParamDef",
+    "Scope",
+    "Unit",
+    "describe_methods",
+    "get",
+]
 
 _ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
                             *spherical.METHODS, *simple.METHODS, *ram.METHODS)

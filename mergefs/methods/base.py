@@ -7,19 +7,18 @@ nothing else in mergefs tests a method's name. Pure; runs on any thread.
 Arithmetic is written with torch CPU float32 kernels on zero-copy views of the engine's numpy
 buffers, op for op as mergekit 0.1.5 evaluates the same formula: mergekit's results are defined
 by those kernels (fused multiply-add in ``addcmul``, reduction orders that change with the number
-of inputs and the SIMD width, Sleef transcendentals), which numpy cannot reproduce bit for bit.
+of inputs and the SIMD width, Sleef transcendentals), which numpy does not reproduce in general.
+Elementwise methods also have numpy kernels equal to torch's (:mod:`.exact`) and use them, so
+torch is imported only by the methods that need it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 
 class Scope(str, Enum):
@@ -107,7 +106,8 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Unit:
-    """The inputs of one merge unit, float32, as torch tensors that must not be modified.
+    """The inputs of one merge unit, float32 numpy arrays that must not be modified
+    (``torch()``: the same as torch tensors, sharing memory).
 
     ``base`` is the base's values when the method has a base; ``inputs`` the other inputs in
     mergekit's order (a model the plan omits here holds the reference model's values, i.e. a
@@ -118,14 +118,24 @@ class Unit:
     tensor: str
     shape: tuple[int, ...]
     elem_offset: int
-    base: torch.Tensor | None
-    inputs: tuple[torch.Tensor, ...]
+    base: Any  # np.ndarray | None (torch.Tensor | None after ``torch()``)
+    inputs: tuple[Any, ...]
     params: Mapping[str, Any]  # global parameters, defaults filled in
     input_params: tuple[Mapping[str, Any], ...]  # per input (same order as ``inputs``)
     expert_ids: tuple[int, ...]  # per input: its index among the non-base models (mask keys)
 
     def per_input(self, name: str) -> list[Any]:
         return [p[name] for p in self.input_params]
+
+    def torch(self) -> Unit:
+        """This unit with torch tensors (zero-copy views) in place of the arrays."""
+        import torch
+
+        def conv(a: Any) -> Any:
+            return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+
+        return replace(self, base=None if self.base is None else conv(self.base),
+                       inputs=tuple(conv(x) for x in self.inputs))
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,8 @@ class Method:
     family: str
     params: tuple[ParamDef, ...]
     caps: Capabilities
-    merge: Callable[[Unit], torch.Tensor] = field(compare=False)
+    #: the arithmetic: a float32 numpy array or torch tensor of the unit's shape
+    merge: Callable[[Unit], Any] = field(compare=False)
     #: per input (mergekit order), c_i for ranking reads by |c_i| ||D_i|| (and the bound's
     #: coefficients when additive)
     coefficients: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], list[float]] = \

@@ -29,9 +29,12 @@ the method registry (`mergefs/methods/`), which spec validation, the planner, th
 - The arithmetic runs in torch CPU float32 kernels, in mergekit's order of operations, on
   zero-copy views of mergefs' buffers: mergekit's bytes are those kernels' (fused multiply-add in
   `addcmul_`, sums over the model axis that are sequential for up to 4 models and
-  position-dependent beyond, Sleef transcendentals), which numpy cannot reproduce bit for bit.
+  position-dependent beyond, Sleef transcendentals), which numpy does not reproduce in general.
+  The elementwise methods (linear, task_arithmetic and the other rows without a sparsifier, DARE
+  without rescale, up to 4 models; passthrough) have numpy kernels equal to torch's bit for bit
+  (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch.
   Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
-  scalars converted by the kernel.
+  scalars converted to float32 by the kernel.
 - Parameters use mergekit's names and defaults. Per-model parameters sit under
   `models[].parameters`; a global value of a per-model name is every model's default. Lists
   (gradients) and `{filter, value}` settings are not supported yet and are rejected.

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from . import exact, prng
 from . import sparsify as sp
 from .base import INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight
 
@@ -42,10 +45,46 @@ Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
 """
 
 
+def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray:
+    """The same arithmetic in numpy, for elementwise rows (no sparsifier, or DARE without
+    rescale) of up to 4 models: torch's kernels are plain IEEE float32 ops there."""
+    base = u.base
+    g = u.params
+    w = [np.float32(x) for x in u.per_input("weight")]
+    xs = []
+    divisor: np.ndarray | np.float32
+    for k, x in enumerate(u.inputs):
+        d = x - base
+        if sparsifier == "random" and u.input_params[k]["density"] < 1:
+            d = d * prng.keep_mask(g["seed"], u.tensor, u.expert_ids[k], u.elem_offset,
+                                   np.full(d.size, u.input_params[k]["density"], np.float32))
+        xs.append(d * w[k])
+    if consensus:
+        majority = (exact.outer_sum(xs) >= 0).astype(np.float32) * np.float32(2) - np.float32(1)
+        masks = [np.sign(x) == majority for x in xs]
+        mixed = exact.outer_sum([x * m for x, m in zip(xs, masks)])
+        divisor = exact.outer_sum([wk * m for wk, m in zip(w, masks)])
+        divisor[divisor == 0] = 1
+    else:
+        mixed = exact.outer_sum(xs)
+        total = exact.small_sum(w)
+        divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
+    if g["normalize"]:
+        mixed = mixed / divisor
+    if g["lambda"] != 1:
+        mixed = mixed * np.float32(g["lambda"])
+    return base + mixed
+
+
 def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-def]
     def merge(u: Unit) -> Any:
+        if u.inputs and (sparsifier is None or (sparsifier == "random"
+                                                and not u.params["rescale"])) \
+                and len(u.inputs) <= SEQUENTIAL_SUM_MAX:
+            return _merge_numpy(u, sparsifier, consensus)
         import torch
 
+        u = u.torch()
         base = u.base
         assert base is not None
         if not u.inputs:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from . import exact
 from .base import BasePolicy, Capabilities, Method, Scope, Unit, flag, weight
 
 ARITHMETIC = """\
@@ -24,6 +27,19 @@ when normalize, else 1): the additive bound holds. Elementwise.
 
 
 def _merge(u: Unit) -> Any:
+    w = u.per_input("weight")
+    if len(w) > exact.SMALL_SUM_MAX:
+        return _merge_torch(u.torch())
+    w32 = [np.float32(x) for x in w]
+    result = np.zeros_like(u.inputs[0])
+    for x, c in zip(u.inputs, w32):
+        result = exact.fma32(x, c, result)
+    if u.params["normalize"]:
+        result = result / exact.small_sum(w32)
+    return result
+
+
+def _merge_torch(u: Unit) -> Any:
     import torch
 
     first = u.inputs[0]

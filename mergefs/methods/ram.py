@@ -24,6 +24,7 @@ whole tensor. Whole tensor.
 
 
 def _prepare(u: Unit) -> tuple[Any, Any, Any, Any, Any]:
+    u = u.torch()
     import torch
 
     assert u.base is not None
@@ -34,6 +35,7 @@ def _prepare(u: Unit) -> tuple[Any, Any, Any, Any, Any]:
 
 
 def _ram(u: Unit) -> Any:
+    u = u.torch()
     assert u.base is not None
     if not u.inputs:
         return u.base
@@ -44,6 +46,7 @@ def _ram(u: Unit) -> Any:
 
 
 def _ramplus(u: Unit) -> Any:
+    u = u.torch()
     assert u.base is not None
     if not u.inputs:
         return u.base

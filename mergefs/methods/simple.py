@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
 
 NEARSWAP = """\
@@ -27,6 +29,7 @@ replacement above 10^6 elements); `M = W0 + D * (I >= threshold)`. Whole tensor.
 
 
 def _nearswap(u: Unit) -> Any:
+    u = u.torch()
     a, b = u.base, u.inputs[0]
     assert a is not None
     w = (u.params["t"] / (a - b).abs().clamp(min=1e-6)).clamp(min=0, max=1)
@@ -34,11 +37,12 @@ def _nearswap(u: Unit) -> Any:
 
 
 def _passthrough(u: Unit) -> Any:
-    scale = u.input_params[0]["scale"]
-    return u.inputs[0] if scale is None else u.inputs[0] * scale
+    scale = u.input_params[0]["scale"]  # torch multiplies float32 by float32(scale)
+    return u.inputs[0] if scale is None else u.inputs[0] * np.float32(scale)
 
 
 def _arcee_fusion(u: Unit) -> Any:
+    u = u.torch()
     import torch
     import torch.nn.functional as F
 

@@ -30,6 +30,7 @@ Whole tensor.
 
 
 def _slerp(u: Unit) -> Any:
+    u = u.torch()
     import torch
 
     assert u.base is not None
@@ -84,6 +85,7 @@ def _nuslerp_rows(t: float, a: Any, b: Any, row_wise: bool, flatten: bool) -> An
 
 
 def _nuslerp(u: Unit) -> Any:
+    u = u.torch()
     w = u.per_input("weight")
     total = sum(w)
     t = 0.5 if abs(total) < 1e-6 else w[1] / total

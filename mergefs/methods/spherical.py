@@ -28,6 +28,7 @@ Whole tensor, torch float32.
 
 
 def _multislerp(u: Unit) -> Any:
+    u = u.torch()
     import torch
 
     base = u.base
@@ -63,6 +64,7 @@ def _multislerp(u: Unit) -> Any:
 
 
 def _karcher(u: Unit) -> Any:
+    u = u.torch()
     import torch
 
     xs = list(u.inputs)

@@ -23,6 +23,7 @@ Sign consensus mask as ties; `e_i = mean(D_i^2)` normalised by their sum (unifor
 
 
 def _model_stock(u: Unit) -> Any:
+    u = u.torch()
     import torch
 
     assert u.base is not None
@@ -50,6 +51,7 @@ def _model_stock(u: Unit) -> Any:
 
 
 def _sce(u: Unit) -> Any:
+    u = u.torch()
     import torch
 
     base = u.base

@@ -1,0 +1,63 @@
+"""torch's CPU float32 arithmetic in numpy, bit for bit, for the elementwise methods' fast path.
+
+The methods run in torch to equal mergekit; for the commonest elementwise ones (linear, task
+arithmetic, DARE without rescale, passthrough) these numpy kernels give the same bytes without
+importing torch (which costs ~230 MiB of resident memory in a mount). Each is checked against
+torch in tests/test_methods.py. Pure; runs on any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+#: the most values torch sums with its scalar row_sum on any x86 CPU
+SMALL_SUM_MAX = 7  # 8 floats are one AVX2 vector: torch vectorises from there
+
+
+def fma32(x: np.ndarray, c: np.float32, acc: np.ndarray) -> np.ndarray:
+    """float32 ``acc + x * c`` rounded once (torch's ``addcmul_``), via float64 round-to-odd.
+
+    ``x * c`` is exact in float64 (24 + 24 bits); the float64 sum is made round-to-odd from its
+    exact error term (TwoSum), and rounding that to float32 is then correctly rounded, since
+    53 >= 2 * 24 + 2.
+    """
+    p = x.astype(np.float64) * np.float64(c)
+    a = acc.astype(np.float64)
+    s = a + p
+    bb = s - a
+    err = (a - (s - bb)) + (p - bb)
+    inexact = (err != 0) & ((s.view(np.uint64) & np.uint64(1)) == 0)
+    if inexact.any():
+        s[inexact] = np.nextafter(s[inexact], np.where(err[inexact] > 0, np.inf, -np.inf))
+    return s.astype(np.float32)
+
+
+def small_sum(values: Sequence[float | np.float32]) -> np.float32:
+    """torch's float32 ``sum`` of a few contiguous values (``row_sum``): four interleaved partial
+    sums from +0.0, the remainder added to the first, then the partials added in order."""
+    v = [np.float32(x) for x in values]
+    if len(v) > SMALL_SUM_MAX:
+        raise ValueError("small_sum: too many values")
+    partial = [np.float32(0.0)] * 4
+    full = len(v) // 4
+    for i in range(full):
+        for k in range(4):
+            partial[k] = np.float32(partial[k] + v[4 * i + k])
+    for i in range(4 * full, len(v)):
+        partial[0] = np.float32(partial[0] + v[i])
+    total = partial[0]
+    for k in range(1, 4):
+        total = np.float32(total + partial[k])
+    return total
+
+
+def outer_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
+    """torch's ``stack(xs).sum(dim=0)`` for up to 4 inputs: sequential from +0.0."""
+    if len(xs) > 4:
+        raise ValueError("outer_sum: more than 4 inputs")
+    acc = np.zeros_like(xs[0])
+    for x in xs:
+        acc = acc + x
+    return acc
