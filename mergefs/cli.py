@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget_help = ("override the spec's budget: full, 10%%, 0.1 (a fraction) or a size with a "
                    "unit like 2GiB or 500MB; a bare number above 1 is refused as ambiguous")
 
+    manifest_help = ("write the manifest exactly here (must not exist); default: a new "
+                     "timestamped file beside the spec's `manifest` path, which then points to it")
+
     def add(name: str, **kw: Any) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], **kw)
 
@@ -414,9 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("outdir", help="output directory (new or empty; never a source)")
     s.add_argument("--budget", help=budget_help)
-    s.add_argument("--manifest", metavar="PATH",
-                   help="write the manifest exactly here (must not exist); default: a new "
-                   "timestamped file beside the spec's `manifest` path, which then points to it")
+    s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
     s.set_defaults(func=cmd_merge)
@@ -438,9 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("mountpoint", help="an existing empty directory")
     s.add_argument("--budget", help=budget_help)
-    s.add_argument("--manifest", metavar="PATH",
-                   help="write the manifest exactly here (must not exist); default: a new "
-                   "timestamped file beside the spec's `manifest` path, which then points to it")
+    s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--cache-size", help="memory cache of merged blocks (default: 1/4 of RAM, "
                    "at most 8GiB)")
     s.add_argument("--cache-dir", help="persistent cache of merged blocks, keyed by plan hash")

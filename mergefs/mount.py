@@ -39,7 +39,7 @@ from .errors import MergefsError
 from .fuse import Operations, mount_options
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
-from .outdir import check_writes
+from .outdir import check_writes, pid_alive
 from .progress import byte_progress
 from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
@@ -419,16 +419,7 @@ def _fusermount(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (our own unreaped child) counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return pid_alive(pid)
 
 
 # -- stats ---------------------------------------------------------------------------------

@@ -165,14 +165,18 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, e.g. our own unreaped child, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _clean_stale(out: Path) -> None:
@@ -190,7 +194,7 @@ def _clean_stale(out: Path) -> None:
                 pid = int(p.name[len(prefix):].split(".")[0])
             except ValueError:
                 continue
-            if pid == os.getpid() or _pid_alive(pid):
+            if pid == os.getpid() or pid_alive(pid):
                 continue
             if kind == _OLD and not out.exists():  # killed between the two fallback renames
                 log.warning("restoring %s from %s (an interrupted --force)", out, p)
