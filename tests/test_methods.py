@@ -149,16 +149,18 @@ def test_small_sum_equals_torch_sum(n: int) -> None:
 
 
 def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path) -> None:
-    """linear, task arithmetic, DARE without rescale and passthrough merge without importing
-    torch (it costs a mount ~230 MiB of memory)."""
+    """The elementwise methods merge without importing torch (it costs a mount ~230 MiB)."""
     import subprocess
     import sys
 
     for method, kw in [("linear", {"weights": [0.5, 0.5], "base": "none"}),
                        ("task_arithmetic", {"weights": [0.5, 0.5]}),
                        ("dare_ties", {"weights": [0.5, 0.5],
-                                      "parameters": {"density": 0.5, "rescale": False}})]:
-        spec = write(tmp_path, config(llama4, method, 2, **kw), name=method)
+                                      "parameters": {"density": 0.5, "rescale": False}}),
+                       ("ram", {}), ("nearswap", {"parameters": {"t": 1e-3}, "n": 1}),
+                       ("passthrough", {"base": "none", "n": 1})]:
+        n = kw.pop("n", 2)
+        spec = write(tmp_path, config(llama4, method, n, **kw), name=method)
         code = ("import sys; from mergefs import cli; rc = cli.main(['merge', sys.argv[1], "
                 "sys.argv[2]]); assert 'torch' not in sys.modules, 'torch imported'; "
                 "sys.exit(rc)")
@@ -256,3 +258,19 @@ def test_linear_numpy_kernel_equals_torch(n: int) -> None:
         a = linear._merge(u)
         b = linear._merge_torch(u.torch()).numpy()
         assert np.array_equal(_bits(a), _bits(b)), normalize
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ram_and_nearswap_numpy_kernels_equal_torch(n: int) -> None:
+    import numpy as np
+
+    from mergefs.methods import ram, simple
+
+    rng = np.random.default_rng(10 + n)
+    for eps in (1e-5, 1e-4):
+        u = _random_unit(rng, n, 5003, {"epsilon": eps}, [{}] * n)
+        assert np.array_equal(_bits(ram._ram(u)), _bits(ram._ram_torch(u).numpy()))
+    for t in (0.0, 1e-4, 3e-4):
+        u = _random_unit(rng, 1, 5003, {"t": t}, [{}])
+        assert np.array_equal(_bits(simple._nearswap(u)),
+                              _bits(simple._nearswap_torch(u).numpy())), t

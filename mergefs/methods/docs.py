@@ -30,8 +30,8 @@ the method registry (`mergefs/methods/`), which spec validation, the planner, th
   zero-copy views of mergefs' buffers: mergekit's bytes are those kernels' (fused multiply-add in
   `addcmul_`, sums over the model axis that are sequential for up to 4 models and
   position-dependent beyond, Sleef transcendentals), which numpy does not reproduce in general.
-  The elementwise methods (linear, task_arithmetic and the other rows without a sparsifier, DARE
-  without rescale, up to 4 models; passthrough) have numpy kernels equal to torch's bit for bit
+  The elementwise methods (linear; task_arithmetic, DARE without rescale and ram up to 4 models;
+  nearswap; passthrough) have numpy kernels equal to torch's bit for bit
   (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch.
   Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
   scalars converted to float32 by the kernel.
