@@ -321,17 +321,13 @@ def cmd_methods(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title=f"merge methods ({len(rows)})")
-    for col in ("method", "parameters (default)", "base", "inputs", "bound", "block-wise"):
-        table.add_column(col)
     for r in rows:
-        params = ", ".join(
-            f"{p['name']}{'*' if p['scope'] != 'global' else ''}"
-            f"={'required' if p['required'] else p['default']}" for p in r["parameters"])
         inputs = f"{r['inputs']['min']}..{r['inputs']['max'] or 'n'}"
-        table.add_row(r["name"], params or "-", r["base"], inputs,
-                      "yes" if r["additive_bound"] else "no", r["blockwise"])
-    Console().print(table)
+        print(f"{r['name']:<17} base {r['base']:<9} inputs {inputs:<5} "
+              f"bound {'yes' if r['additive_bound'] else 'no ':<4} block-wise {r['blockwise']}")
+        params = [f"{p['name']}{'*' if p['scope'] != 'global' else ''}="
+                  f"{'required' if p['required'] else p['default']}" for p in r["parameters"]]
+        print(f"    {'  '.join(params) or '(no parameters)'}")
     print("* per-model parameter (a global value is every model's default)")
     return 0
 

@@ -24,7 +24,7 @@ from . import hub
 from . import methods as registry
 from .errors import BudgetError, SpecError
 from .format import FLOAT_DTYPES
-from .methods.base import REQUIRED, BasePolicy, Method, ParamDef, Scope
+from .methods.base import BasePolicy, Method, ParamDef, Scope
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
 log = logging.getLogger(__name__)
@@ -390,9 +390,8 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
     global_raw = data.get("parameters") or {}
     if not isinstance(global_raw, dict):
         raise _err(source, "parameters", "expected a mapping")
-    by_name = {p.name: p for p in m.params}
     for name in global_raw:
-        if name not in by_name:
+        if m.param(name) is None:
             lenient.ignore(f"parameters.{name}", f"{m.name} has no parameter {name!r}")
     glob: dict[str, Any] = {}
     for p in m.global_params:
@@ -403,60 +402,16 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
             raise _err(source, key, f"required by {m.name}")
         else:
             glob[p.name] = p.default
-
     for p in m.model_params:  # a global value of a per-model name: every model's default
         if p.name in global_raw:
             _method_value(source, f"parameters.{p.name}", p, global_raw[p.name])
-    has_base = base is not None and m.caps.base != BasePolicy.IGNORED
     if m.caps.base == BasePolicy.REQUIRED and base is None:
         raise _err(source, "base_model", f"required by {m.name}")
-    if has_base:
-        inputs = [x for x in models if x.path != base]
-        for x in models:
-            for name in x.params_raw if x.path == base else ():
-                lenient.ignore(f"{x.key}.parameters.{name}", "parameters of the base model")
-    else:
-        inputs = [x for x in models if x.path != base]
-        listed_base = [x for x in models if x.path == base]
-        # mergekit makes the base one more input, appended when not listed; it refuses the
-        # config when the base then has no weight. mergefs keeps it as the reference only.
-        candidate = listed_base[0] if listed_base else (
-            _Model(base, "base_model", {}, None) if base is not None else None)
-        if candidate is not None:
-            missing = [p.name for p in m.model_params if p.required
-                       and p.name not in candidate.params_raw and p.name not in global_raw]
-            if missing:
-                lenient.ignore(candidate.key, f"the base model has no {missing[0]}, so it is "
-                               "only the reference, not an input",
-                               mergekit="mergekit refuses such a config")
-            elif listed_base:
-                inputs.insert(models.index(listed_base[0]), listed_base[0])
-            else:
-                inputs.append(candidate)
+    has_base = base is not None and m.caps.base != BasePolicy.IGNORED
+    inputs = _inputs(m, models, base, has_base, global_raw, lenient)
     if len({x.path for x in inputs}) != len(inputs):
         raise _err(source, "models", "the same model is listed twice")
-    per_input: list[dict[str, Any]] = []
-    for x in inputs:
-        params: dict[str, Any] = {}
-        for name in x.params_raw:
-            pdef = by_name.get(name)
-            if pdef is None:
-                lenient.ignore(f"{x.key}.parameters.{name}", f"{m.name} has no parameter {name!r}")
-            elif pdef.scope == Scope.GLOBAL:
-                lenient.ignore(f"{x.key}.parameters.{name}",
-                               f"{name} is a global parameter of {m.name}")
-        for pdef in m.model_params:
-            key = f"{x.key}.parameters.{pdef.name}"
-            if pdef.name in x.params_raw:
-                params[pdef.name] = _method_value(source, key, pdef, x.params_raw[pdef.name])
-            elif pdef.name in global_raw:
-                params[pdef.name] = _method_value(source, f"parameters.{pdef.name}", pdef,
-                                                  global_raw[pdef.name])
-            elif pdef.default is not REQUIRED:
-                params[pdef.name] = pdef.default
-            else:
-                raise _err(source, key, f"{pdef.name} is required by {m.name}")
-        per_input.append(params)
+    per_input = [_input_params(m, x, global_raw, source, lenient) for x in inputs]
     c = m.caps
     n = len(inputs)
     if n < c.min_inputs or (c.max_inputs is not None and n > c.max_inputs):
@@ -470,6 +425,59 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
         if problem:
             raise _err(source, "models", problem)
     return glob, inputs, per_input, has_base
+
+
+def _inputs(m: Method, models: list[_Model], base: str | None, has_base: bool,
+            global_raw: Mapping[str, Any], lenient: _Lenient) -> list[_Model]:
+    """The method's inputs in mergekit's order: the models as listed, the base excluded when it
+    has the base role; otherwise the base is an input too (appended when not listed)."""
+    inputs = [x for x in models if x.path != base]
+    listed_base = [x for x in models if x.path == base]
+    if has_base:
+        for x in listed_base:
+            for name in x.params_raw:
+                lenient.ignore(f"{x.key}.parameters.{name}", "parameters of the base model")
+        return inputs
+    if base is None:
+        return inputs
+    # mergekit makes the base one more input, appended when not listed; it refuses the config
+    # when the base then has no weight. mergefs keeps it as the reference only.
+    candidate = listed_base[0] if listed_base else _Model(base, "base_model", {}, None)
+    missing = [p.name for p in m.model_params if p.required
+               and p.name not in candidate.params_raw and p.name not in global_raw]
+    if missing:
+        lenient.ignore(candidate.key, f"the base model has no {missing[0]}, so it is only the "
+                       "reference, not an input", mergekit="mergekit refuses such a config")
+    elif listed_base:
+        inputs.insert(models.index(candidate), candidate)
+    else:
+        inputs.append(candidate)
+    return inputs
+
+
+def _input_params(m: Method, x: _Model, global_raw: Mapping[str, Any], source: str,
+                  lenient: _Lenient) -> dict[str, Any]:
+    """One input's per-model parameters: its own value, else the global one, else the default."""
+    for name in x.params_raw:
+        pdef = m.param(name)
+        if pdef is None:
+            lenient.ignore(f"{x.key}.parameters.{name}", f"{m.name} has no parameter {name!r}")
+        elif pdef.scope == Scope.GLOBAL:
+            lenient.ignore(f"{x.key}.parameters.{name}", f"{name} is a global parameter of "
+                           f"{m.name}")
+    params: dict[str, Any] = {}
+    for pdef in m.model_params:
+        key = f"{x.key}.parameters.{pdef.name}"
+        if pdef.name in x.params_raw:
+            params[pdef.name] = _method_value(source, key, pdef, x.params_raw[pdef.name])
+        elif pdef.name in global_raw:
+            params[pdef.name] = _method_value(source, f"parameters.{pdef.name}", pdef,
+                                              global_raw[pdef.name])
+        elif not pdef.required:
+            params[pdef.name] = pdef.default
+        else:
+            raise _err(source, key, f"{pdef.name} is required by {m.name}")
+    return params
 
 
 def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",

@@ -149,16 +149,18 @@ def test_small_sum_equals_torch_sum(n: int) -> None:
 
 
 def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path) -> None:
-    """linear, task arithmetic, DARE without rescale and passthrough merge without importing
-    torch (it costs a mount ~230 MiB of memory)."""
+    """The elementwise methods merge without importing torch (it costs a mount ~230 MiB)."""
     import subprocess
     import sys
 
     for method, kw in [("linear", {"weights": [0.5, 0.5], "base": "none"}),
                        ("task_arithmetic", {"weights": [0.5, 0.5]}),
                        ("dare_ties", {"weights": [0.5, 0.5],
-                                      "parameters": {"density": 0.5, "rescale": False}})]:
-        spec = write(tmp_path, config(llama4, method, 2, **kw), name=method)
+                                      "parameters": {"density": 0.5, "rescale": False}}),
+                       ("ram", {}), ("nearswap", {"parameters": {"t": 1e-3}, "n": 1}),
+                       ("passthrough", {"base": "none", "n": 1})]:
+        n = kw.pop("n", 2)
+        spec = write(tmp_path, config(llama4, method, n, **kw), name=method)
         code = ("import sys; from mergefs import cli; rc = cli.main(['merge', sys.argv[1], "
                 "sys.argv[2]]); assert 'torch' not in sys.modules, 'torch imported'; "
                 "sys.exit(rc)")
@@ -194,3 +196,81 @@ def test_methods_package_imports_only_leaves() -> None:
                 assert top in allowed, f"{path.name} imports {node.module} (level {node.level})"
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergefs."):
                 assert node.module.split(".")[1] in allowed, f"{path.name}: {node.module}"
+
+
+def _random_unit(rng: Any, n: int, size: int, params: dict[str, Any],
+                 per: list[dict[str, Any]], base: bool = True) -> Any:
+    """A unit of bfloat16-like values (many equal magnitudes), zeros, -0.0 and zero deltas."""
+    import ml_dtypes
+    import numpy as np
+
+    from mergefs.methods.base import Unit
+
+    def values() -> Any:
+        v = rng.normal(scale=0.02, size=size).astype(ml_dtypes.bfloat16).astype(np.float32)
+        v[rng.random(size) < 0.05] = np.float32(-0.0)
+        return v
+
+    w0 = values()
+    xs = []
+    for _ in range(n):
+        x = w0 + (rng.normal(scale=2e-4, size=size).astype(ml_dtypes.bfloat16)
+                  .astype(np.float32))
+        same = rng.random(size) < 0.2
+        x[same] = w0[same]  # zero deltas
+        xs.append(x)
+    return Unit(tensor="t", shape=(size,), elem_offset=17, base=w0 if base else None,
+                inputs=tuple(xs), params=params, input_params=tuple(per),
+                expert_ids=tuple(range(n)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("row", ["task_arithmetic", "dare_linear", "dare_ties"])
+def test_gta_numpy_kernel_equals_torch(row: str, n: int) -> None:
+    import numpy as np
+
+    from mergefs.methods import gta
+
+    rng = np.random.default_rng(n)
+    sparsifier = None if row == "task_arithmetic" else "random"
+    consensus = row == "dare_ties"
+    for normalize in (False, True):
+        for lam in (1.0, 0.7):
+            per = [{"weight": float(w), "density": d}
+                   for w, d in zip(rng.normal(size=n), (0.5, 1.0, 0.3, 0.9))]
+            g = {"normalize": normalize, "lambda": lam, "rescale": False, "seed": 3}
+            u = _random_unit(rng, n, 5003, g, per)
+            a = gta._merge_numpy(u, sparsifier, consensus)
+            b = gta._merge_torch(u, sparsifier, consensus).numpy()
+            assert np.array_equal(_bits(a), _bits(b)), (normalize, lam)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7])
+def test_linear_numpy_kernel_equals_torch(n: int) -> None:
+    import numpy as np
+
+    from mergefs.methods import linear
+
+    rng = np.random.default_rng(n)
+    for normalize in (False, True):
+        per = [{"weight": float(w)} for w in rng.uniform(0.1, 1.0, size=n)]
+        u = _random_unit(rng, n, 5003, {"normalize": normalize}, per, base=False)
+        a = linear._merge(u)
+        b = linear._merge_torch(u.torch()).numpy()
+        assert np.array_equal(_bits(a), _bits(b)), normalize
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ram_and_nearswap_numpy_kernels_equal_torch(n: int) -> None:
+    import numpy as np
+
+    from mergefs.methods import ram, simple
+
+    rng = np.random.default_rng(10 + n)
+    for eps in (1e-5, 1e-4):
+        u = _random_unit(rng, n, 5003, {"epsilon": eps}, [{}] * n)
+        assert np.array_equal(_bits(ram._ram(u)), _bits(ram._ram_torch(u).numpy()))
+    for t in (0.0, 1e-4, 3e-4):
+        u = _random_unit(rng, 1, 5003, {"t": t}, [{}])
+        assert np.array_equal(_bits(simple._nearswap(u)),
+                              _bits(simple._nearswap_torch(u).numpy())), t

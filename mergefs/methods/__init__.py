@@ -55,10 +55,23 @@ def describe_methods() -> list[dict[str, Any]]:
             "base": c.base.value,
             "inputs": {"min": c.min_inputs, "max": c.max_inputs},
             "additive_bound": c.additive,
-            "blockwise": "yes" if m.elementwise(2, _defaults(m)) else "no",
+            "blockwise": blockwise_note(m),
             "random": c.random,
         })
     return rows
+
+
+def blockwise_note(m: Method) -> str:
+    """Whether the engine merges ``m`` block by block (else whole tensors), in words."""
+    from .gta import SEQUENTIAL_SUM_MAX
+
+    if m.elementwise(SEQUENTIAL_SUM_MAX + 1, _defaults(m)):
+        return "yes"
+    if m.elementwise(2, _defaults(m)):
+        return f"yes, up to {SEQUENTIAL_SUM_MAX} models"
+    if m.elementwise(2, {**_defaults(m), "rescale": False}):
+        return f"with rescale: false, up to {SEQUENTIAL_SUM_MAX} models"
+    return "no"
 
 
 def _defaults(m: Method) -> dict[str, Any]:

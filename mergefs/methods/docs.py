@@ -30,8 +30,8 @@ the method registry (`mergefs/methods/`), which spec validation, the planner, th
   zero-copy views of mergefs' buffers: mergekit's bytes are those kernels' (fused multiply-add in
   `addcmul_`, sums over the model axis that are sequential for up to 4 models and
   position-dependent beyond, Sleef transcendentals), which numpy does not reproduce in general.
-  The elementwise methods (linear, task_arithmetic and the other rows without a sparsifier, DARE
-  without rescale, up to 4 models; passthrough) have numpy kernels equal to torch's bit for bit
+  The elementwise methods (linear; task_arithmetic, DARE without rescale and ram up to 4 models;
+  nearswap; passthrough) have numpy kernels equal to torch's bit for bit
   (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch.
   Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
   scalars converted to float32 by the kernel.
@@ -59,8 +59,11 @@ bit-identical to the full read. Every method accepts a budget.
 
 Block-wise methods are merged one block (or run of blocks) at a time, as the mount serves them;
 whole-tensor methods read and merge the whole tensor for any byte of it (their statistics, such
-as norms, ranks, variances or L1 rescales, span the whole tensor; model_stock's angles and
-sce's variances could come from the index's Gram matrices, which is not done yet).
+as norms, ranks, variances or L1 rescales, span the whole tensor). model_stock's angles and
+sce's model weights are functions of the index's per-block Gram matrices and could come from
+the index instead, keeping those methods block-wise; that is not done, because the index sums
+in float64 where mergekit reduces in float32, so the output would no longer equal mergekit's
+bytes.
 
 `inputs`: how many models besides the base (for linear, karcher and passthrough: all inputs).
 
@@ -109,7 +112,7 @@ def _param_line(p: object) -> str:
              Scope.NON_BASE: "per model"}[p.scope]
     default = "required" if p.default is REQUIRED else repr(p.default)
     notes = []
-    if p.kind != "bool":
+    if p.kind != "bool" and (p.lo is not None or p.hi is not None):
         notes.append(f"range {p.describe_range()}")
     if p.mergefs_only:
         notes.append("mergefs only")
@@ -131,19 +134,13 @@ def _method_section(m: Method) -> str:
 
 
 def render() -> str:
-    from . import _ALL, _defaults
+    from . import _ALL, blockwise_note
 
     rows = []
     for m in _ALL:
         c = m.caps
         inputs = f"{c.min_inputs}..{c.max_inputs if c.max_inputs is not None else 'n'}"
-        block = "yes" if m.elementwise(2, _defaults(m)) else "no"
-        if m.family == "gta" and block == "yes":
-            block = "yes, up to 4 models"
-        if m.name in ("dare_ties", "dare_linear"):
-            block = "with `rescale: false`, up to 4 models"
-        if m.name == "ram":
-            block = "yes, up to 4 models"
+        block = blockwise_note(m)
         rows.append(f"| {m.name} | {c.base.value} | {inputs} | "
                     f"{'yes' if c.additive else 'no'} | {block} |")
     families: dict[str, list[Method]] = {}

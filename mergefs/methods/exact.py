@@ -1,7 +1,7 @@
 """torch's CPU float32 arithmetic in numpy, bit for bit, for the elementwise methods' fast path.
 
-The methods run in torch to equal mergekit; for the commonest elementwise ones (linear, task
-arithmetic, DARE without rescale, passthrough) these numpy kernels give the same bytes without
+The methods run in torch to equal mergekit; for the elementwise ones (linear, task arithmetic,
+DARE without rescale, ram, nearswap, passthrough) these numpy kernels give the same bytes without
 importing torch (which costs ~230 MiB of resident memory in a mount). Each is checked against
 torch in tests/test_methods.py. Pure; runs on any thread.
 """

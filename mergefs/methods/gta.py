@@ -76,54 +76,58 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
     return base + mixed
 
 
+def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool) -> Any:
+    import torch
+
+    u = u.torch()
+    base = u.base
+    assert base is not None
+    if not u.inputs:
+        return base
+    g = u.params
+    deltas = base.new_empty((len(u.inputs), *base.shape))
+    for k, x in enumerate(u.inputs):
+        d = x - base
+        p = u.input_params[k]
+        if sparsifier == "magnitude":
+            d = sp.magnitude(d, p["density"], g["rescale"])
+        elif sparsifier == "magnitude_outliers":
+            d = sp.magnitude_outliers(d, p["density"], p["gamma"], g["rescale"])
+        elif sparsifier == "random":
+            d = sp.random(d, p["density"], g["rescale"], g["seed"], u.tensor,
+                          u.expert_ids[k], u.elem_offset)
+        elif sparsifier == "della_magprune":
+            d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
+                         u.expert_ids[k])
+        deltas[k] = d
+    w = torch.tensor(u.per_input("weight"), dtype=deltas.dtype)
+    while w.dim() < deltas.dim():
+        w.unsqueeze_(-1)
+    deltas.mul_(w)
+    if consensus:
+        majority = (deltas.sum(dim=0) >= 0).to(deltas.dtype) * 2 - 1
+        mask = deltas.sign() == majority
+        mixed = (deltas * mask).sum(dim=0)
+        divisor = (w * mask).sum(dim=0)
+        divisor[divisor == 0] = 1
+    else:
+        mixed = deltas.sum(dim=0)
+        divisor = w.sum(dim=0)
+        divisor[divisor.abs() < 1e-8] = 1
+    if g["normalize"]:
+        mixed /= divisor
+    if g["lambda"] != 1:
+        mixed *= g["lambda"]
+    return base + mixed
+
+
 def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-def]
     def merge(u: Unit) -> Any:
         if u.inputs and (sparsifier is None or (sparsifier == "random"
                                                 and not u.params["rescale"])) \
                 and len(u.inputs) <= SEQUENTIAL_SUM_MAX:
             return _merge_numpy(u, sparsifier, consensus)
-        import torch
-
-        u = u.torch()
-        base = u.base
-        assert base is not None
-        if not u.inputs:
-            return base
-        g = u.params
-        deltas = base.new_empty((len(u.inputs), *base.shape))
-        for k, x in enumerate(u.inputs):
-            d = x - base
-            p = u.input_params[k]
-            if sparsifier == "magnitude":
-                d = sp.magnitude(d, p["density"], g["rescale"])
-            elif sparsifier == "magnitude_outliers":
-                d = sp.magnitude_outliers(d, p["density"], p["gamma"], g["rescale"])
-            elif sparsifier == "random":
-                d = sp.random(d, p["density"], g["rescale"], g["seed"], u.tensor,
-                              u.expert_ids[k], u.elem_offset)
-            elif sparsifier == "della_magprune":
-                d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
-                             u.expert_ids[k])
-            deltas[k] = d
-        w = torch.tensor(u.per_input("weight"), dtype=deltas.dtype)
-        while w.dim() < deltas.dim():
-            w.unsqueeze_(-1)
-        deltas.mul_(w)
-        if consensus:
-            majority = (deltas.sum(dim=0) >= 0).to(deltas.dtype) * 2 - 1
-            mask = deltas.sign() == majority
-            mixed = (deltas * mask).sum(dim=0)
-            divisor = (w * mask).sum(dim=0)
-            divisor[divisor == 0] = 1
-        else:
-            mixed = deltas.sum(dim=0)
-            divisor = w.sum(dim=0)
-            divisor[divisor.abs() < 1e-8] = 1
-        if g["normalize"]:
-            mixed /= divisor
-        if g["lambda"] != 1:
-            mixed *= g["lambda"]
-        return base + mixed
+        return _merge_torch(u, sparsifier, consensus)
 
     return merge
 

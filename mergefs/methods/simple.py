@@ -29,6 +29,17 @@ replacement above 10^6 elements); `M = W0 + D * (I >= threshold)`. Whole tensor.
 
 
 def _nearswap(u: Unit) -> Any:
+    """numpy, as torch computes it: ``t / x`` is ``reciprocal(x) * t``, scalars in float32."""
+    a, b = u.base, u.inputs[0]
+    assert a is not None
+    one = np.float32(1)
+    w = (one / np.maximum(np.abs(a - b), np.float32(1e-6))) * np.float32(u.params["t"])
+    w = np.minimum(np.maximum(w, np.float32(0)), one)
+    return w * b + (one - w) * a
+
+
+def _nearswap_torch(u: Unit) -> Any:
+    """The same in torch (the numpy kernel's reference in the tests)."""
     u = u.torch()
     a, b = u.base, u.inputs[0]
     assert a is not None
