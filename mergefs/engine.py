@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import __version__
+from . import __version__, kernels
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
@@ -113,7 +113,12 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
 
 
 class Engine:
-    """Merges units of a plan. Thread-safe: units may be merged concurrently."""
+    """Merges units of a plan. Thread-safe: units may be merged concurrently.
+
+    ``use_kernels``: merge additive units with the compiled kernels when numba is installed
+    (bit-identical to the numpy path, which is used otherwise; False forces numpy)."""
+
+    use_kernels: bool = kernels.available()
 
     def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
@@ -206,6 +211,9 @@ class Engine:
         out_dtype = self.out_tensors[name].dtype
         if not any(runs) and _is_identity(p, src_dtype, out_dtype, base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
+        if p.method in ADDITIVE and self.use_kernels and kernels.supports(src_dtype, out_dtype):
+            return self._output(name, b0, b1, self._fused_additive(
+                name, e0, src_dtype, out_dtype, base_buf, runs, ranges, expert_bufs))
         w0 = decode_f32(base_buf, src_dtype)
         deltas: list[np.ndarray | None] = []
         expert_values: np.ndarray | None = None
@@ -246,6 +254,21 @@ class Engine:
         else:
             merged = merge_gta(p, w0, deltas, name, e0)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    def _fused_additive(self, name: str, e0: int, src_dtype: str, out_dtype: str,
+                        base_buf: memoryview, runs: list[list[tuple[int, int]]],
+                        ranges: list[list[ReadRange]], expert_bufs: list[list[memoryview]]
+                        ) -> bytes:
+        """The additive merge of a unit by the compiled kernel (``mergefs.kernels``): the same
+        bytes as the numpy code of ``merge_unit``, in one pass per expert run."""
+        lay = self.layout
+        expert_runs = [
+            [(int(lay.elem_start[r0]) - e0,
+              self._check(src, f"expert:{i}", name, rng, raw, r0, r1, self.index.expert_hash[i]))
+             for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i])]
+            for i, src in enumerate(self.experts)]
+        return kernels.fused_additive(base_buf, expert_runs, self.params.coefficients,
+                                      self.params.base_scale, src_dtype, out_dtype)
 
     def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
         with self._lock:
