@@ -138,6 +138,7 @@ class Engine:
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
+        kernels.note_unavailable()
 
     # -- units ---------------------------------------------------------------------------
     def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:

@@ -173,7 +173,7 @@ def test_nan_payloads_and_signed_zeros_survive_like_numpy() -> None:
     for coeffs in ([0.5, -0.25], [-1.0, 0.0]):
         for scale in (1.0, -0.5):
             with np.errstate(all="ignore"):
-                want, both_nan = numpy_additive(b.tobytes(), runs, coeffs, scale, "F32", "F32")
+                want, _ = numpy_additive(b.tobytes(), runs, coeffs, scale, "F32", "F32")
                 got = kernels.fused_additive(b.tobytes(), runs, coeffs, scale, "F32", "F32")
             assert got == want
     # two different NaN payloads meeting: the first operand's, quietened, every time
