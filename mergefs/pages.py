@@ -207,6 +207,7 @@ class PagePusher:
 
     def _warm_one(self, wf: WeightFile, k: int, slots: threading.Semaphore) -> None:
         seg = wf.segments[k]
+        self.reader._prefetch(wf, k + 2 * (self.reader.readahead_threads + 1), wf.size_bytes)
         try:
             data = self.reader.segment_bytes(wf, seg)
             self.push(wf, k, data)

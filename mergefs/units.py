@@ -306,13 +306,14 @@ class UnitReader:
             # again, so it is not merged ahead)
             if (seg.merged and not self.cache.contains(seg.key)
                     and seg.end - seg.start <= self.cache.capacity_bytes
-                    and not self._schedule(wf, k)):
+                    and not self._schedule(wf, k, limit)):
                 break  # too many pending: a later decision takes it from here
             stream.ahead = k
             k += 1
 
-    def _schedule(self, wf: WeightFile, k: int) -> bool:
-        """Queue segment ``k`` for merging ahead; False when ``readahead_pending`` are queued."""
+    def _schedule(self, wf: WeightFile, k: int, limit: int) -> bool:
+        """Queue segment ``k`` for merging ahead (and prefetching the sources of a later unit
+        before ``limit``); False when ``readahead_pending`` are queued."""
         seg = wf.segments[k]
         with self._lock:
             if seg.key in self._pending:
@@ -322,15 +323,16 @@ class UnitReader:
             self._pending.add(seg.key)
             self.readahead_scheduled += 1
         try:
-            self._pool.submit(self._readahead_one, wf, k)
+            self._pool.submit(self._readahead_one, wf, k, limit)
         except RuntimeError:  # pool shut down: closing
             with self._lock:
                 self._pending.discard(seg.key)
             return False
         return True
 
-    def _readahead_one(self, wf: WeightFile, k: int) -> None:
+    def _readahead_one(self, wf: WeightFile, k: int, limit: int) -> None:
         seg = wf.segments[k]
+        self._prefetch(wf, k + self.readahead_units, limit)
         try:
             data = self.segment_bytes(wf, seg)
         except Exception as exc:  # noqa: BLE001 - the reader's own read reports it
@@ -342,6 +344,21 @@ class UnitReader:
             with self._lock:
                 self._pending.discard(seg.key)
         self.pages.push(wf, k, data)
+
+    def _prefetch(self, wf: WeightFile, k: int, limit: int) -> None:
+        """Ask the kernel to start reading the sources of segment ``k`` if it starts before
+        ``limit`` (the readahead's bound: the planned ranges only, ``POSIX_FADV_WILLNEED``, no
+        wait), so that disk reads run ahead of the merges."""
+        if k >= len(wf.segments):
+            return
+        seg = wf.segments[k]
+        if seg.start >= limit or not seg.merged or self.cache.contains(seg.key):
+            return
+        assert seg.tensor is not None
+        try:
+            self.engine.prefetch(seg.tensor, seg.b0, seg.b1)
+        except OSError as exc:  # only a hint
+            log.debug("prefetch of %s failed: %s", seg.tensor, exc)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -195,8 +195,8 @@ def test_one_readahead_decision_per_unit(tmp_path: Path, index_dir: Path, family
         decisions.append(cur)
         real_readahead(wf, stream, cur, run_start)
 
-    def schedule(wf: Any, k: int) -> bool:
-        taken = real_schedule(wf, k)
+    def schedule(wf: Any, k: int, limit: int) -> bool:
+        taken = real_schedule(wf, k, limit)
         if taken:  # (refused when readahead_pending are queued: a later decision retries)
             considered.append(k)
         return taken
