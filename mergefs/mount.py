@@ -65,6 +65,7 @@ class MountConfig:
     log_file: Path
     warm: bool = False  # merge and push the whole model (up to the cache size) at mount time
     read_ahead_kb: int = READ_AHEAD_KB  # the mount's bdi readahead window; 0 leaves it alone
+    readahead_units: int = 8  # units merged ahead of a sequential reader
 
 
 def default_cache_bytes() -> int:
@@ -254,7 +255,7 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, 
             session = Session(spec, manifest=manifest)
             try:
                 cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
-                view = View(session, cache)
+                view = View(session, cache, readahead_units=cfg.readahead_units)
                 try:
                     trio.run(_serve_fuse, view, cfg, ready)
                 finally:
