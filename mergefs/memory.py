@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+ARENA_MAX = 2  # one heap per core: fewer heaps holding freed memory (each keeps its own)
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 256 << 20  # give memory back only when this much is free at the heap's top
+TRIM_THRESHOLD = 32 << 20  # give memory back only when this much is free at the top of a heap
 
 _done = False
 
@@ -41,6 +43,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and \
-        bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(M_ARENA_MAX, ARENA_MAX))
     _done = ok
     return ok
