@@ -25,6 +25,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from . import kernels
 from .cache import UnitCache
 from .engine import Session, open_family
 from .errors import MergefsError
@@ -249,6 +251,9 @@ def _redirect_output(log_file: Path) -> None:
 
 def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, Any]:
     """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
+    # load the compiled kernels (numba import, disk cache) while the session opens, not in
+    # the first read
+    threading.Thread(target=kernels.warm_up, name="mergefs-kernels", daemon=True).start()
     with _manifest_lock(Path(spec.manifest)):
         manifest = ManifestWriter(spec.manifest)
         try:

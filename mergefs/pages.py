@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+QUEUE_UNITS = 256  # pushes queued for the store thread (references only: units stay cached)
 StoreFn = Callable[[int, int, "bytes | memoryview"], None]  # (inode, offset, data)
 
 
@@ -67,6 +69,10 @@ class PagePusher:
         self.warm_bytes = 0
         self.warm_errors = 0
         self.warm_seconds: float | None = None
+        self.store_dropped = 0
+        self.store_skipped = 0
+        self._queue: queue.Queue[tuple[WeightFile, int] | None] = queue.Queue(QUEUE_UNITS)
+        self._thread: threading.Thread | None = None
 
     # -- enabling ----------------------------------------------------------------------------
     def enable(self, store: StoreFn, inodes: dict[int, int]) -> None:
@@ -74,6 +80,10 @@ class PagePusher:
         with self._lock:
             self._inodes = dict(inodes)
             self._store = store
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._store_loop, daemon=True,
+                                                name="mergefs-store")
+                self._thread.start()
 
     def disable(self, timeout_seconds: float = 5.0) -> bool:
         """Stop pushing; wait until no store call runs. False if one still runs at the timeout
@@ -122,9 +132,37 @@ class PagePusher:
             return a, mid
         return a, b"".join((head, mid, tail))
 
-    def push(self, wf: WeightFile, k: int, data: bytes) -> None:
-        """Push segment ``k`` (just merged ahead of a reader, ``data`` its bytes). Worker
-        threads only (see the module doc); a failure is counted and logged, never raised."""
+    def push(self, wf: WeightFile, k: int) -> None:
+        """Queue segment ``k`` (just merged ahead of a reader, in the unit cache) for pushing.
+        Never blocks: the store thread does the pushing (a store can wait for a read in flight,
+        and merges ahead should not wait with it). Dropped when the queue is full."""
+        if self._store is None:
+            return
+        try:
+            self._queue.put_nowait((wf, k))
+        except queue.Full:
+            with self._lock:
+                self.store_dropped += 1
+
+    def _store_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                wf, k = item
+                seg = wf.segments[k]
+                if seg.end <= self.reader.frontier(wf):  # the reader got there first
+                    with self._lock:
+                        self.store_skipped += 1
+                    continue
+                data = self.reader.cache.cached(seg.key)
+                if data is not None:
+                    self._store_now(wf, k, data)
+            finally:
+                self._queue.task_done()
+
+    def _store_now(self, wf: WeightFile, k: int, data: bytes) -> None:
         with self._lock:
             store = self._store
             inode = self._inodes.get(id(wf))
@@ -150,6 +188,16 @@ class PagePusher:
             with self._lock:
                 self._active -= 1
                 self._lock.notify_all()
+
+    def drain(self, timeout_seconds: float = 30.0) -> bool:
+        """Wait until every queued push is done (tests, tools); True if the queue emptied."""
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._queue.unfinished_tasks == 0 and not self._active:
+                    return True
+            time.sleep(0.01)
+        return False
 
     # -- warm-up -----------------------------------------------------------------------------
     def start_warm(self, files: list[WeightFile], budget_bytes: int,
@@ -210,7 +258,7 @@ class PagePusher:
         self.reader._prefetch(wf, k + 2 * (self.reader.readahead_threads + 1), wf.size_bytes)
         try:
             data = self.reader.segment_bytes(wf, seg)
-            self.push(wf, k, data)
+            self.push(wf, k)
             with self._lock:
                 self.warm_units += 1
                 self.warm_bytes += len(data)
@@ -235,14 +283,20 @@ class PagePusher:
         self.wait_warm()
         with self._lock:
             self._store = None
+        if self._thread is not None:
+            self._queue.put(None)  # after what is queued; each is skipped now (disabled)
+            self._thread.join()
+            self._thread = None
 
     def stats(self) -> dict[str, Any]:
         """``stored_bytes``/``store_calls``: bytes and calls pushed into the kernel page cache;
-        ``store_errors``: failed pushes; ``warm``: units and bytes the warm-up merged, failures,
+        ``store_errors``: failed pushes; ``store_dropped``: pushes not queued (queue full);
+        ``store_skipped``: queued pushes of units a reader had read past by then; ``warm``: units and bytes the warm-up merged, failures,
         and its duration (None while running or when not asked for)."""
         with self._lock:
             return {"enabled": self._store is not None, "stored_bytes": self.stored_bytes,
                     "store_calls": self.store_calls, "store_errors": self.store_errors,
+                    "store_dropped": self.store_dropped, "store_skipped": self.store_skipped,
                     "warm": {"units": self.warm_units, "bytes": self.warm_bytes,
                              "errors": self.warm_errors, "seconds": self.warm_seconds,
                              "running": self._warm_thread is not None

@@ -160,6 +160,7 @@ class UnitReader:
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self.pages = PagePusher(self)
+        self._frontier: dict[int, int] = {}  # id(WeightFile) -> furthest byte a reader reached
         self.readahead_scheduled = 0
         self.readahead_errors = 0
         # Pass-through (non-float) tensors have no index hashes: hash them now, when the mount
@@ -239,6 +240,8 @@ class UnitReader:
 
     def _noted(self, wf: WeightFile, stream: Stream, start: int, end: int, last: int) -> None:
         """After a read that ended in segment ``last``: readahead, once per unit entered."""
+        if end > self._frontier.get(id(wf), 0):
+            self._frontier[id(wf)] = end  # (a racy max: a hint for the page pusher)
         continues, run_start = stream.note(start, end)
         if (continues and last != stream.decided and self.readahead_units > 0
                 and end < wf.size_bytes):
@@ -343,7 +346,12 @@ class UnitReader:
         finally:
             with self._lock:
                 self._pending.discard(seg.key)
-        self.pages.push(wf, k, data)
+        del data
+        self.pages.push(wf, k)
+
+    def frontier(self, wf: WeightFile) -> int:
+        """The furthest byte of ``wf`` any read has reached so far (0 if none)."""
+        return self._frontier.get(id(wf), 0)
 
     def _prefetch(self, wf: WeightFile, k: int, limit: int) -> None:
         """Ask the kernel to start reading the sources of segment ``k`` if it starts before

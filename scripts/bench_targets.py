@@ -42,7 +42,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import MERGEFS, MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run  # noqa: E402
+from bench import MERGEFS, MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
 
 FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
             "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"]}

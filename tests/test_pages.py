@@ -81,7 +81,9 @@ def test_pushed_pages_equal_the_merge_sequential_reader(request: pytest.FixtureR
                                                         fam_name: str,
                                                         opened: list[View]) -> None:
     fam: Family = request.getfixturevalue(fam_name)
-    spec = write_case_spec(tmp_path / "spec.yaml", fam, "task_arithmetic", index_dir)
+    # units of 8 KiB or more: each holds whole pages, so a unit ahead is always pushable
+    spec = write_case_spec(tmp_path / "spec.yaml", fam, "task_arithmetic", tmp_path / "idx",
+                           block_size=8192)
     out = materialise(spec, tmp_path / "out")
     view = open_view(spec, opened, readahead_units=4)
     model = PageCacheModel(sizes_of(view))
@@ -89,10 +91,15 @@ def test_pushed_pages_equal_the_merge_sequential_reader(request: pytest.FixtureR
     for path, ino, _ in view.weight_files():
         want = (out / path).read_bytes()
         fh = view.open_path(path)
-        got = b"".join(bytes(view.read(fh, off, 1000)) for off in range(0, len(want), 1000))
+        half = len(want) // 2
+        got = b"".join(bytes(view.read(fh, off, min(1000, half - off)))
+                       for off in range(0, half, 1000))
+        view.units._pool.submit(lambda: None).result()  # readahead scheduled so far is done
+        assert view.units.pages.drain()  # pushes of the units ahead of the reader, too
+        got += b"".join(bytes(view.read(fh, off, 1000)) for off in range(half, len(want), 1000))
         view.release(fh)
         assert got == want
-    view.units.close()  # waits for readahead (and its pushes)
+    view.units.close()  # waits for readahead
     pushed = 0
     for path, ino, _ in view.weight_files():
         pushed += model.check(ino, (out / path).read_bytes())
@@ -110,7 +117,7 @@ def test_warm_up_pushes_the_whole_model_and_equals_the_merge(tmp_path: Path, ind
     view.enable_page_store(model.store)
     looked_up: list[str] = []
     view.start_warm(looked_up.append)
-    assert view.units.pages.wait_warm(120)
+    assert view.units.pages.wait_warm(120) and view.units.pages.drain()
     assert looked_up == [p for p, _, _ in view.weight_files()]
     stats = view.stats()["kernel_pages"]
     merged = sum(s.end - s.start for _, _, wf in view.weight_files() for s in wf.segments
@@ -159,7 +166,8 @@ def test_store_errors_are_counted_not_raised(tmp_path: Path, index_dir: Path,
                                              family_f32: Family, opened: list[View]) -> None:
     import errno
 
-    spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", index_dir)
+    spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", tmp_path / "idx",
+                           block_size=8192)  # units that hold whole pages
     out = materialise(spec, tmp_path / "out")
     view = open_view(spec, opened, readahead_units=4)
 
@@ -169,7 +177,11 @@ def test_store_errors_are_counted_not_raised(tmp_path: Path, index_dir: Path,
     view.enable_page_store(fail)
     size = view.attr(view.inode_of("model.safetensors")).size_bytes
     fh = view.open_path("model.safetensors")
-    got = b"".join(bytes(view.read(fh, off, 4096)) for off in range(0, size, 4096))
+    half = size // 2
+    got = b"".join(bytes(view.read(fh, off, min(4096, half - off))) for off in range(0, half, 4096))
+    view.units._pool.submit(lambda: None).result()
+    assert view.units.pages.drain()
+    got += b"".join(bytes(view.read(fh, off, 4096)) for off in range(half, size, 4096))
     view.units.close()
     assert got == (out / "model.safetensors").read_bytes()
     kp = view.stats()["kernel_pages"]
