@@ -44,7 +44,7 @@ from .fuse import Operations, mount_options, notify_store
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
 from .progress import byte_progress
-from .spec import Spec, human_bytes, parse_size
+from .spec import ADDITIVE, Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
 
 log = logging.getLogger(__name__)
@@ -251,9 +251,11 @@ def _redirect_output(log_file: Path) -> None:
 
 def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, Any]:
     """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
-    # load the compiled kernels (numba import, disk cache) while the session opens, not in
-    # the first read
-    threading.Thread(target=kernels.warm_up, name="mergefs-kernels", daemon=True).start()
+    # load the compiled kernels (numba import, disk cache) while the session opens, not in the
+    # first read; only the additive methods use them
+    loader = threading.Thread(target=kernels.warm_up, name="mergefs-kernels", daemon=True)
+    if spec.method in ADDITIVE and kernels.available():
+        loader.start()
     with _manifest_lock(Path(spec.manifest)):
         manifest = ManifestWriter(spec.manifest)
         try:
@@ -261,6 +263,8 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None]) -> dict[str, 
             try:
                 cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
                 view = View(session, cache, readahead_units=cfg.readahead_units)
+                if loader.is_alive():
+                    loader.join()  # ready means ready to merge at full speed
                 try:
                     trio.run(_serve_fuse, view, cfg, ready)
                 finally:
