@@ -145,6 +145,10 @@ class Targets:
     def model_bytes(fam: Path) -> int:
         return sum(p.stat().st_size for p in (fam / "base").glob("*.safetensors"))
 
+    def baseline_env(self, baseline: bool) -> dict[str, str]:
+        """The environment that runs the baseline mergefs (``--baseline``: its source tree)."""
+        return {"PYTHONPATH": self.args.baseline} if baseline else {}
+
     def umount(self, mnt: Path) -> None:
         p = run(MERGEFS + ["umount", mnt], check=False)
         if p.rc != 0:
@@ -154,9 +158,11 @@ class Targets:
         run(MERGEFS + ["index", spec])
 
     # -- load ----------------------------------------------------------------------------------
-    def timed_load(self, cmds: list[list[str]], target: Path) -> dict[str, Any]:
+    def timed_load(self, cmds: list[list[str]], target: Path, baseline: bool = False
+                   ) -> dict[str, Any]:
         res = run([PY, "-c", textwrap.dedent(LOAD_CODE), json.dumps(cmds), str(target)],
-                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       **self.baseline_env(baseline)})
         return json.loads([ln for ln in res.out.splitlines() if ln.startswith("{")][-1])
 
     def load_variants(self, fam: Path, spec: Path, budgets: tuple[str, ...], warm: bool,
@@ -176,6 +182,14 @@ class Targets:
             out.append((f"merge {budget}", [[str(c) for c in MERGEFS + [
                 "merge", spec, o, "--budget", budget, "--force"]]], o,
                 lambda o=o: shutil.rmtree(o, ignore_errors=True)))
+        if self.args.baseline and warm:  # the same mount, code before issue 13
+            for budget in budgets:
+                mnt = self.work / f"mnt-{fam.name}-{budget.strip('%')}-base"
+                mnt.mkdir(exist_ok=True)
+                out.append((f"baseline mount {budget}",
+                            [[str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", cache,
+                                                         "--budget", budget]]],
+                            mnt, lambda m=mnt: self.umount(m)))
         if mergekit and self.mergekit:
             o = self.work / f"mergekit-{fam.name}"
             out.append(("mergekit-yaml", [self.mergekit_cmd(spec, o)], o,
@@ -191,7 +205,8 @@ class Targets:
                 cleanup()
                 evict(fam)
                 try:
-                    results[name].append(self.timed_load(cmds, target))
+                    results[name].append(self.timed_load(cmds, target,
+                                                         name.startswith("baseline")))
                 finally:
                     cleanup()
         return results
@@ -224,6 +239,11 @@ class Targets:
             r = med[f"{mount} 10%"] / med[f"{mount} full"]
             self.row("load", f"{mount} 10% vs full (+ fp)", f"{r:.2f}", "cold",
                      "(ratio of the rows above)", "<= 0.4", r <= 0.4)
+        for budget in ("full", "10%"):
+            if f"baseline mount {budget}" in med:
+                r = med[f"baseline mount {budget}"] / med[f"mount --warm {budget}"]
+                self.row("load", f"mount --warm {budget} vs the baseline mount (+ fp)",
+                         f"{r:.2f}x faster", "cold", "(ratio of the rows above)")
         if "mergekit-yaml" in med:
             for mount in ("mount full", "mount --warm full"):
                 r = med["mergekit-yaml"] / med[mount]
@@ -308,11 +328,16 @@ class Targets:
         mnt = self.work / "mnt-serve"
         mnt.mkdir(exist_ok=True)
         first: dict[str, list[float]] = {"full": [], "10%": [], "full --warm": []}
+        if self.args.baseline:
+            first.update({"baseline full": [], "baseline 10%": []})
         for _ in range(self.args.repeats):
             for case in first:
-                budget, *extra = case.split()
+                words = case.split()
+                base = words[0] == "baseline"
+                budget, *extra = words[1:] if base else words
                 evict(fam)
-                run(self.mount_cmd(spec, mnt, cache, "--budget", budget, *extra))
+                run(self.mount_cmd(spec, mnt, cache, "--budget", budget, *extra),
+                    env=self.baseline_env(base))
                 try:
                     n, s = self.read_seq(sorted(mnt.glob("*.safetensors")))
                     first[case].append(n / s / 1e9)
@@ -322,10 +347,18 @@ class Targets:
             v = median(xs)
             self.row("serving", f"first sequential read, fresh mount ({case})",
                      f"{v:.3f} GB/s (runs {', '.join(f'{x:.3f}' for x in xs)})", "cold",
-                     q(self.mount_cmd(spec, mnt, cache, "--budget", *case.split()))
+                     q(self.mount_cmd(spec, mnt, cache, "--budget",
+                                      *case.replace("baseline ", "").split()))
                      + " && preadv 1 MiB over MNT/*.safetensors", ">= 0.5 GB/s", v >= 0.5)
         # warm: mergefs' cache holds the model, the kernel's copy is dropped before each pass
-        run(self.mount_cmd(spec, mnt, cache))
+        for base in ([False, True] if self.args.baseline else [False]):
+            rates = self.warm_rates(spec, mnt, cache, base)
+            for kind, xs in rates.items():
+                self.serving_row(spec, mnt, cache, kind, xs, base)
+
+    def warm_rates(self, spec: Path, mnt: Path, cache: int, base: bool
+                   ) -> dict[str, list[float]]:
+        run(self.mount_cmd(spec, mnt, cache), env=self.baseline_env(base))
         try:
             files = sorted(mnt.glob("*.safetensors"))
             self.read_seq(files)
@@ -336,17 +369,22 @@ class Targets:
                         evict(f)
                     n, s = fn(files)
                     rates[kind].append(n / s / 1e9)
-            self.raw["serving_stats"] = json.loads(run(MERGEFS + ["stats", mnt, "--json"]).out)
+            self.raw[f"serving_stats{'_baseline' if base else ''}"] = json.loads(
+                run(MERGEFS + ["stats", mnt, "--json"]).out)
         finally:
             self.umount(mnt)
-        for kind, xs in rates.items():
-            v = median(xs)
-            self.row("serving", f"{kind} from mergefs' cache, kernel copy dropped",
-                     f"{v:.2f} GB/s (runs {', '.join(f'{x:.2f}' for x in xs)})", "warm",
-                     q(self.mount_cmd(spec, mnt, cache)) + " && read once; then fadvise "
-                     f"DONTNEED + {'preadv 1 MiB' if kind == 'read' else 'mmap copy-out'}",
-                     ">= 0.6 GB/s" if kind == "mmap" else "", v >= 0.6 if kind == "mmap"
-                     else None)
+        return rates
+
+    def serving_row(self, spec: Path, mnt: Path, cache: int, kind: str, xs: list[float],
+                    base: bool) -> None:
+        v = median(xs)
+        self.row("serving", f"{'baseline: ' if base else ''}{kind} from mergefs' cache, "
+                 "kernel copy dropped",
+                 f"{v:.2f} GB/s (runs {', '.join(f'{x:.2f}' for x in xs)})", "warm",
+                 q(self.mount_cmd(spec, mnt, cache)) + " && read once; then fadvise "
+                 f"DONTNEED + {'preadv 1 MiB' if kind == 'read' else 'mmap copy-out'}",
+                 ">= 0.6 GB/s" if kind == "mmap" else "", v >= 0.6 if kind == "mmap"
+                 else None)
 
     # -- index ----------------------------------------------------------------------------------
     def section_index(self) -> None:
@@ -441,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default=str(ROOT / "results" / "families"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sections", default="load,merge,serving,index,memory,scaling")
+    ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
+                    "beside this one in the load and serving sections, e.g. the code before")
     Targets(ap.parse_args(argv)).run()
     return 0
 
