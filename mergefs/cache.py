@@ -22,7 +22,8 @@ one background thread, so a reader never waits for an fsync; when more than
 ``write_queue_bytes`` are queued, further entries are not written (``disk_writes_dropped``).
 
 Everything here blocks (locks, waits for other threads' merges, disk I/O): call it from worker
-threads, never from the trio thread.
+threads, never from the trio thread; except ``peek`` and ``contains``, which take no lock and
+never block (the trio thread's in-memory hit path).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class UnitCache:
         self._flights: dict[str, _Flight] = {}
         self._bytes = 0
         self._hits = self._waits = self._misses = self._disk_hits = 0
+        self._peek_hits = 0  # incremented by peek only, without the lock (see peek)
         self._merges = self._in_flight = self._evictions = 0
         self._disk_writes = self._disk_corrupt = self._disk_write_errors = 0
         self._disk_writes_dropped = 0
@@ -161,11 +163,29 @@ class UnitCache:
         return value
 
     def peek(self, key: str) -> bytes | None:
-        """The unit's bytes if they are in memory (a hit), else None (nothing counted).
+        """The unit's bytes if they are in memory (a hit, counted), else None (nothing counted).
 
-        Never blocks on I/O or on another merge: safe on the trio thread."""
-        with self._lock:
-            return self._hit_locked(key)
+        Lock-free, so it never waits for a thread that holds the lock (and then for the GIL):
+        safe and cheap on the trio thread. Under the GIL, ``OrderedDict.get`` and
+        ``move_to_end`` are each one atomic C call, and every other mutation of ``_lru`` happens
+        in such calls too (under ``_lock``), so a racing eviction can only make this a miss;
+        the bytes returned are always the value stored for ``key``. Its hits are counted in a
+        counter of their own that only peek increments: call peek from one thread at a time
+        (the FUSE adapter calls it on the trio thread only), or the count may miss a hit.
+        """
+        value = self._lru.get(key)
+        if value is not None:
+            try:
+                self._lru.move_to_end(key)
+            except KeyError:  # evicted meanwhile: still the right bytes, served once more
+                pass
+            self._peek_hits += 1
+        return value
+
+    def cached(self, key: str) -> bytes | None:
+        """The unit's bytes if they are in memory, else None: no counting, no recency change,
+        no lock (one atomic dict lookup). For code that re-reads units it just produced."""
+        return self._lru.get(key)
 
     def _hit_locked(self, key: str) -> bytes | None:
         """A memory hit (counted, moved to most recent), or None. Caller holds the lock."""
@@ -176,13 +196,15 @@ class UnitCache:
         return value
 
     def contains(self, key: str) -> bool:
-        """Whether the unit is in memory or being produced (no counter changes)."""
-        with self._lock:
-            return key in self._lru or key in self._flights
+        """Whether the unit is in memory or being produced (no counter changes).
+
+        Lock-free (two atomic dict lookups under the GIL): a hint that may be stale by the
+        time it returns, which is all readahead needs."""
+        return key in self._lru or key in self._flights
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self.capacity_bytes, self._hits, self._waits, self._misses,
+            return CacheStats(self.capacity_bytes, self._hits + self._peek_hits, self._waits, self._misses,
                               self._disk_hits, self._merges, self._in_flight, self._evictions,
                               len(self._lru), self._bytes, self._disk_writes, self._disk_corrupt,
                               self._disk_write_errors, self._disk_writes_dropped)

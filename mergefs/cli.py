@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", help="persistent cache of merged blocks, keyed by plan hash")
     s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C unmounts")
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    s.add_argument("--warm", action="store_true",
+                   help="merge the whole model (up to the cache size) at mount time and push it "
+                        "into the kernel page cache")
     s.set_defaults(func=cmd_mount)
 
     s = add("methods", help="list the merge methods, their parameters and defaults",

@@ -8,8 +8,10 @@ an errno here, the only module that raises ``FUSEError``: a failed merge or a ch
 (any :class:`MergefsError`) is EIO, never wrong bytes.
 
 Thread use: the handlers run on the trio thread. ``lookup``, ``getattr``, ``readdir`` and
-``statfs`` only read the view's in-memory tables; ``open`` and ``read`` call the view in a worker
-thread (``trio.to_thread.run_sync``) under a ``trio.CapacityLimiter``.
+``statfs`` only read the view's in-memory tables; ``read`` answers from memory on the trio thread
+when every byte is cached (``View.read_cached``: no lock, no copy for a range in one unit);
+otherwise ``open`` and ``read`` call the view in a worker thread (``trio.to_thread.run_sync``)
+under a ``trio.CapacityLimiter``. :func:`notify_store` is for worker threads only.
 """
 
 from __future__ import annotations
@@ -168,8 +170,9 @@ class Operations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        try:  # in-memory hits are served here, without a thread hop
+    # pyfuse3 takes any contiguous buffer from read (PyObject_GetBuffer), its stub says bytes
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        try:  # in-memory hits are served here, without a thread hop or a copy
             data = self.view.read_cached(fh, off, size)
         except Exception:  # anything odd: take the full path, which maps errors properly
             log.debug("fast read path failed for fh %d", fh, exc_info=True)
@@ -229,6 +232,15 @@ class Operations(pyfuse3.Operations):
 
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         raise _fail(errno.EROFS)
+
+
+def notify_store(inode: int, offset: int, data: bytes | memoryview) -> None:
+    """Put ``data`` into the kernel page cache of ``inode`` at ``offset`` (no reply needed).
+
+    Worker threads only, never the trio thread: the kernel waits for locked pages, which a read
+    in flight holds until the trio thread answers it (see :mod:`mergefs.pages`). Raises
+    ``OSError`` (ENOSYS: the kernel cannot; ENOENT: it does not know the inode now)."""
+    pyfuse3.notify_store(inode, offset, data)  # type: ignore[arg-type]  # any buffer
 
 
 def mount_options(allow_other: bool = False) -> set[str]:

@@ -36,7 +36,7 @@ import trio
 from .cache import UnitCache
 from .engine import Session, open_family
 from .errors import MergefsError
-from .fuse import Operations, mount_options
+from .fuse import Operations, mount_options, notify_store
 from .index import build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
 from .outdir import check_writes, pid_alive
@@ -47,6 +47,10 @@ from .view import STATE_DIR, STATS_NAME, View
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_CAP = 8 << 30
+# The kernel's readahead window of the mount (its bdi) sets the size of cached-mode FUSE read
+# requests: 128 KiB by default; 1-4 MiB gives 1 MiB requests (libfuse 3.14's max_pages 256) and
+# a few of them in flight.
+READ_AHEAD_KB = 4096
 UMOUNT_WAIT_SECONDS = 60.0
 
 
@@ -58,6 +62,9 @@ class MountConfig:
     allow_other: bool
     threads: int
     log_file: Path
+    warm: bool = False  # merge and push the whole model (up to the cache size) at mount time
+    read_ahead_kb: int = READ_AHEAD_KB  # the mount's bdi readahead window; 0 leaves it alone
+    readahead_units: int = 8  # units merged ahead of a sequential reader
 
 
 def default_cache_bytes() -> int:
@@ -87,6 +94,7 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
         allow_other=bool(getattr(args, "allow_other", False)),
         threads=max(4, 2 * (os.cpu_count() or 1)),
         log_file=Path(spec.manifest).with_suffix(".log"),
+        warm=bool(getattr(args, "warm", False)),
     )
 
 
@@ -251,7 +259,7 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
         session = Session(spec, manifest=manifest)
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
-            view = View(session, cache)
+            view = View(session, cache, readahead_units=cfg.readahead_units)
             try:
                 trio.run(_serve_fuse, view, cfg, ready)
             finally:
@@ -279,10 +287,17 @@ async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals)
-                nursery.start_soon(_announce_when_ready, cfg.mountpoint, ready)
+                nursery.start_soon(_announce_when_ready, view, cfg, ready)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         finally:
+            # no store may run once the session is gone; one waiting for a read that will never
+            # come is released by the unmount below, which we then wait for
+            drained = await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
+            if not drained:
+                log.warning("a page-cache store is still waiting; aborting the connection")
+                _abort_connection(cfg.mountpoint)
+                await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
             pyfuse3.close(unmount=True)
 
 
@@ -293,11 +308,70 @@ async def _watch_signals(signals: Any) -> None:
         return
 
 
-async def _announce_when_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
-    """Call ``ready`` once the kernel routes requests to us (a stat through the mount)."""
+async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+    """Once the kernel routes requests to us (a stat through the mount): widen the mount's
+    readahead window, start pushing merged units into the page cache (and the warm-up when
+    asked for), then call ``ready``."""
+    mountpoint = cfg.mountpoint
     await trio.to_thread.run_sync(os.stat, mountpoint / STATE_DIR / STATS_NAME)
     log.info("mounted at %s", mountpoint)
+    if cfg.read_ahead_kb > 0:
+        set_read_ahead(mountpoint, cfg.read_ahead_kb)
+    view.enable_page_store(notify_store)
+    if cfg.warm:
+        def lookup(rel: str) -> None:
+            os.stat(mountpoint / rel)
+
+        view.start_warm(lookup)
+        log.info("warm-up started (up to %d bytes of merged units)", view.cache.capacity_bytes)
     ready()
+
+
+def mount_device(mountpoint: Path) -> tuple[int, int] | None:
+    """The (major, minor) device of the mount at ``mountpoint``, from /proc/self/mountinfo (no
+    request through the mount, which may not be answering)."""
+    target = os.path.realpath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and _unescape(fields[4]) == target:
+                    major, minor = fields[2].split(":")
+                    found = (int(major), int(minor))  # the last one is on top
+    except (OSError, ValueError):
+        return None
+    return found
+
+
+def set_read_ahead(mountpoint: Path, kb: int) -> bool:
+    """Set the mount's readahead window (``/sys/class/bdi/<major:minor>/read_ahead_kb``; root
+    only); log a line and carry on when not permitted."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        log.info("cannot find the device of %s: readahead window left alone", mountpoint)
+        return False
+    path = Path(f"/sys/class/bdi/{dev[0]}:{dev[1]}/read_ahead_kb")
+    try:
+        before = path.read_text().strip()
+        path.write_text(f"{kb}\n")
+    except OSError as exc:
+        log.info("cannot set %s to %d (%s): reads stay at the kernel's default request size",
+                 path, kb, exc.strerror or exc)
+        return False
+    log.info("readahead window %s: %s -> %d KiB", path, before, kb)
+    return True
+
+
+def _abort_connection(mountpoint: Path) -> None:
+    """Abort the FUSE connection (root): releases any kernel wait on this mount."""
+    dev = mount_device(mountpoint)
+    try:
+        if dev is None:
+            raise OSError("mount not found")
+        Path(f"/sys/fs/fuse/connections/{dev[1]}/abort").write_text("1\n")
+    except OSError as exc:
+        log.warning("cannot abort the FUSE connection of %s: %s", mountpoint, exc)
 
 
 # -- umount --------------------------------------------------------------------------------

@@ -9,18 +9,26 @@ merges the unit once, however many readers wait), reads pass-through tensors' by
 base as needed (checked against chunk hashes taken when the reader was built: they have no index
 hashes), and, when a :class:`Stream` continues, merges the next units in the background.
 A stream that began inside a tensor reads ahead only within that tensor, so reading one tensor
-never reads another tensor's sources.
+never reads another tensor's sources. Units merged ahead are pushed into the kernel's page
+cache once the mount enables it (:mod:`mergefs.pages`).
 
-Everything here blocks (merges, disk reads, waits for other threads): worker threads only.
+The per-request cost is O(1): a bisect to the first segment, a slice of the unit's bytes (no
+copy when the range lies in one unit), and a readahead decision only when a sequential reader
+enters a unit it has not entered before; nothing on the in-memory path takes a lock.
+
+Everything here blocks (merges, disk reads, waits for other threads): worker threads only,
+except :meth:`UnitReader.read_cached`, which never blocks and is the trio thread's fast path.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -29,6 +37,7 @@ from .cache import UnitCache
 from .checkpoint import ReadRange
 from .engine import Engine, OutFile, Session
 from .errors import MergefsError, SourceChanged
+from .pages import PagePusher
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +63,12 @@ class Segment:
     tensor_start: int
     tensor_end: int
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The unit's cache key (made once: the read path looks it up on every request)."""
         return f"unit\x00{self.tensor}\x00{self.b0}\x00{self.b1}"
 
-    @property
+    @functools.cached_property
     def merged(self) -> bool:
         return self.tensor is not None and self.b0 >= 0
 
@@ -104,24 +114,34 @@ def weight_file(engine: Engine, f: OutFile) -> WeightFile:
 
 @dataclass
 class Stream:
-    """Where one reader (an open handle) has been reading: its current run of nearby reads."""
+    """Where one reader (an open handle) has been reading: its current run of nearby reads.
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    No lock: the fields are plain ints that the trio thread and worker threads may update at
+    the same time. A race can only make one readahead decision early, late or twice (a unit
+    merged ahead twice is merged once: the cache's single flight); it never changes a byte
+    served. ``decided`` is the last segment whose readahead was decided, ``ahead`` the last
+    segment readahead has handled for the current run: a sequential reader costs one
+    readahead decision per unit it enters, and each unit is considered once per run.
+    """
+
     run_start: int = -1  # where the current run of reads began
     max_end: int = -1  # furthest byte the run has reached
+    decided: int = -1
+    ahead: int = -1
 
     def note(self, start: int, end: int) -> tuple[bool, int]:
         """Record a read; (whether it continues the run, the run's start). The kernel's
         concurrent readahead requests may arrive out of order, hence the slack."""
-        with self.lock:
-            continues = (self.max_end >= 0
-                         and self.run_start - STREAM_SLACK <= start <= self.max_end + STREAM_SLACK)
-            if continues:
-                self.run_start = min(self.run_start, start)
-                self.max_end = max(self.max_end, end)
-            else:
-                self.run_start, self.max_end = start, end
-            return continues, self.run_start
+        run_start, max_end = self.run_start, self.max_end
+        if max_end >= 0 and run_start - STREAM_SLACK <= start <= max_end + STREAM_SLACK:
+            if start < run_start:
+                self.run_start = run_start = start
+            if end > max_end:
+                self.max_end = end
+            return True, run_start
+        self.run_start, self.max_end = start, end
+        self.decided = self.ahead = -1
+        return False, start
 
 
 class UnitReader:
@@ -133,11 +153,14 @@ class UnitReader:
         self.engine = session.engine
         self.cache = cache
         self.readahead_units = readahead_units
+        self.readahead_threads = max(1, readahead_threads)
         self._pending_max = readahead_pending
         self._pool = ThreadPoolExecutor(max_workers=max(1, readahead_threads),
                                         thread_name_prefix="mergefs-readahead")
         self._lock = threading.Lock()
         self._pending: set[str] = set()
+        self.pages = PagePusher(self)
+        self._frontier: dict[int, int] = {}  # id(WeightFile) -> furthest byte a reader reached
         self.readahead_scheduled = 0
         self.readahead_errors = 0
         # Pass-through (non-float) tensors have no index hashes: hash them now, when the mount
@@ -147,63 +170,83 @@ class UnitReader:
                                     for t in self.engine.out_tensors.values()
                                     if t.layout_index is None and t.end > t.start}
 
-    def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None) -> bytes:
-        """Exactly bytes ``[start, min(end, size))`` of ``wf``."""
+    def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None
+             ) -> bytes | memoryview:
+        """Exactly bytes ``[start, min(end, size))`` of ``wf``: a slice of the unit's bytes (no
+        copy) when the range lies in one unit, else the pieces joined."""
         end = min(end, wf.size_bytes)
         if start >= end:
             return b""
-        parts: list[memoryview] = []
-        i = wf.index_at(start)
-        while i < len(wf.segments) and wf.segments[i].start < end:
-            seg = wf.segments[i]
-            lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
-            if seg.tensor is not None and not seg.merged:
-                parts.append(self._passthrough(seg.tensor, lo, hi))
-            else:
-                parts.append(memoryview(self.segment_bytes(wf, seg))[lo:hi])
-            i += 1
-        out = b"".join(parts)
+        segs = wf.segments
+        i = last = wf.index_at(start)
+        seg = segs[i]
+        if end <= seg.end:
+            out: bytes | memoryview = self._piece(wf, seg, start, end)
+        else:
+            parts: list[memoryview] = []
+            while last < len(segs) and segs[last].start < end:
+                parts.append(self._piece(wf, segs[last], start, end))
+                last += 1
+            last -= 1
+            out = b"".join(parts)
         if len(out) != end - start:  # tiling is checked at build time; never serve a short read
             raise MergefsError(f"{wf.out.name}: internal error: assembled {len(out)} bytes for "
                                f"[{start}, {end})")
         if stream is not None:
-            continues, run_start = stream.note(start, end)
-            if continues and self.readahead_units > 0 and end < wf.size_bytes:
-                self._readahead(wf, end, run_start)
+            self._noted(wf, stream, start, end, last)
         return out
 
+    def _piece(self, wf: WeightFile, seg: Segment, start: int, end: int) -> memoryview:
+        lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
+        if seg.tensor is not None and not seg.merged:
+            return self._passthrough(seg.tensor, lo, hi)
+        return memoryview(self.segment_bytes(wf, seg))[lo:hi]
+
     def read_cached(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None
-                    ) -> bytes | None:
+                    ) -> bytes | memoryview | None:
         """Like :meth:`read` when every byte is already in memory (header and cached units),
-        else None. No disk, no merge, no waiting: the FUSE adapter calls it on the trio thread
-        and falls back to :meth:`read` on a worker thread."""
+        else None. No disk, no merge, no lock, no waiting: the FUSE adapter calls it on the trio
+        thread (and only there: see :meth:`UnitCache.peek`) and falls back to :meth:`read` on a
+        worker thread. A range inside one unit is a memoryview slice of the cached bytes."""
+        out = self._assemble(wf, start, end, self.cache.peek)
+        if out is not None and stream is not None and len(out):
+            self._noted(wf, stream, start, start + len(out), wf.index_at(start + len(out) - 1))
+        return out
+
+    def _assemble(self, wf: WeightFile, start: int, end: int,
+                  lookup: Callable[[str], bytes | None]) -> bytes | memoryview | None:
+        """Bytes ``[start, min(end, size))`` from the header and units in memory, or None."""
         end = min(end, wf.size_bytes)
         if start >= end:
             return b""
-        parts: list[memoryview | bytes] = []
+        segs = wf.segments
         i = wf.index_at(start)
-        while i < len(wf.segments) and wf.segments[i].start < end:
-            seg = wf.segments[i]
-            lo, hi = max(start, seg.start) - seg.start, min(end, seg.end) - seg.start
+        parts: list[memoryview] = []
+        while i < len(segs) and segs[i].start < end:
+            seg = segs[i]
             if seg.tensor is None:
                 data = wf.out.header
             elif not seg.merged:
                 return None
             else:
-                cached = self.cache.peek(seg.key)
-                if cached is None or len(cached) != seg.end - seg.start:
+                got = lookup(seg.key)
+                if got is None or len(got) != seg.end - seg.start:
                     return None
-                data = cached
-            parts.append(memoryview(data)[lo:hi])
+                data = got
+            parts.append(memoryview(data)[max(start, seg.start) - seg.start:
+                                          min(end, seg.end) - seg.start])
             i += 1
-        out = b"".join(parts)
-        if len(out) != end - start:
-            return None
-        if stream is not None:
-            continues, run_start = stream.note(start, end)
-            if continues and self.readahead_units > 0 and end < wf.size_bytes:
-                self._readahead(wf, end, run_start)
-        return out
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _noted(self, wf: WeightFile, stream: Stream, start: int, end: int, last: int) -> None:
+        """After a read that ended in segment ``last``: readahead, once per unit entered."""
+        if end > self._frontier.get(id(wf), 0):
+            self._frontier[id(wf)] = end  # (a racy max: a hint for the page pusher)
+        continues, run_start = stream.note(start, end)
+        if (continues and last != stream.decided and self.readahead_units > 0
+                and end < wf.size_bytes):
+            stream.decided = last
+            self._readahead(wf, stream, last, run_start)
 
     def segment_bytes(self, wf: WeightFile, seg: Segment) -> bytes:
         """The bytes of the header or of a merge unit (through the cache)."""
@@ -240,52 +283,90 @@ class UnitReader:
         base.check_unchanged()
         return data[lo - c0:hi - c0]
 
-    def _readahead(self, wf: WeightFile, end: int, run_start: int) -> None:
-        """Merge the next ``readahead_units`` units after ``end`` in the background.
+    def _readahead(self, wf: WeightFile, stream: Stream, cur_index: int, run_start: int
+                   ) -> None:
+        """Merge the ``readahead_units`` units after segment ``cur_index`` in the background.
 
         A run that began inside the current tensor stays within it; a run that crossed into
         this tensor from before may continue into the following tensors. At most
-        ``readahead_pending`` units are queued or running at once (more are not scheduled).
+        ``readahead_pending`` units are queued or running at once (more are not scheduled now;
+        a later decision of the run schedules them). Units the run handled already are skipped
+        without a look, so a decision costs O(1) amortised.
         """
-        cur = wf.segments[wf.index_at(end - 1)]
+        segs = wf.segments
+        cur = segs[cur_index]
         # page-aligned readers (mmap) touch the page before a tensor: only a run that began in
         # an earlier page has really crossed into this tensor
         crossed = run_start < (cur.tensor_start & ~(PAGE - 1))
         limit = wf.size_bytes if crossed else cur.tensor_end
-        i = wf.index_at(end)
-        scheduled = 0
-        while i < len(wf.segments) and scheduled < self.readahead_units:
-            seg = wf.segments[i]
-            i += 1
+        k = max(cur_index, stream.ahead) + 1
+        stop = min(len(segs), cur_index + 1 + self.readahead_units)
+        while k < stop:
+            seg = segs[k]
             if seg.start >= limit:
                 break
-            if not seg.merged or seg.end <= end or self.cache.contains(seg.key):
-                continue
-            if seg.end - seg.start > self.cache.capacity_bytes:
-                continue  # dropped once merged: the reader would merge it again
-            with self._lock:
-                if seg.key in self._pending or len(self._pending) >= self._pending_max:
-                    continue
-                self._pending.add(seg.key)
-                self.readahead_scheduled += 1
-            scheduled += 1
-            try:
-                self._pool.submit(self._readahead_one, wf, seg)
-            except RuntimeError:  # pool shut down: closing
-                with self._lock:
-                    self._pending.discard(seg.key)
-                return
+            # (a unit larger than the cache is dropped once merged: the reader would merge it
+            # again, so it is not merged ahead)
+            if (seg.merged and not self.cache.contains(seg.key)
+                    and seg.end - seg.start <= self.cache.capacity_bytes
+                    and not self._schedule(wf, k, limit)):
+                break  # too many pending: a later decision takes it from here
+            stream.ahead = k
+            k += 1
 
-    def _readahead_one(self, wf: WeightFile, seg: Segment) -> None:
+    def _schedule(self, wf: WeightFile, k: int, limit: int) -> bool:
+        """Queue segment ``k`` for merging ahead (and prefetching the sources of a later unit
+        before ``limit``); False when ``readahead_pending`` are queued."""
+        seg = wf.segments[k]
+        with self._lock:
+            if seg.key in self._pending:
+                return True
+            if len(self._pending) >= self._pending_max:
+                return False
+            self._pending.add(seg.key)
+            self.readahead_scheduled += 1
         try:
-            self.segment_bytes(wf, seg)
+            self._pool.submit(self._readahead_one, wf, k, limit)
+        except RuntimeError:  # pool shut down: closing
+            with self._lock:
+                self._pending.discard(seg.key)
+            return False
+        return True
+
+    def _readahead_one(self, wf: WeightFile, k: int, limit: int) -> None:
+        seg = wf.segments[k]
+        self._prefetch(wf, k + self.readahead_units, limit)
+        try:
+            data = self.segment_bytes(wf, seg)
         except Exception as exc:  # noqa: BLE001 - the reader's own read reports it
             log.debug("readahead of %s [%d, %d) failed: %s", seg.tensor, seg.b0, seg.b1, exc)
             with self._lock:
                 self.readahead_errors += 1
+            return
         finally:
             with self._lock:
                 self._pending.discard(seg.key)
+        del data
+        self.pages.push(wf, k)
+
+    def frontier(self, wf: WeightFile) -> int:
+        """The furthest byte of ``wf`` any read has reached so far (0 if none)."""
+        return self._frontier.get(id(wf), 0)
+
+    def _prefetch(self, wf: WeightFile, k: int, limit: int) -> None:
+        """Ask the kernel to start reading the sources of segment ``k`` if it starts before
+        ``limit`` (the readahead's bound: the planned ranges only, ``POSIX_FADV_WILLNEED``, no
+        wait), so that disk reads run ahead of the merges."""
+        if k >= len(wf.segments):
+            return
+        seg = wf.segments[k]
+        if seg.start >= limit or not seg.merged or self.cache.contains(seg.key):
+            return
+        assert seg.tensor is not None
+        try:
+            self.engine.prefetch(seg.tensor, seg.b0, seg.b1)
+        except OSError as exc:  # only a hint
+            log.debug("prefetch of %s failed: %s", seg.tensor, exc)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -293,5 +374,6 @@ class UnitReader:
                     "units_pending": len(self._pending), "errors": self.readahead_errors}
 
     def close(self) -> None:
-        """Stop readahead: running merges finish, queued ones are dropped."""
+        """Stop readahead and warm-up: running merges finish, queued ones are dropped."""
+        self.pages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -34,6 +34,7 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from .cache import UnitCache
 from .checkpoint import INDEX_NAME
 from .engine import Session
 from .errors import MergefsError, SourceChanged
+from .pages import StoreFn
 from .units import Stream, UnitReader, WeightFile, weight_file
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,8 @@ class View:
         self.served_weight_bytes = 0
         self.served_other_bytes = 0
         self.read_calls = 0
+        self._fast_read_calls = 0  # read_cached's own counters (one thread, no lock)
+        self._fast_served_bytes = 0
         self.passthrough_file_bytes_read = 0
         self.read_errors = 0
         self.last_errors: deque[dict[str, Any]] = deque(maxlen=LAST_ERRORS)
@@ -248,14 +252,16 @@ class View:
         return self.open(self.inode_of(path))
 
     # -- reading (blocking) -----------------------------------------------------------------
-    def read(self, fh: int, offset: int, size: int) -> bytes:
-        """Exactly the bytes ``[offset, offset + size)`` of the file (fewer at its end)."""
+    def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        """Exactly the bytes ``[offset, offset + size)`` of the file (fewer at its end); a
+        memoryview (no copy) when they lie in one merge unit."""
         with self._lock:
             h = self._handles[fh]
             self.read_calls += 1
         n = h.node
         if offset < 0 or size < 0:
             raise ValueError("negative offset or size")
+        data: bytes | memoryview
         try:
             if n.kind == "weights":
                 assert n.weights is not None
@@ -281,26 +287,25 @@ class View:
                 self.served_other_bytes += len(data)
         return data
 
-    def read_cached(self, fh: int, offset: int, size: int) -> bytes | None:
+    def read_cached(self, fh: int, offset: int, size: int) -> bytes | memoryview | None:
         """The bytes of a weight-file read if they are all in memory, else None; never blocks
-        (see :meth:`UnitReader.read_cached`)."""
-        with self._lock:
-            h = self._handles.get(fh)
+        and takes no lock (see :meth:`UnitReader.read_cached`). Call it from one thread only
+        (the FUSE adapter's trio thread): its counters are that thread's own."""
+        h = self._handles.get(fh)  # one atomic dict lookup
         if h is None or h.node.kind != "weights" or offset < 0 or size < 0:
             return None
         assert h.node.weights is not None
         data = self.units.read_cached(h.node.weights, offset, offset + size, h.stream)
         if data is not None:
-            with self._lock:
-                self.read_calls += 1
-                self.served_weight_bytes += len(data)
+            self._fast_read_calls += 1
+            self._fast_served_bytes += len(data)
         return data
 
     def read_path(self, path: str, offset: int = 0, size: int | None = None) -> bytes:
         """Convenience for tests and tools: open, read, release."""
         fh = self.open_path(path)
         try:
-            return self.read(fh, offset, (1 << 62) if size is None else size)
+            return bytes(self.read(fh, offset, (1 << 62) if size is None else size))
         finally:
             self.release(fh)
 
@@ -350,6 +355,8 @@ class View:
           bytes cached, merges in flight, disk tier);
         - ``readahead.units_scheduled``: units queued for background merging; ``units_pending``
           queued or running now; ``errors``: failed readahead merges (the reader sees the error);
+        - ``kernel_pages``: units merged ahead and pushed into the kernel page cache
+          (:meth:`~mergefs.pages.PagePusher.stats`: bytes, calls, errors, the warm-up);
         - ``read_calls``, ``read_errors`` (reads that raised), ``last_errors`` (the newest
           ten: time, path, offset, size, cause), ``open_handles``;
         - plan facts: ``plan_hash``, ``budget_bytes``, ``planned_expert_bytes``,
@@ -364,9 +371,9 @@ class View:
         plan = s.plan
         with self._lock:
             counters = {
-                "served_bytes": {"weights": self.served_weight_bytes,
+                "served_bytes": {"weights": self.served_weight_bytes + self._fast_served_bytes,
                                  "other": self.served_other_bytes},
-                "read_calls": self.read_calls,
+                "read_calls": self.read_calls + self._fast_read_calls,
                 "read_errors": self.read_errors,
                 "last_errors": list(self.last_errors),
                 "passthrough_file_bytes_read": self.passthrough_file_bytes_read,
@@ -392,9 +399,32 @@ class View:
             "blocks_merged": self.engine.blocks_merged - self._blocks_base,
             "cache": self.cache.stats().to_json(),
             "readahead": self.units.stats(),
+            "kernel_pages": self.units.pages.stats(),
             "uptime_seconds": round(time.monotonic() - self._started, 3),
             **counters,
         }
+
+    # -- the kernel page cache ----------------------------------------------------------------
+    def weight_files(self) -> list[tuple[str, int, WeightFile]]:
+        """(path, inode, weight file) of every weight file, in path order."""
+        return [(n.path, n.inode, n.weights) for n in sorted(self._nodes.values(),
+                                                             key=lambda n: n.path)
+                if n.weights is not None]
+
+    def enable_page_store(self, store: StoreFn) -> None:
+        """Push units merged ahead of readers into the kernel page cache through
+        ``store(inode, offset, data)`` (the FUSE layer's ``notify_store``)."""
+        self.units.pages.enable(store, {id(wf): ino for _, ino, wf in self.weight_files()})
+
+    def start_warm(self, lookup: Callable[[str], None], budget_bytes: int | None = None) -> None:
+        """Merge (and push, when enabled) every unit of every weight file in the background, up
+        to ``budget_bytes`` (default: the cache's capacity). ``lookup(path)`` stats the file
+        through the mount so that the kernel knows its inode."""
+        names = {id(wf): path for path, _, wf in self.weight_files()}
+        self.units.pages.start_warm(
+            [wf for _, _, wf in self.weight_files()],
+            self.cache.capacity_bytes if budget_bytes is None else budget_bytes,
+            lambda wf: lookup(names[id(wf)]))
 
     def close(self) -> None:
         """Stop background readahead (running merges finish; queued ones are dropped), then

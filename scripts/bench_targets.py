@@ -1,0 +1,489 @@
+#!/usr/bin/env python3
+"""Issue 13's targets table: the lazy path against materialising, side by side, cold, medians.
+
+Rows (each: the command, cold or warm, the machine load, the median of ``--repeats`` runs taken
+in interleaved rounds so that a change in machine load hits every variant alike):
+
+- load      ``mergefs mount`` (+ ``--warm``) + ``from_pretrained(MNT)`` vs ``mergefs merge`` +
+            ``from_pretrained(OUT)`` vs ``mergekit-yaml`` + ``from_pretrained``; full and 10%
+- merge     ``mergefs merge --budget full|10%`` vs ``mergekit-yaml``; CPU seconds per GB merged
+- serving   first sequential read through a fresh mount (cold sources; full, 10%, ``--warm``);
+            read and mmap from mergefs' cache with the kernel's copy dropped (warm)
+- index     ``mergefs index --rebuild`` vs a plain sequential read of the same files (cold)
+- memory    peak RSS of a mount whose cache is a quarter of the model
+- scaling   merge and mount + from_pretrained with 2, 4 and 8 experts, on two model sizes
+
+    python scripts/bench_targets.py --out results/targets            # ~20 minutes here
+    python scripts/bench_targets.py --sections load,merge --repeats 3
+
+Families (made once with scripts/make_family.py, then reused): ``small`` (150M parameters x
+(1 + 8), bf16, 2.7 GB) and ``tiny`` (40M x (1 + 8), 0.7 GB) under ``--families``. Results:
+``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table for docs/benchmarks.md).
+This script is not imported by mergefs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench import MERGEFS, MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+
+FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
+            "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"]}
+
+LOAD_CODE = """
+    import json, os, subprocess, sys, time
+    import torch
+    from transformers import AutoModelForCausalLM
+    cmds = json.loads(sys.argv[1]); target = sys.argv[2]
+    t0 = time.perf_counter()
+    for c in cmds:
+        subprocess.run(c, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t1 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        check = float(sum(p.double().sum() for p in model.parameters()))
+    print(json.dumps({"prepare": t1 - t0, "load": t2 - t1, "total": t2 - t0, "checksum": check}))
+"""
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+class Targets:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = self.out / "work"
+        self.work.mkdir()
+        self.rows: list[dict[str, Any]] = []
+        self.raw: dict[str, Any] = {"machine": machine_info(), "load_start": load_now(),
+                                    "args": vars(args)}
+        self.mergekit = shutil.which("mergekit-yaml") or str(Path(PY).parent / "mergekit-yaml")
+        if not Path(self.mergekit).exists():
+            self.mergekit = ""
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", flush=True)
+
+    def row(self, section: str, figure: str, value: str, state: str, command: str,
+            target: str = "", met: bool | None = None, **data: Any) -> None:
+        r = {"section": section, "figure": figure, "value": value, "state": state,
+             "command": command, "target": target, "met": met, "load": os.getloadavg()[0],
+             **data}
+        self.rows.append(r)
+        self.log(f"{section}: {figure}: {value}" + (f" (target {target}: "
+                                                     f"{'met' if met else 'MISSED'})"
+                                                     if target else ""))
+        self.save()
+
+    def save(self) -> None:
+        self.raw["rows"] = self.rows
+        self.raw["load_end"] = load_now()
+        (self.out / "targets.json").write_text(json.dumps(self.raw, indent=1, default=str))
+        lines = ["| section | figure | cold/warm | result | target | load | command |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            status = "" if r["met"] is None else (" **met**" if r["met"] else " **missed**")
+            lines.append(f"| {r['section']} | {r['figure']} | {r['state']} | {r['value']} | "
+                         f"{r['target']}{status} | {r['load']:.1f} | `{r['command']}` |")
+        (self.out / "targets.md").write_text("\n".join(lines) + "\n")
+
+    # -- families and specs -----------------------------------------------------------------
+    def family(self, name: str) -> Path:
+        fam = Path(self.args.families) / name
+        if not (fam / "spec.yaml").exists():
+            self.log(f"making family {name} in {fam}")
+            run([PY, ROOT / "scripts" / "make_family.py", "synthetic", "--out", fam,
+                 "--experts", "8", *FAMILIES[name]])
+        return fam
+
+    def spec(self, fam: Path, n_experts: int = 8) -> Path:
+        if n_experts == 8:
+            return fam / "spec.yaml"
+        doc = yaml.safe_load((fam / "spec.yaml").read_text())
+        doc["models"] = doc["models"][:n_experts]
+        path = fam / f"spec-{n_experts}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def mergekit_spec(self, spec: Path) -> Path:
+        doc = yaml.safe_load(spec.read_text())
+        for k in MERGEFS_ONLY_KEYS:
+            doc.pop(k, None)
+        doc["base_model"] = str((spec.parent / doc["base_model"]).resolve())
+        for m in doc["models"]:
+            m["model"] = str((spec.parent / m["model"]).resolve())
+        out = spec.with_name(spec.stem + ".mergekit.yaml")
+        out.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return out
+
+    def mergekit_cmd(self, spec: Path, out: Path) -> list[str]:
+        return [self.mergekit, str(self.mergekit_spec(spec)), str(out), "--lazy-unpickle",
+                "--no-copy-tokenizer", "--quiet"]
+
+    @staticmethod
+    def model_bytes(fam: Path) -> int:
+        return sum(p.stat().st_size for p in (fam / "base").glob("*.safetensors"))
+
+    def baseline_env(self, baseline: bool) -> dict[str, str]:
+        """The environment that runs the baseline mergefs (``--baseline``: its source tree)."""
+        return {"PYTHONPATH": self.args.baseline} if baseline else {}
+
+    def umount(self, mnt: Path) -> None:
+        p = run(MERGEFS + ["umount", mnt], check=False)
+        if p.rc != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+
+    def ensure_index(self, spec: Path) -> None:
+        run(MERGEFS + ["index", spec])
+
+    # -- load ----------------------------------------------------------------------------------
+    def timed_load(self, cmds: list[list[str]], target: Path, baseline: bool = False
+                   ) -> dict[str, Any]:
+        res = run([PY, "-c", textwrap.dedent(LOAD_CODE), json.dumps(cmds), str(target)],
+                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       **self.baseline_env(baseline)})
+        return json.loads([ln for ln in res.out.splitlines() if ln.startswith("{")][-1])
+
+    def load_variants(self, fam: Path, spec: Path, budgets: tuple[str, ...], warm: bool,
+                      mergekit: bool) -> list[tuple[str, list[list[str]], Path, Callable[[], None]]]:
+        cache = str(int(self.model_bytes(fam) * 1.25))
+        out: list[tuple[str, list[list[str]], Path, Callable[[], None]]] = []
+        for budget in budgets:
+            tag = budget.strip("%")
+            for extra in ([], ["--warm"]) if warm else ([],):
+                mnt = self.work / f"mnt-{fam.name}-{tag}{'-warm' if extra else ''}"
+                mnt.mkdir(exist_ok=True)
+                out.append((f"mount{' --warm' if extra else ''} {budget}",
+                            [[str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", cache,
+                                                         "--budget", budget, *extra]]],
+                            mnt, lambda m=mnt: self.umount(m)))
+            o = self.work / f"merge-{fam.name}-{tag}"
+            out.append((f"merge {budget}", [[str(c) for c in MERGEFS + [
+                "merge", spec, o, "--budget", budget, "--force"]]], o,
+                lambda o=o: shutil.rmtree(o, ignore_errors=True)))
+        if self.args.baseline and warm:  # the same mount, code before issue 13
+            for budget in budgets:
+                mnt = self.work / f"mnt-{fam.name}-{budget.strip('%')}-base"
+                mnt.mkdir(exist_ok=True)
+                out.append((f"baseline mount {budget}",
+                            [[str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", cache,
+                                                         "--budget", budget]]],
+                            mnt, lambda m=mnt: self.umount(m)))
+        if mergekit and self.mergekit:
+            o = self.work / f"mergekit-{fam.name}"
+            out.append(("mergekit-yaml", [self.mergekit_cmd(spec, o)], o,
+                        lambda o=o: shutil.rmtree(o, ignore_errors=True)))
+        return out
+
+    def run_loads(self, fam: Path, spec: Path, variants: list[Any], repeats: int
+                  ) -> dict[str, list[dict[str, Any]]]:
+        results: dict[str, list[dict[str, Any]]] = {v[0]: [] for v in variants}
+        for rnd in range(repeats):
+            order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
+            for name, cmds, target, cleanup in order:
+                cleanup()
+                evict(fam)
+                try:
+                    results[name].append(self.timed_load(cmds, target,
+                                                         name.startswith("baseline")))
+                finally:
+                    cleanup()
+        return results
+
+    def section_load(self) -> None:
+        fam = self.family("small")
+        spec = self.spec(fam)
+        self.ensure_index(spec)
+        variants = self.load_variants(fam, spec, ("full", "10%"), warm=True, mergekit=True)
+        res = self.run_loads(fam, spec, variants, self.args.repeats)
+        self.raw["load"] = res
+        med = {k: median([r["total"] for r in v]) for k, v in res.items()}
+        cmd = {v[0]: " && ".join(q(c) for c in v[1]) + " && from_pretrained(...)"
+               for v in variants}
+        for k, v in res.items():
+            self.row("load", f"{k} + from_pretrained", f"{med[k]:.2f} s (prepare "
+                     f"{median([r['prepare'] for r in v]):.2f} + load "
+                     f"{median([r['load'] for r in v]):.2f}; runs "
+                     f"{', '.join(format(r['total'], '.2f') for r in v)})", "cold", cmd[k])
+        sums = {k: v[0]["checksum"] for k, v in res.items()}
+        same = len({sums[k] for k in sums if "mergekit" not in k and "full" in k}) == 1
+        self.row("load", "mount and merge load the same weights (full)",
+                 "identical checksum" if same else "CHECKSUMS DIFFER", "-", "(same runs)",
+                 "bit-identical", same)
+        for mount in ("mount full", "mount --warm full"):
+            r = med[mount] / med["merge full"]
+            self.row("load", f"{mount} + fp vs merge full + fp", f"{r:.2f}x the time", "cold",
+                     "(ratio of the rows above)", "<= 0.8x", r <= 0.8)
+        for mount in ("mount", "mount --warm"):
+            r = med[f"{mount} 10%"] / med[f"{mount} full"]
+            self.row("load", f"{mount} 10% vs full (+ fp)", f"{r:.2f}", "cold",
+                     "(ratio of the rows above)", "<= 0.4", r <= 0.4)
+        for budget in ("full", "10%"):
+            if f"baseline mount {budget}" in med:
+                r = med[f"baseline mount {budget}"] / med[f"mount --warm {budget}"]
+                self.row("load", f"mount --warm {budget} vs the baseline mount (+ fp)",
+                         f"{r:.2f}x faster", "cold", "(ratio of the rows above)")
+        if "mergekit-yaml" in med:
+            for mount in ("mount full", "mount --warm full"):
+                r = med["mergekit-yaml"] / med[mount]
+                self.row("load", f"{mount} + fp vs mergekit-yaml + fp", f"{r:.2f}x faster",
+                         "cold", "(ratio of the rows above)", ">= 5x faster", r >= 5)
+
+    # -- merge -----------------------------------------------------------------------------------
+    def section_merge(self) -> None:
+        fam = self.family("small")
+        spec = self.spec(fam)
+        self.ensure_index(spec)
+        gb = self.model_bytes(fam) / 1e9
+        variants: list[tuple[str, list[str], Path]] = []
+        for budget in ("full", "10%"):
+            o = self.work / f"m-{budget.strip('%')}"
+            variants.append((f"mergefs merge --budget {budget}",
+                             [str(c) for c in MERGEFS + ["merge", spec, o, "--budget", budget,
+                                                         "--force"]], o))
+        if self.mergekit:
+            o = self.work / "mk"
+            variants.append(("mergekit-yaml", self.mergekit_cmd(spec, o), o))
+        walls: dict[str, list[float]] = {v[0]: [] for v in variants}
+        cpus: dict[str, list[float]] = {v[0]: [] for v in variants}
+        for rnd in range(self.args.repeats):
+            for name, cmd, o in (variants if rnd % 2 == 0 else list(reversed(variants))):
+                shutil.rmtree(o, ignore_errors=True)
+                evict(fam)
+                p = run(cmd)
+                walls[name].append(p.wall)
+                cpus[name].append(p.cpu_seconds)
+                shutil.rmtree(o, ignore_errors=True)
+        self.raw["merge"] = {"walls": walls, "cpus": cpus}
+        for name, cmd, _ in variants:
+            self.row("merge", name, f"{median(walls[name]):.2f} s; CPU "
+                     f"{median(cpus[name]) / gb:.2f} s per GB merged (runs "
+                     f"{', '.join(f'{w:.2f}' for w in walls[name])})", "cold", q(cmd))
+        if self.mergekit:
+            mk = median(walls["mergekit-yaml"])
+            for budget, target in (("full", 6), ("10%", 20)):
+                r = mk / median(walls[f"mergefs merge --budget {budget}"])
+                self.row("merge", f"merge --budget {budget} vs mergekit-yaml",
+                         f"{r:.2f}x faster", "cold", "(ratio of the rows above)",
+                         f">= {target}x faster", r >= target)
+
+    # -- serving ----------------------------------------------------------------------------------
+    @staticmethod
+    def read_seq(files: list[Path], block: int = 1 << 20) -> tuple[int, float]:
+        buf = bytearray(block)
+        n = 0
+        t = time.perf_counter()
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            off = 0
+            while k := os.preadv(fd, [buf], off):
+                off += k
+                n += k
+            os.close(fd)
+        return n, time.perf_counter() - t
+
+    @staticmethod
+    def read_mmap(files: list[Path]) -> tuple[int, float]:
+        """safetensors-style: map the file and copy every tensor's bytes out of the map."""
+        import mmap
+
+        n = 0
+        t = time.perf_counter()
+        for f in files:
+            with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
+                for off in range(0, len(m), 16 << 20):
+                    n += len(bytes(m[off:off + (16 << 20)]))
+        return n, time.perf_counter() - t
+
+    def mount_cmd(self, spec: Path, mnt: Path, cache: int, *extra: str) -> list[str]:
+        return [str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", str(cache),
+                                           *extra]]
+
+    def section_serving(self) -> None:
+        fam = self.family("small")
+        spec = self.spec(fam)
+        self.ensure_index(spec)
+        cache = int(self.model_bytes(fam) * 1.25)
+        mnt = self.work / "mnt-serve"
+        mnt.mkdir(exist_ok=True)
+        first: dict[str, list[float]] = {"full": [], "10%": [], "full --warm": []}
+        if self.args.baseline:
+            first.update({"baseline full": [], "baseline 10%": []})
+        for _ in range(self.args.repeats):
+            for case in first:
+                words = case.split()
+                base = words[0] == "baseline"
+                budget, *extra = words[1:] if base else words
+                evict(fam)
+                run(self.mount_cmd(spec, mnt, cache, "--budget", budget, *extra),
+                    env=self.baseline_env(base))
+                try:
+                    n, s = self.read_seq(sorted(mnt.glob("*.safetensors")))
+                    first[case].append(n / s / 1e9)
+                finally:
+                    self.umount(mnt)
+        for case, xs in first.items():
+            v = median(xs)
+            self.row("serving", f"first sequential read, fresh mount ({case})",
+                     f"{v:.3f} GB/s (runs {', '.join(f'{x:.3f}' for x in xs)})", "cold",
+                     q(self.mount_cmd(spec, mnt, cache, "--budget",
+                                      *case.replace("baseline ", "").split()))
+                     + " && preadv 1 MiB over MNT/*.safetensors", ">= 0.5 GB/s", v >= 0.5)
+        # warm: mergefs' cache holds the model, the kernel's copy is dropped before each pass
+        for base in ([False, True] if self.args.baseline else [False]):
+            rates = self.warm_rates(spec, mnt, cache, base)
+            for kind, xs in rates.items():
+                self.serving_row(spec, mnt, cache, kind, xs, base)
+
+    def warm_rates(self, spec: Path, mnt: Path, cache: int, base: bool
+                   ) -> dict[str, list[float]]:
+        run(self.mount_cmd(spec, mnt, cache), env=self.baseline_env(base))
+        try:
+            files = sorted(mnt.glob("*.safetensors"))
+            self.read_seq(files)
+            rates: dict[str, list[float]] = {"read": [], "mmap": []}
+            for _ in range(self.args.repeats):
+                for kind, fn in (("read", self.read_seq), ("mmap", self.read_mmap)):
+                    for f in files:
+                        evict(f)
+                    n, s = fn(files)
+                    rates[kind].append(n / s / 1e9)
+            self.raw[f"serving_stats{'_baseline' if base else ''}"] = json.loads(
+                run(MERGEFS + ["stats", mnt, "--json"]).out)
+        finally:
+            self.umount(mnt)
+        return rates
+
+    def serving_row(self, spec: Path, mnt: Path, cache: int, kind: str, xs: list[float],
+                    base: bool) -> None:
+        v = median(xs)
+        self.row("serving", f"{'baseline: ' if base else ''}{kind} from mergefs' cache, "
+                 "kernel copy dropped",
+                 f"{v:.2f} GB/s (runs {', '.join(f'{x:.2f}' for x in xs)})", "warm",
+                 q(self.mount_cmd(spec, mnt, cache)) + " && read once; then fadvise "
+                 f"DONTNEED + {'preadv 1 MiB' if kind == 'read' else 'mmap copy-out'}",
+                 ">= 0.6 GB/s" if kind == "mmap" else "", v >= 0.6 if kind == "mmap"
+                 else None)
+
+    # -- index ----------------------------------------------------------------------------------
+    def section_index(self) -> None:
+        fam = self.family("small")
+        spec = self.spec(fam)
+        files = sorted(fam.rglob("*.safetensors"))
+        total = sum(f.stat().st_size for f in files)
+        plain: list[float] = []
+        build: list[float] = []
+        for _ in range(self.args.repeats):
+            evict(fam)
+            n, s = self.read_seq(files, 16 << 20)
+            plain.append(n / s / 1e9)
+            evict(fam)
+            p = run(MERGEFS + ["index", spec, "--rebuild"])
+            build.append(total / p.wall / 1e9)
+        r = median(build) / median(plain)
+        self.row("index", "plain sequential read (16 MiB preadv)", f"{median(plain):.2f} GB/s",
+                 "cold", "preadv loop over the family's files")
+        self.row("index", "index build", f"{median(build):.2f} GB/s = {r:.2f} of the plain read",
+                 "cold", q(MERGEFS + ["index", spec, "--rebuild"]), ">= 0.9", r >= 0.9)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def section_memory(self) -> None:
+        fam = self.family("small")
+        spec = self.spec(fam)
+        self.ensure_index(spec)
+        cache = self.model_bytes(fam) // 4
+        mnt = self.work / "mnt-mem"
+        mnt.mkdir(exist_ok=True)
+        evict(fam)
+        run(self.mount_cmd(spec, mnt, cache))
+        try:
+            pid = json.loads((mnt / ".mergefs" / "stats.json").read_text())["pid"]
+            files = sorted(mnt.glob("*.safetensors"))
+            self.read_seq(files)
+            rng = random.Random(0)
+            buf = bytearray(1 << 20)
+            for _ in range(256):
+                f = rng.choice(files)
+                fd = os.open(f, os.O_RDONLY)
+                size = os.fstat(fd).st_size
+                os.preadv(fd, [buf], rng.randrange(0, max(1, size - len(buf))) // 4096 * 4096)
+                os.close(fd)
+            hwm = 0
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+        finally:
+            self.umount(mnt)
+        over = hwm - cache
+        self.row("memory", "mount peak RSS (VmHWM), cache = model / 4",
+                 f"{hwm / 1e6:.0f} MB = cache + {over / 1e6:.0f} MB", "cold then warm",
+                 q(self.mount_cmd(spec, mnt, cache)) + " && full read + 256 random 1 MiB",
+                 "<= cache + 200 MB", over <= 200e6)
+
+    # -- scaling ----------------------------------------------------------------------------------
+    def section_scaling(self) -> None:
+        for size in ("tiny", "small"):
+            fam = self.family(size)
+            gb = self.model_bytes(fam) / 1e9
+            for k in (2, 4, 8):
+                spec = self.spec(fam, k)
+                self.ensure_index(spec)
+                o = self.work / "scale-out"
+                shutil.rmtree(o, ignore_errors=True)
+                evict(fam)
+                p = run(MERGEFS + ["merge", spec, o, "--force"])
+                shutil.rmtree(o, ignore_errors=True)
+                variants = self.load_variants(fam, spec, ("full",), warm=False, mergekit=False)
+                res = self.run_loads(fam, spec, variants, 1)
+                mount = res["mount full"][0]["total"]
+                merge = res["merge full"][0]["total"]
+                self.row("scaling", f"{size} ({gb:.2f} GB model), {k} experts",
+                         f"merge {p.wall:.2f} s, CPU {p.cpu_seconds / gb:.2f} s/GB; "
+                         f"mount+fp {mount:.2f} s vs merge+fp {merge:.2f} s = "
+                         f"{mount / merge:.2f}x", "cold",
+                         q(MERGEFS + ["merge", spec, "OUT"]) + "; load rows as above")
+
+    def run(self) -> None:
+        sections = self.args.sections.split(",")
+        self.log(f"results in {self.out}")
+        for s in sections:
+            getattr(self, f"section_{s}")()
+        self.save()
+        self.log(f"done: {self.out / 'targets.md'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "results" / "targets"))
+    ap.add_argument("--families", default=str(ROOT / "results" / "families"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sections", default="load,merge,serving,index,memory,scaling")
+    ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
+                    "beside this one in the load and serving sections, e.g. the code before")
+    Targets(ap.parse_args(argv)).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
