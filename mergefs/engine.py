@@ -42,6 +42,7 @@ from .manifest import SCHEMA_VERSION, ManifestWriter
 from .methods import Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
+from .recipe import Recipe, RoleSource, build_recipe, rewrite_config
 from .spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,32 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
 CONFIG_NAME = "config.json"
 
 
-def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
+def sliced_layout(spec: Spec, recipe: Recipe, base: Checkpoint, layout_index: dict[str, int]
+                  ) -> tuple[list[OutFile], bytes | None]:
+    """The weight file of a sliced merge: every output tensor in recipe order, one file."""
+    spec_map = {}
+    for o in recipe.outputs:
+        loc = base.tensors[o.key]
+        spec_map[o.name] = (output_dtype(spec, loc.dtype), loc.shape)
+    header, lay = build_header(spec_map, {"format": "pt"})
+    units = {o.name: o.key for o in recipe.outputs}
+    tensors = tuple(
+        OutTensor(n, SINGLE_NAME, len(header) + lay[n].start, len(header) + lay[n].end,
+                  lay[n].dtype, lay[n].shape, layout_index.get(units[n]))
+        for n in sorted(lay, key=lambda n: lay[n].start))
+    size = len(header) + max((t.end for t in lay.values()), default=0)
+    return [OutFile(SINGLE_NAME, header, size, tensors)], None
+
+
+def recipe_of(spec: Spec, base: Checkpoint) -> Recipe:
+    """The spec's recipe: carried by the sources of a sliced spec, else built over the base."""
+    if isinstance(base, RoleSource):
+        return base.recipe
+    return build_recipe(spec, {spec.base: list(base.tensors)})
+
+
+def output_extra_files(spec: Spec, base: Checkpoint, recipe: Recipe | None = None
+                       ) -> dict[str, bytes]:
     """Non-weight files the merge writes differently from the base's, by relative path.
 
     ``config.json`` carries the output dtype (``torch_dtype`` and ``dtype``, the name
@@ -120,7 +146,8 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
     merge as float16. Keys keep their order. Without an output dtype (each tensor keeps its own)
     or with a config that is not a JSON object, the base's file passes through unchanged.
     """
-    if spec.out_dtype is None or CONFIG_NAME not in base.extra_files:
+    sliced = recipe is not None and recipe.layers is not None
+    if (spec.out_dtype is None and not sliced) or CONFIG_NAME not in base.extra_files:
         return {}
     try:
         config = json.loads(base.read_extra(CONFIG_NAME))
@@ -132,9 +159,12 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
         log.warning("%s of the base is not a JSON object: copied unchanged (its dtype may not "
                     "match the merge)", CONFIG_NAME)
         return {}
-    name = OUT_DTYPE_NAMES[spec.out_dtype]
-    config["torch_dtype"] = name
-    config["dtype"] = name
+    if recipe is not None:
+        config = rewrite_config(config, recipe)  # layer count and per-layer lists of slices
+    if spec.out_dtype is not None:
+        name = OUT_DTYPE_NAMES[spec.out_dtype]
+        config["torch_dtype"] = name
+        config["dtype"] = name
     return {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode()}
 
 
@@ -175,9 +205,25 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
 
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
+    every model the slices name, keyed by the output's units."""
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]
+    if spec.sliced:
+        opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
+        try:
+            for sl in spec.slices:
+                for r in (sl.ref, *sl.experts):
+                    if r.path not in opened:
+                        opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()})
+            roles = [RoleSource(recipe, r, opened) for r in range(1 + len(experts))]
+        except BaseException:
+            for c in opened.values():
+                c.close()
+            raise
+        base, experts = roles[0], roles[1:]  # type: ignore[assignment]
     check_coordinates(base, experts)
     return base, experts
 
@@ -187,22 +233,27 @@ class Engine:
 
     def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
-                 verify_index: bool = True) -> None:
+                 verify_index: bool = True, recipe: Recipe | None = None) -> None:
         self.spec = spec
+        self.recipe = recipe if recipe is not None else recipe_of(spec, base)
+        self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
+        #: output tensor name -> the unit it is made of (several names for a repeated unit)
+        self.unit_of = {o.name: o.key for o in self.recipe.outputs}
         self.base = base
         self.experts = list(experts)
         self.index = index
         self.layout = index.layout
         self.plan = plan
         self.method = spec.method_def
-        self.elementwise = self.method.elementwise(len(spec.input_order), spec.parameters)
-        self.input_params = tuple(spec.input_parameters())
         self.manifest = manifest
         self.verify_index = verify_index
         self.tindex = self.layout.tensor_index()
-        self.out_files, self.index_json = output_layout(spec, base, self.tindex)
+        if self.recipe.layers is not None:
+            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex)
+        else:
+            self.out_files, self.index_json = output_layout(spec, base, self.tindex)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
-        self.extra_overrides = output_extra_files(spec, base)
+        self.extra_overrides = output_extra_files(spec, base, self.recipe)
         self.labels = expert_labels([e.path for e in spec.experts])
         self._lock = threading.Lock()
         self.blocks_merged = 0
@@ -215,9 +266,10 @@ class Engine:
         Whole-tensor methods: one unit. Elementwise: single blocks, or runs of about
         ``unit_elems`` elements when given.
         """
+        name = self.unit_of.get(name, name)
         t = self.tindex[name]
         blocks = self.layout.blocks_of(t)
-        if not self.elementwise or not blocks:
+        if not self._elementwise(name) or not blocks:
             return [(blocks.start, blocks.stop)]
         out = []
         b0 = blocks.start
@@ -230,6 +282,7 @@ class Engine:
 
     def unit_out_range(self, name: str, b0: int, b1: int) -> tuple[int, int]:
         """Byte range ``[start, end)`` of a unit within the tensor's output bytes."""
+        name = self.unit_of.get(name, name)
         item = DTYPES[self.out_tensors[name].dtype][0]
         return int(self.layout.elem_start[b0]) * item, int(self.layout.elem_end[b1 - 1]) * item
 
@@ -260,7 +313,8 @@ class Engine:
 
     # -- merging -------------------------------------------------------------------------
     def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
-        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name``."""
+        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
+        name = self.unit_of.get(name, name)
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype
@@ -304,18 +358,24 @@ class Engine:
         """Run the method on one unit: float32 in, float32 out (flat)."""
         import torch
 
-        shape = (w0.size,) if self.elementwise else self.out_tensors[name].shape
+        shape = (w0.size,) if self._elementwise(name) else self.out_tensors[name].shape
         ref = torch.from_numpy(w0).reshape(shape)
+        out_t = self.unit_outputs[name]
         inputs = tuple(ref if k == REFERENCE or values[k] is None
                        else torch.from_numpy(values[k]).reshape(shape)
                        for k in self.spec.input_order)
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
-                    params=self.spec.parameters, input_params=self.input_params,
+                    params=out_t.params, input_params=out_t.input_params,
                     expert_ids=tuple(range(len(inputs))))
         with torch.no_grad():
             out = self.method.merge(unit)
         return np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+
+    def _elementwise(self, name: str) -> bool:
+        u = self.unit_outputs.get(name)
+        return self.method.elementwise(len(self.spec.input_order),
+                                       u.params if u is not None else self.spec.parameters)
 
     def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
         """True when a unit that reads no expert is exactly the base's bytes (see
@@ -336,6 +396,7 @@ class Engine:
 
     def passthrough(self, name: str) -> bytes:
         """Bytes of a non-merged tensor (non-float): the base's, unchanged."""
+        name = self.unit_of.get(name, name)
         loc = self.base.tensors[name]
         return bytes(self.base.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0])
 
@@ -394,10 +455,19 @@ class Engine:
 
     def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
                     hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
-        pieces: list[tuple[str, Callable[[], bytes]]] = [
-            (t.name, fn) for t in f.tensors for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
+        # A unit the output repeats (a self-stack) is merged once, where it first appears in
+        # the file; its later copies are read back from the file written so far.
+        first: dict[str, OutTensor] = {}
+        pieces: list[tuple[str, Callable[[], bytes] | OutTensor]] = []
+        for t in f.tensors:
+            key = self.unit_of.get(t.name, t.name)
+            if key in first:
+                pieces.append((t.name, first[key]))
+            else:
+                first[key] = t
+                pieces += [(t.name, fn) for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
         # The same merge units in the same order, for reading ahead of the workers.
-        ahead = iter([(t.name, b0, b1) for t in f.tensors if t.layout_index is not None
+        ahead = iter([(t.name, b0, b1) for t in first.values() if t.layout_index is not None
                       for b0, b1 in self.units(t.name, UNIT_ELEMS)])
         for unit in islice(ahead, PREFETCH_UNITS):
             self.prefetch(*unit)
@@ -405,9 +475,9 @@ class Engine:
         hashers: dict[str, Any] = {}
         try:
             _clear_temp(tmp)
-            with open(tmp, "xb") as fh:
+            with open(tmp, "xb+") as fh:  # read back: repeated units
                 fh.write(f.header)
-                window: deque[tuple[str, Future[bytes]]] = deque()
+                window: deque[tuple[str, Future[bytes] | OutTensor]] = deque()
                 it = iter(pieces)
 
                 def fill() -> None:
@@ -415,7 +485,9 @@ class Engine:
                         nxt = next(it, None)
                         if nxt is None:
                             return
-                        window.append((nxt[0], pool.submit(nxt[1])))
+                        job = nxt[1]
+                        window.append((nxt[0], job if isinstance(job, OutTensor)
+                                       else pool.submit(job)))
                         for unit in islice(ahead, 1):
                             self.prefetch(*unit)
 
@@ -423,7 +495,11 @@ class Engine:
                 written = synced = 0
                 while window:
                     name, fut = window.popleft()
-                    data = fut.result()
+                    if isinstance(fut, OutTensor):  # a repeated unit: its bytes written earlier
+                        fh.flush()
+                        data = os.pread(fh.fileno(), fut.end - fut.start, fut.start)
+                    else:
+                        data = fut.result()
                     fill()
                     fh.write(data)
                     written += len(data)
@@ -519,9 +595,13 @@ class Session:
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing
             c.counters.reset()
-        self.plan = plan if plan is not None else make_plan(spec, self.index, budget_bytes)
+        self.recipe = recipe_of(spec, self.base)
+        self.plan = plan if plan is not None else make_plan(
+            spec, self.index, budget_bytes,
+            coefficients=self.recipe.coefficients(spec, self.index.layout.tensors))
         self.manifest = manifest
-        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest)
+        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
+                             recipe=self.recipe)
         if manifest is not None:
             manifest.write(self.header_record())
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from . import hub
+from . import hub, settings
 from . import methods as registry
 from .errors import BudgetError, SpecError
 from .format import FLOAT_DTYPES
@@ -29,11 +29,11 @@ from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, Rem
 
 log = logging.getLogger(__name__)
 
-_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype")
+_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype",
+                  "out_dtype")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict")
 _UNSUPPORTED_KEYS = (
-    "slices",
     "tokenizer_source",
     "tokenizer",
     "chat_template",
@@ -186,10 +186,31 @@ def parse_budget(value: object) -> Budget:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """An expert: its resolved path and its validated parameters."""
+    """An expert: its resolved path and its validated parameters (settings: scalars, or
+    gradients and filtered values resolved per tensor by the recipe)."""
 
     path: str
     parameters: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SliceSource:
+    """One input of an output slice: a model, its layers ``[lo, hi)`` (None: all of them) and
+    the parameter settings given on it (only those given: the recipe resolves precedence)."""
+
+    path: str
+    layer_range: tuple[int, int] | None
+    settings: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SliceDef:
+    """An output slice by role: ``ref`` plays the reference (``Spec.base``'s role), ``experts``
+    the roles of ``Spec.experts`` in order; ``settings`` are the slice's own parameters."""
+
+    ref: SliceSource
+    experts: tuple[SliceSource, ...]
+    settings: Mapping[str, Any]
 
 
 #: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
@@ -228,6 +249,12 @@ class Spec:
     input_order: tuple[int, ...] = ()
     base_parameters: Mapping[str, Any] | None = None
     warnings: tuple[str, ...] = ()
+    #: the output by slices (a ``models:`` spec is one slice over all layers, as in mergekit)
+    slices: tuple[SliceDef, ...] = ()
+    #: the spec was written with ``slices`` (output layers renumbered, config rewritten)
+    sliced: bool = False
+    #: the global ``parameters`` as given (settings), for per-tensor resolution
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def method_def(self) -> Method:
@@ -265,25 +292,6 @@ class Spec:
 
 def _err(source: str, key: str, message: str) -> SpecError:
     return SpecError(f"{source}: {key}: {message}")
-
-
-def _number(source: str, key: str, value: Any, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
-            raise _err(source, key, "per-tensor 'filter' values are not supported yet; "
-                                    "give one number")
-        if isinstance(value, list):
-            raise _err(source, key, "gradient lists are not supported yet; give one number")
-        if isinstance(value, dict):
-            raise _err(source, key, "per-tensor 'filter' values are not supported yet; "
-                                    "give one number")
-        raise _err(source, key, f"expected a number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise _err(source, key, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise _err(source, key, f"must be <= {hi}, got {value}")
-    return float(value)
 
 
 def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
@@ -341,12 +349,11 @@ class _Lenient:
 
 
 def _method_value(source: str, key: str, pdef: ParamDef, value: Any) -> Any:
-    if isinstance(value, (list, dict)):
-        _number(source, key, value)  # raises the gradient / filter message
-    problem = pdef.check(value)
+    """A checked setting (mergefs.settings): a scalar, a gradient or filtered values."""
+    checked, problem = settings.check(pdef, value)
     if problem:
         raise _err(source, key, problem)
-    return float(value) if pdef.kind in ("float", "float?") and value is not None else value
+    return checked
 
 
 @dataclass
@@ -379,6 +386,140 @@ def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
         out.append(_Model(mpath, key, dict(params_raw), options))
+    return out
+
+
+@dataclass
+class _Slice:
+    key: str
+    sources: list[tuple[_Model, tuple[int, int]]]
+    base: str | None
+    params_raw: dict[str, Any]
+
+
+def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+            hub_records: dict[str, Any]) -> list[_Slice]:
+    """``slices`` as mergekit reads them: sources with a layer range each, an optional slice
+    ``base_model`` and ``parameters``."""
+    raw = data.get("slices")
+    if not isinstance(raw, list) or not raw:
+        raise _err(source, "slices", "expected a non-empty list of {sources: [...]}")
+    out: list[_Slice] = []
+    for k, sl in enumerate(raw):
+        key = f"slices[{k}]"
+        if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) \
+                or not sl["sources"]:
+            raise _err(source, key, "expected a mapping with a non-empty 'sources' list")
+        extra = set(sl) - {"sources", "base_model", "parameters", "residual_weight"}
+        if extra:
+            raise _err(source, f"{key}.{sorted(extra)[0]}", "not a slice key")
+        if sl.get("residual_weight") is not None:
+            raise _err(source, f"{key}.residual_weight", "not supported (mergekit 0.1.5 "
+                       "accepts it but never applies it)")
+        sources: list[tuple[_Model, tuple[int, int]]] = []
+        for j, src in enumerate(sl["sources"]):
+            skey = f"{key}.sources[{j}]"
+            if not isinstance(src, dict) or "model" not in src or "layer_range" not in src:
+                raise _err(source, skey, "expected a mapping with 'model' and 'layer_range'")
+            if set(src) - {"model", "layer_range", "parameters"}:
+                raise _err(source, f"{skey}.{sorted(set(src) - {'model', 'layer_range', 'parameters'})[0]}",
+                           "not supported")
+            lr = src["layer_range"]
+            if (not isinstance(lr, list) or len(lr) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in lr)
+                    or not 0 <= lr[0] < lr[1]):
+                raise _err(source, f"{skey}.layer_range", f"expected [first, end) with "
+                           f"0 <= first < end, got {lr!r}")
+            mpath = _resolve_model(base_dir, src["model"], source, f"{skey}.model", hub_config,
+                                   hub_records)
+            params_raw = src.get("parameters") or {}
+            if not isinstance(params_raw, dict):
+                raise _err(source, f"{skey}.parameters", "expected a mapping")
+            sources.append((_Model(mpath, skey, dict(params_raw), None), (lr[0], lr[1])))
+        lengths = {hi - lo for _, (lo, hi) in sources}
+        if len(lengths) != 1:
+            raise _err(source, f"{key}.sources", "all sources of a slice must have the same "
+                       "number of layers (mergekit refuses it too)")
+        if len({m.path for m, _ in sources}) != len(sources):
+            raise _err(source, f"{key}.sources", "the same model is listed twice")
+        sbase = None
+        if sl.get("base_model") is not None:
+            sbase = _resolve_model(base_dir, sl["base_model"], source, f"{key}.base_model",
+                                   hub_config, hub_records)
+        params_raw = sl.get("parameters") or {}
+        if not isinstance(params_raw, dict):
+            raise _err(source, f"{key}.parameters", "expected a mapping")
+        out.append(_Slice(key, sources, sbase, dict(params_raw)))
+    return out
+
+
+def _own_settings(m: Method, raw: dict[str, Any], key: str, source: str, lenient: _Lenient,
+                  scopes: tuple[Scope, ...] | None) -> dict[str, Any]:
+    """The settings given at one level (checked), keyed by parameter name; ``scopes``: which
+    parameters this level may set (None: all)."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        pdef = m.param(name)
+        if pdef is None or (scopes is not None and pdef.scope not in scopes):
+            continue  # reported (ignored) where the level is first read
+        out[name] = _method_value(source, f"{key}.{name}", pdef, value)
+    return out
+
+
+_PER_MODEL = (Scope.MODEL, Scope.NON_BASE)
+
+
+def _models_slice(m: Method, inputs: list[_Model], base: str, has_base: bool, source: str,
+                  lenient: _Lenient) -> SliceDef:
+    """A ``models:`` spec as mergekit normalises it: one slice over every layer."""
+    own = {x.path: _own_settings(m, x.params_raw, f"{x.key}.parameters", source, lenient,
+                                 _PER_MODEL) for x in inputs}
+    ref = SliceSource(base, None, own.get(base, {}) if not has_base else {})
+    experts = tuple(SliceSource(x.path, None, own[x.path]) for x in inputs if x.path != base)
+    return SliceDef(ref, experts, {})
+
+
+def _slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has_base: bool,
+                source: str, lenient: _Lenient) -> tuple[SliceDef, ...]:
+    """Each slice by role; every slice must have slice 0's roles (count and reference place)."""
+    out: list[SliceDef] = []
+    ref_place = None
+    for sl in slices:
+        paths = [x.path for x, _ in sl.sources]
+        sbase = sl.base if sl.base is not None else base_given
+        if has_base and sbase not in paths:
+            raise _err(source, f"{sl.key}.sources", f"the base model {sbase} must be one of "
+                       "the slice's sources (mergekit refuses a slice without its base)")
+        if has_base or m.caps.base != BasePolicy.IGNORED:
+            place = paths.index(sbase) if sbase in paths else 0
+        else:
+            place = paths.index(sbase) if sbase in paths else 0
+        if ref_place is None:
+            ref_place = place
+        elif place != ref_place or len(paths) != len(slices[0].sources):
+            raise _err(source, sl.key, "every slice must have the same number of sources "
+                       "with the base in the same place as slices[0] (not supported otherwise)")
+        for name in sl.params_raw:
+            if m.param(name) is None:
+                lenient.ignore(f"{sl.key}.parameters.{name}", f"{m.name} has no parameter "
+                               f"{name!r}")
+        roles = [SliceSource(x.path, lr, _own_settings(
+            m, x.params_raw, f"{x.key}.parameters", source, lenient, _PER_MODEL))
+            for x, lr in sl.sources]
+        out.append(SliceDef(roles[place], tuple(r for k, r in enumerate(roles) if k != place),
+                            _own_settings(m, sl.params_raw, f"{sl.key}.parameters", source,
+                                          lenient, None)))
+    return tuple(out)
+
+
+def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"sources": [
+        {"model": hub_records.get(x.path, x.path), "layer_range": list(lr),
+         **({"parameters": x.params_raw} if x.params_raw else {})} for x, lr in sl.sources]}
+    if sl.base is not None:
+        out["base_model"] = hub_records.get(sl.base, sl.base)
+    if sl.params_raw:
+        out["parameters"] = sl.params_raw
     return out
 
 
@@ -465,7 +606,8 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
                 else f"at least {c.min_inputs}" if c.max_inputs is None
                 else f"{c.min_inputs} to {c.max_inputs}")
         raise _err(source, "models", f"{m.name} merges {want} {what}, got {n}")
-    if m.check is not None:
+    scalar = all(settings.is_scalar(v) for p in [glob, *per_input] for v in p.values())
+    if m.check is not None and scalar:  # otherwise checked per tensor by the recipe
         problem = m.check(glob, per_input)
         if problem:
             raise _err(source, "models", problem)
@@ -499,11 +641,27 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         base_given = _resolve_model(base_dir, data["base_model"], source, "base_model",
                                     hub_config, hub_records)
     top_options = _storage_options(data.get("storage_options"), source, "storage_options")
-    models = _models(data, base_dir, source, hub_config, hub_records)
+    sliced = data.get("slices") is not None
+    if sliced and data.get("models") is not None:
+        raise _err(source, "slices", "give models or slices, not both (mergekit refuses both)")
+    slices = _slices(data, base_dir, source, hub_config, hub_records) if sliced else []
+    models = [m for m, _ in slices[0].sources] if sliced else _models(
+        data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
-    glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, base_given, source,
+    method_base = base_given
+    if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
+            x.path for x in models}:
+        method_base = None  # the inputs of a slice are its sources, exactly
+    glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, method_base, source,
                                                         lenient)
-    base = base_given if base_given is not None else models[0].path
+    base = method_base if method_base is not None else models[0].path
+    if sliced and has_base and base not in {x.path for x in models}:
+        raise _err(source, "slices[0].sources", f"the base model {base} must be one of the "
+                   "slice's sources (mergekit refuses a slice without its base)")
+    glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
+                                  lenient, scopes=None)
+    slice_defs = (_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
+                  else (_models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]
     expert_index = {e.path: k for k, e in enumerate(experts)}
     input_order = tuple(REFERENCE if x.path == base else expert_index[x.path] for x in inputs)
@@ -549,8 +707,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
 
     # the inputs in mergekit's order (an appended base listed last), so that replay re-parses
     # the same inputs in the same order
-    models_raw: list[dict[str, Any]] = [{"model": x.path, "parameters": dict(p)}
-                                        for x, p in zip(inputs, per_input)]
+    models_raw: list[dict[str, Any]] = [
+        {"model": x.path, "parameters": {k: settings.to_json(v) for k, v in p.items()}}
+        for x, p in zip(inputs, per_input)]
     for entry_raw in models_raw:
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
@@ -566,11 +725,16 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         "base_model": (hub_records.get(base_given, base_given) if base_given is not None
                        else None),
         "models": models_raw,
-        "parameters": glob,
+        "parameters": {k: settings.to_json(v) for k, v in glob.items()},
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
         "budget": budget.to_spec(),
         "block_size": block_size,
     }
+    if sliced:
+        del raw["models"]
+        raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
+        raw["parameters"] = {**{k: settings.to_json(v) for k, v in glob_settings.items()},
+                             **raw["parameters"]}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log
         raw["storage_options"] = redact_options(top_options)
     if "remote" in data:
@@ -580,7 +744,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     return Spec(source, method, base, tuple(experts), base_weight, glob, out_dtype, budget,
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
-                warnings=tuple(lenient.warnings))
+                warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
+                settings=glob_settings)
 
 
 # -- remote sources -----------------------------------------------------------------------------

@@ -87,10 +87,11 @@ def weight_file(engine: Engine, f: OutFile) -> WeightFile:
         if t.layout_index is None:
             segs.append(Segment(t.start, t.end, t.name, -1, -1, t.start, t.end))
             continue
-        for b0, b1 in engine.units(t.name):
-            u0, u1 = engine.unit_out_range(t.name, b0, b1)
+        unit = engine.unit_of.get(t.name, t.name)  # a repeated unit (self-stack): one cache key
+        for b0, b1 in engine.units(unit):
+            u0, u1 = engine.unit_out_range(unit, b0, b1)
             if u1 > u0:
-                segs.append(Segment(t.start + u0, t.start + u1, t.name, b0, b1, t.start, t.end))
+                segs.append(Segment(t.start + u0, t.start + u1, unit, b0, b1, t.start, t.end))
     pos = 0
     for s in segs:
         if s.start != pos:

@@ -1,0 +1,217 @@
+"""The recipe language against mergekit 0.1.5 in-process: gradients and filters, slices,
+passthrough layer stacks and self-stacks, per-tensor coefficients under a budget.
+
+Tiny Llama families (5 layers) written by transformers; mergekit computes in float32 and both
+write the family's dtype; outputs must be byte-identical tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from families import Family, make_llama_family
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("mergekit")
+
+from test_mergekit_parity import assert_identical, run_mergekit, run_mergefs  # noqa: E402
+
+from mergefs.engine import Session  # noqa: E402
+from mergefs.recipe import build_recipe  # noqa: E402
+from mergefs.settings import evaluate  # noqa: E402
+from mergefs.spec import load_spec  # noqa: E402
+
+N_LAYERS = 5
+T_TEMPLATE = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+              {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},
+              {"value": 0.5}]
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return make_llama_family(tmp_path_factory.mktemp("recipe") / "f", n_experts=3,
+                             dtype="bfloat16", seed=5, num_layers=N_LAYERS)
+
+
+def common(fam: Family, method: str, **extra: Any) -> dict[str, Any]:
+    return {"merge_method": method, "dtype": "float32", "out_dtype": fam.dtype, **extra}
+
+
+def all_layers(model: Path, n: int = N_LAYERS, **params: Any) -> dict[str, Any]:
+    src: dict[str, Any] = {"model": str(model), "layer_range": [0, n]}
+    if params:
+        src["parameters"] = params
+    return src
+
+
+def both(cfg: dict[str, Any], out: Path, budget: str = "full") -> tuple[dict, dict]:
+    return run_mergekit(cfg, out / "mk"), run_mergefs(cfg, out / "fs", budget)
+
+
+def materialise(cfg: dict[str, Any], out: Path, manifest: Path, budget: str = "full") -> Path:
+    from mergefs.manifest import ManifestWriter
+
+    spec_path = out.with_suffix(".yaml")
+    spec_path.write_text(yaml.safe_dump({**cfg, "block_size": "4KiB", "budget": budget,
+                                         "index_dir": str(out.parent / "index")}))
+    writer = ManifestWriter(manifest)
+    session = Session(load_spec(spec_path), manifest=writer)
+    try:
+        session.engine.materialise(out)
+        session.finish()
+    finally:
+        writer.close()
+        session.close()
+    return spec_path
+
+
+def test_evaluate_matches_mergekit_evaluate_setting() -> None:
+    from mergekit.config import ConditionalParameter, evaluate_setting
+
+    from mergefs.methods import get
+    from mergefs.settings import check
+
+    pdef = get("slerp").param("t")  # type: ignore[union-attr]
+    mk = [ConditionalParameter(**c) for c in T_TEMPLATE]
+    ours, problem = check(pdef, T_TEMPLATE)
+    assert problem is None
+    for name in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight",
+                 "model.norm.weight"):
+        for t in np.linspace(0, 1, 17):
+            assert evaluate(pdef, ours, name, float(t)) == evaluate_setting(
+                name, mk, float(t), validate=float)
+
+
+def test_all_layers_slerp_template(fam: Family, tmp_path: Path) -> None:
+    cfg = common(fam, "slerp", base_model=str(fam.base),
+                 slices=[{"sources": [all_layers(fam.base), all_layers(fam.experts[0])]}],
+                 parameters={"t": T_TEMPLATE})
+    mk, fs = both(cfg, tmp_path)
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)
+
+
+def test_models_form_gradient_and_filters(fam: Family, tmp_path: Path) -> None:
+    """Gradients in a models: spec run over all layers (mergekit's one implicit slice); per-model
+    filters fall back to the global setting where no filter matches."""
+    cfg = common(fam, "task_arithmetic", base_model=str(fam.base), models=[
+        {"model": str(fam.experts[0]),
+         "parameters": {"weight": [{"filter": "mlp", "value": [0.2, 1.0]}]}},
+        {"model": str(fam.experts[1]), "parameters": {"weight": [1.0, 0.0, 0.5]}},
+    ], parameters={"weight": 0.4, "lambda": [1.0, 0.8]})
+    mk, fs = both(cfg, tmp_path)
+    assert_identical(mk, fs)
+
+
+def test_ties_gradient_density_one(fam: Family, tmp_path: Path) -> None:
+    cfg = common(fam, "ties", base_model=str(fam.base), models=[
+        {"model": str(e), "parameters": {"weight": [0.3, 0.9], "density": 1.0}}
+        for e in fam.experts[:2]])
+    mk, fs = both(cfg, tmp_path)
+    assert_identical(mk, fs)
+
+
+def test_slice_merge_with_gradients(fam: Family, tmp_path: Path) -> None:
+    """Two slices merging different layer ranges, slice-level parameters and a slice source's
+    own parameter, renumbered into a 4-layer output."""
+    cfg = common(fam, "linear", slices=[
+        {"sources": [{"model": str(fam.experts[0]), "layer_range": [0, 2],
+                      "parameters": {"weight": [1.0, 0.2]}},
+                     {"model": str(fam.experts[1]), "layer_range": [1, 3]}],
+         "parameters": {"weight": 0.5}},
+        {"sources": [{"model": str(fam.experts[0]), "layer_range": [3, 5]},
+                     {"model": str(fam.experts[1]), "layer_range": [3, 5]}],
+         "parameters": {"weight": {"filter": "mlp", "value": [0.1, 0.9]}}},
+    ], parameters={"weight": 0.7})
+    mk, fs = both(cfg, tmp_path)
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)
+    config = json.loads((tmp_path / "fs" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4
+
+
+def test_passthrough_layer_stack(fam: Family, tmp_path: Path) -> None:
+    """A frankenmerge: layers of two models stacked, with a per-slice scale filter."""
+    cfg = common(fam, "passthrough", slices=[
+        {"sources": [{"model": str(fam.experts[0]), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(fam.experts[1]), "layer_range": [2, 5]}],
+         "parameters": {"scale": [{"filter": "o_proj", "value": 0.5}, {"value": 1.0}]}},
+    ])
+    mk, fs = both(cfg, tmp_path)
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)
+    config = json.loads((tmp_path / "fs" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 6
+
+
+def test_self_stack_reads_each_source_once(fam: Family, tmp_path: Path) -> None:
+    cfg = common(fam, "passthrough", slices=[
+        {"sources": [all_layers(fam.base)]}, {"sources": [all_layers(fam.base)]}])
+    mk, fs = both(cfg, tmp_path)
+    assert set(mk) == set(fs) and len(fs) > 0
+    assert_identical(mk, fs)
+    assert any(".9." in n for n in fs)
+    manifest = tmp_path / "m.jsonl"
+    materialise(cfg, tmp_path / "again", manifest)
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    reads = [(r["file"], r["start"], r["end"]) for r in records if r["type"] == "read"]
+    assert len(reads) == len(set(reads)), "a source range was read twice"
+    weights = sum(f.stat().st_size for f in fam.base.glob("*.safetensors"))
+    assert sum(e - s for _, s, e in reads) <= weights
+
+
+def test_per_tensor_coefficients_under_budget(fam: Family, tmp_path: Path) -> None:
+    """A filter giving mlp weight 0: the planner never reads an mlp block (|c| = 0), never
+    exceeds the budget, and its additive bound uses the per-tensor coefficients."""
+    cfg = common(fam, "task_arithmetic", base_model=str(fam.base), models=[
+        {"model": str(e), "parameters": {"weight": [{"filter": "mlp", "value": 0.0},
+                                                    {"value": [0.2, 1.0]}]}}
+        for e in fam.experts[:2]])
+    for budget in ("5%", "30%", "full"):
+        spec_path = tmp_path / f"s{budget.strip('%')}.yaml"
+        spec_path.write_text(yaml.safe_dump({**cfg, "block_size": "4KiB", "budget": budget,
+                                             "index_dir": str(tmp_path / "index")}))
+        session = Session(load_spec(spec_path))
+        try:
+            plan, lay = session.plan, session.index.layout
+            assert plan.planned_bytes <= plan.budget_bytes
+            coeffs = session.recipe.coefficients(session.spec, lay.tensors)[:, lay.tensor_of]
+            mlp = np.array(["mlp" in lay.tensors[t] for t in lay.tensor_of])
+            assert (coeffs[:, mlp] == 0).all() and (coeffs[:, ~mlp] > 0).all()
+            assert len({round(float(c), 6) for c in coeffs[0, ~mlp]}) > 1  # a gradient
+            omitted = ~session.index.zero & ~plan.selected
+            per_pair = np.abs(coeffs) * session.index.norms * omitted
+            assert plan.bound_tight == pytest.approx(
+                float(np.sqrt((per_pair.sum(axis=0) ** 2).sum())), rel=1e-12, abs=1e-300)
+            assert plan.bound_loose == pytest.approx(float(per_pair.sum()), rel=1e-12)
+            if budget == "full":
+                assert plan.bound_tight == 0.0
+            else:
+                assert plan.bound_tight > 0
+        finally:
+            session.close()
+    mk, fs = both(cfg, tmp_path / "full")
+    assert_identical(mk, fs)
+
+
+def test_recipe_units_and_positions(fam: Family, tmp_path: Path) -> None:
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(common(fam, "passthrough", slices=[
+        {"sources": [all_layers(fam.base, 3)]}, {"sources": [all_layers(fam.base, 3)]}])))
+    spec = load_spec(spec_path)
+    from mergefs.checkpoint import open_checkpoint
+
+    base = open_checkpoint(spec.base)
+    recipe = build_recipe(spec, {spec.base: list(base.tensors)})
+    base.close()
+    assert recipe.layers is not None and len(recipe.layers) == 6
+    by_name = {o.name: o for o in recipe.outputs}
+    q3 = by_name["model.layers.3.self_attn.q_proj.weight"]
+    assert q3.sources == ("model.layers.0.self_attn.q_proj.weight",)
+    assert q3.key == "model.layers.0.self_attn.q_proj.weight"
+    assert by_name["model.layers.4.mlp.up_proj.weight"].t == 0.5
