@@ -309,7 +309,8 @@ def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: B
     elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
                         len(layout.tensors))
     items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
-    return int(layout.block_bytes().sum()) + int((np.asarray(items, np.int64) @ elems).sum())
+    per_elem = np.asarray(items, np.int64).reshape(len(experts), len(layout.tensors))
+    return int(layout.block_bytes().sum()) + int((per_elem @ elems).sum())  # 0 experts: 0
 
 
 def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:

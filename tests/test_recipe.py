@@ -215,3 +215,84 @@ def test_recipe_units_and_positions(fam: Family, tmp_path: Path) -> None:
     assert q3.sources == ("model.layers.0.self_attn.q_proj.weight",)
     assert q3.key == "model.layers.0.self_attn.q_proj.weight"
     assert by_name["model.layers.4.mlp.up_proj.weight"].t == 0.5
+
+
+# -- through the mount and replay -----------------------------------------------------------------
+
+needs_fuse = pytest.mark.skipif(not Path("/dev/fuse").exists(), reason="needs /dev/fuse")
+
+
+def spec_file(cfg: dict[str, Any], path: Path, budget: str = "full") -> Path:
+    path.write_text(yaml.safe_dump({**cfg, "block_size": "4KiB", "budget": budget,
+                                    "index_dir": str(path.parent / "index")}))
+    return path
+
+
+def sliced_cases(fam: Family) -> dict[str, tuple[dict[str, Any], str]]:
+    return {
+        "slerp-template": (common(fam, "slerp", base_model=str(fam.base), slices=[
+            {"sources": [all_layers(fam.base), all_layers(fam.experts[0])]}],
+            parameters={"t": T_TEMPLATE}), "60%"),
+        "layer-stack": (common(fam, "passthrough", slices=[
+            {"sources": [{"model": str(fam.experts[0]), "layer_range": [0, 3]}]},
+            {"sources": [{"model": str(fam.experts[1]), "layer_range": [2, 5]}],
+             "parameters": {"scale": [{"filter": "o_proj", "value": 0.5}, {"value": 1.0}]}}]),
+            "full"),
+        "filtered-task-arithmetic": (common(fam, "task_arithmetic", base_model=str(fam.base),
+                                            models=[{"model": str(e), "parameters": {"weight": [
+                                                {"filter": "mlp", "value": [0.1, 0.9]},
+                                                {"value": 0.5}]}} for e in fam.experts[:2]]),
+                                     "30%"),
+    }
+
+
+@pytest.mark.mount
+@needs_fuse
+@pytest.mark.parametrize("case", ["slerp-template", "layer-stack", "filtered-task-arithmetic"])
+def test_mount_equals_merge(case: str, fam: Family, tmp_path: Path, mounts: Any) -> None:
+    from test_mount import merge, sha256
+    from viewcases import tree
+
+    cfg, budget = sliced_cases(fam)[case]
+    spec = spec_file(cfg, tmp_path / "spec.yaml", budget)
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
+        {r: sha256(p) for r, p in tree(out).items()}
+    stats = m.stats()
+    assert stats["expert_bytes_read"] <= stats["planned_expert_bytes"]
+
+
+@pytest.mark.mount
+@needs_fuse
+def test_mount_of_a_self_stack_serves_twice_the_layers(fam: Family, tmp_path: Path,
+                                                       mounts: Any) -> None:
+    from test_mount import merge, sha256
+    from transformers import AutoModelForCausalLM
+    from viewcases import tree
+
+    cfg = common(fam, "passthrough", slices=[{"sources": [all_layers(fam.base)]},
+                                             {"sources": [all_layers(fam.base)]}])
+    spec = spec_file(cfg, tmp_path / "spec.yaml")
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
+        {r: sha256(p) for r, p in tree(out).items()}
+    model = AutoModelForCausalLM.from_pretrained(m.path)
+    assert model.config.num_hidden_layers == 2 * N_LAYERS
+    assert len(model.model.layers) == 2 * N_LAYERS
+    weights = sum(f.stat().st_size for f in fam.base.glob("*.safetensors"))
+    assert m.stats()["physical_bytes_read"]["base"] <= weights  # each source block once
+
+
+def test_replay_of_a_sliced_merge(fam: Family, tmp_path: Path) -> None:
+    from mergefs import cli
+
+    cfg, _ = sliced_cases(fam)["layer-stack"]
+    manifest = tmp_path / "m.jsonl"
+    materialise(cfg, tmp_path / "out", manifest)
+    assert cli.main(["replay", str(manifest), "--out", str(tmp_path / "replayed")]) == 0
+    from test_mount import sha256
+
+    assert sha256(tmp_path / "out" / "model.safetensors") == \
+        sha256(tmp_path / "replayed" / "model.safetensors")
