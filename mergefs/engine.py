@@ -42,7 +42,8 @@ from .manifest import SCHEMA_VERSION, ManifestWriter
 from .methods import Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
-from .recipe import Recipe, RoleSource, build_recipe, rewrite_config
+from . import tokenizer as tokenizers
+from .recipe import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
 from .spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,18 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
 CONFIG_NAME = "config.json"
 
 
-def sliced_layout(spec: Spec, recipe: Recipe, base: Checkpoint, layout_index: dict[str, int]
+def sliced_layout(spec: Spec, recipe: Recipe, base: Checkpoint, layout_index: dict[str, int],
+                  vocab_shapes: dict[str, tuple[str, tuple[int, ...]]] | None = None
                   ) -> tuple[list[OutFile], bytes | None]:
-    """The weight file of a sliced merge: every output tensor in recipe order, one file."""
+    """The weight file of a sliced (or tokenizer) merge: every output tensor, one file;
+    ``vocab_shapes``: unit key -> (source dtype, output shape) of vocabulary tensors."""
     spec_map = {}
     for o in recipe.outputs:
-        loc = base.tensors[o.key]
-        spec_map[o.name] = (output_dtype(spec, loc.dtype), loc.shape)
+        if vocab_shapes and o.key in vocab_shapes:
+            dtype, shape = vocab_shapes[o.key]
+        else:
+            dtype, shape = base.tensors[o.key].dtype, base.tensors[o.key].shape
+        spec_map[o.name] = (output_dtype(spec, dtype), shape)
     header, lay = build_header(spec_map, {"format": "pt"})
     units = {o.name: o.key for o in recipe.outputs}
     tensors = tuple(
@@ -210,22 +216,58 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]
-    if spec.sliced:
+    if spec.sliced or spec.tokenizer is not None:
         opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
         try:
             for sl in spec.slices:
                 for r in (sl.ref, *sl.experts):
                     if r.path not in opened:
                         opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
-            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()})
+            built, vocab = _tokenizer(spec, opened)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab)
             roles = [RoleSource(recipe, r, opened) for r in range(1 + len(experts))]
         except BaseException:
             for c in opened.values():
                 c.close()
             raise
+        for role in roles:
+            role.tokenizer = built
         base, experts = roles[0], roles[1:]  # type: ignore[assignment]
     check_coordinates(base, experts)
     return base, experts
+
+
+#: Vocabulary tensors (rows are tokens) of a tokenizer merge: embeddings and LM heads whose
+#: first dimension is the model's vocab_size
+_VOCAB_NAME = re.compile(r"lm_head|embed_out|(^|\.)output\.weight$")
+
+
+def _config_of(c: Checkpoint) -> dict[str, Any] | None:
+    if CONFIG_NAME not in c.extra_files:
+        return None
+    try:
+        doc = json.loads(c.read_extra(CONFIG_NAME))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
+               ) -> tuple[tokenizers.BuiltTokenizer | None, frozenset[str]]:
+    """The output tokenizer of a spec that merges one, and the vocabulary tensors of its
+    reference model (empty when only a chat template is set: no rows change)."""
+    if spec.tokenizer is None:
+        return None, frozenset()
+    configs = {p: _config_of(c) for p, c in opened.items()}
+    built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs)
+    if spec.tokenizer.source is None:
+        return built, frozenset()
+    ref = opened[spec.slices[0].ref.path]
+    size = tokenizers.vocab_size_of(configs[spec.slices[0].ref.path], -1)
+    vocab = frozenset(n for n, loc in ref.tensors.items()
+                      if loc.shape and loc.shape[0] == size and loc.dtype in FLOAT_DTYPES
+                      and (PRE_WEIGHT.search(n) or _VOCAB_NAME.search(n)))
+    return built, vocab
 
 
 class Engine:
@@ -239,6 +281,9 @@ class Engine:
         self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
         #: output tensor name -> the unit it is made of (several names for a repeated unit)
         self.unit_of = {o.name: o.key for o in self.recipe.outputs}
+        self.tokenizer = getattr(base, "tokenizer", None)
+        #: vocabulary units of a tokenizer merge: not in the index, merged from whole tensors
+        self.derived = frozenset(o.key for o in self.recipe.outputs if o.vocab)
         self.base = base
         self.experts = list(experts)
         self.index = index
@@ -248,16 +293,74 @@ class Engine:
         self.manifest = manifest
         self.verify_index = verify_index
         self.tindex = self.layout.tensor_index()
-        if self.recipe.layers is not None:
-            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex)
+        if self.recipe.layers is not None or self.derived:
+            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
+                                                            self._vocab_shapes())
         else:
             self.out_files, self.index_json = output_layout(spec, base, self.tindex)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
         self.extra_overrides = output_extra_files(spec, base, self.recipe)
+        #: non-weight files of the base not in the output (its tokenizer, when one is built)
+        self.extra_hidden: frozenset[str] = frozenset()
+        if self.tokenizer is not None:
+            self.extra_hidden = frozenset(r for r in base.extra_files
+                                          if r in tokenizers.TOKENIZER_FILES)
+            self.extra_overrides.update(self.tokenizer.files)
+            if CONFIG_NAME in self.extra_overrides or CONFIG_NAME in base.extra_files:
+                if self.derived:
+                    cfg = json.loads(self.extra_overrides.get(CONFIG_NAME)
+                                     or base.read_extra(CONFIG_NAME))
+                    self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
+                        tokenizers.update_config(cfg, self.tokenizer))
         self.labels = expert_labels([e.path for e in spec.experts])
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
+
+    def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out = {}
+        for key in self.derived:
+            _, loc = self.base.vocab_locs[key]  # type: ignore[attr-defined]
+            out[key] = (loc.dtype, (self.tokenizer.rows, *loc.shape[1:]))
+        return out
+
+    def _vocab_unit(self, name: str) -> bytes:
+        """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
+        tokens (mergefs.tokenizer.permute), then merged by the method as one unit."""
+        import torch
+
+        u = self.unit_outputs[name]
+        loaded: dict[str, Any] = {}
+        for role, src in enumerate([self.base, *self.experts]):
+            c, loc = src.vocab_locs[name]  # type: ignore[attr-defined]
+            buf = c.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+            if self.manifest is not None:
+                label = "base" if role == 0 else self.labels[role - 1]
+                self.manifest.write({"type": "read", "source": label, "file": loc.file,
+                                     "tensor": name, "start": loc.start, "end": loc.end,
+                                     "xxh3": xxhash.xxh3_64_hexdigest(buf)})
+            loaded[u.models[role]] = torch.from_numpy(decode_f32(buf, loc.dtype).copy()
+                                                      ).reshape(loc.shape)
+        order = [u.models[0] if k == REFERENCE else u.models[k + 1]
+                 for k in self.spec.input_order]
+        if self.spec.has_base:
+            order = [u.models[0], *order]
+        permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
+                                      u.models[0] if self.spec.has_base else None,
+                                      {m: loaded[m] for m in order})
+        ref = permuted[u.models[0]]
+        inputs = tuple(ref if k == REFERENCE else permuted[u.models[k + 1]]
+                       for k in self.spec.input_order)
+        unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
+                    base=ref if self.spec.has_base else None, inputs=inputs, params=u.params,
+                    input_params=u.input_params, expert_ids=tuple(range(len(inputs))))
+        with torch.no_grad():
+            out = self.method.merge(unit)
+        merged = np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+        size = self.out_tensors[name].end - self.out_tensors[name].start
+        data = encode(merged, self.out_tensors[name].dtype)
+        assert len(data) == size
+        return self._output(name, 0, 0, data)
 
     # -- units ---------------------------------------------------------------------------
     def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
@@ -267,6 +370,8 @@ class Engine:
         ``unit_elems`` elements when given.
         """
         name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return [(0, 0)]
         t = self.tindex[name]
         blocks = self.layout.blocks_of(t)
         if not self._elementwise(name) or not blocks:
@@ -283,6 +388,8 @@ class Engine:
     def unit_out_range(self, name: str, b0: int, b1: int) -> tuple[int, int]:
         """Byte range ``[start, end)`` of a unit within the tensor's output bytes."""
         name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return 0, self.out_tensors[name].end - self.out_tensors[name].start
         item = DTYPES[self.out_tensors[name].dtype][0]
         return int(self.layout.elem_start[b0]) * item, int(self.layout.elem_end[b1 - 1]) * item
 
@@ -315,6 +422,8 @@ class Engine:
     def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
         """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
         name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return self._vocab_unit(name)
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype
@@ -401,6 +510,8 @@ class Engine:
         return bytes(self.base.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0])
 
     def tensor_pieces(self, name: str, unit_elems: int) -> list[Callable[[], bytes]]:
+        if self.unit_of.get(name, name) in self.derived:
+            return [functools.partial(self.merge_unit, name, 0, 0)]
         if self.out_tensors[name].layout_index is None:
             return [functools.partial(self.passthrough, name)]
         return [functools.partial(self.merge_unit, name, b0, b1)
@@ -436,7 +547,10 @@ class Engine:
                         self._write_file(out, f, pool, hashes, on_bytes)
                 if self.index_json is not None:
                     _atomic_write(out / INDEX_NAME, [self.index_json])
-                for rel in self.base.extra_files:
+                added = [r for r in self.extra_overrides if r not in self.base.extra_files]
+                for rel in [*self.base.extra_files, *added]:
+                    if rel in self.extra_hidden and rel not in self.extra_overrides:
+                        continue
                     dst = out / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     rewritten = self.extra_overrides.get(rel)

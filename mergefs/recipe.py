@@ -48,6 +48,9 @@ class OutputTensor:
     t: float
     params: Mapping[str, Any]
     input_params: tuple[Mapping[str, Any], ...]  # per input, in ``Spec.input_order``
+    #: a vocabulary tensor of a tokenizer merge: rows permuted per model (mergefs.tokenizer),
+    #: read whole, not indexed
+    vocab: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,10 @@ class _Resolver:
         return v
 
 
-def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]]) -> Recipe:
-    """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order)."""
+def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
+                 vocab: frozenset[str] = frozenset()) -> Recipe:
+    """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order);
+    ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged."""
     res = _Resolver(spec)
     rows: list[tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef,
                      tuple[SliceSource, ...]]] = []
@@ -193,9 +198,11 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]]) -> Recipe:
     keys: dict[str, str] = {}
     for name, models, srcs, t, sl, roles in rows:
         params, per_input = res.resolve(name, sl, roles, srcs, t)
-        sig = json.dumps([models, srcs, params, per_input], sort_keys=True, default=str)
+        is_vocab = srcs[0] in vocab
+        sig = json.dumps([models, srcs, params, per_input, is_vocab], sort_keys=True,
+                         default=str)
         key = keys.setdefault(sig, name)
-        outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input))
+        outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab))
     return Recipe(tuple(outputs), tuple(layers) if layers is not None else None)
 
 
@@ -264,6 +271,7 @@ class RoleSource:
 
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
+        self.tokenizer: Any = None  # mergefs.tokenizer.BuiltTokenizer of a tokenizer merge
         members: list[str] = []
         for u in recipe.units.values():
             if u.models[role] not in members:
@@ -288,9 +296,14 @@ class RoleSource:
         self.tensors: dict[str, TensorLoc] = {}
         file_rank = {f: i for i, f in enumerate(self.files)}
         items = []
+        #: vocabulary units (not indexed): where this role reads them whole
+        self.vocab_locs: dict[str, tuple[Checkpoint, TensorLoc]] = {}
         for key, u in recipe.units.items():
             k = rank[u.models[role]]
             loc = self.members[k].tensors[u.sources[role]]
+            if u.vocab:
+                self.vocab_locs[key] = (self.members[k], loc)
+                continue
             items.append(TensorLoc(key, q(k, loc.file), loc.start, loc.end, loc.dtype,
                                    loc.shape))
         for loc in sorted(items, key=lambda x: (file_rank[x.file], x.start, x.name)):

@@ -25,18 +25,17 @@ from . import methods as registry
 from .errors import BudgetError, SpecError
 from .format import FLOAT_DTYPES
 from .methods.base import REQUIRED, BasePolicy, Method, ParamDef, Scope
+from .tokenizer import TokenizerSpec, TokenRule
+from .tokenizer import to_json as tokenizer_json
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
 log = logging.getLogger(__name__)
 
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype",
-                  "out_dtype")
+                  "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict")
 _UNSUPPORTED_KEYS = (
-    "tokenizer_source",
-    "tokenizer",
-    "chat_template",
     "modules",
     "architecture",
 )
@@ -255,6 +254,8 @@ class Spec:
     sliced: bool = False
     #: the global ``parameters`` as given (settings), for per-tensor resolution
     settings: Mapping[str, Any] = field(default_factory=dict)
+    #: tokenizer_source / tokenizer / chat_template (None: the base's tokenizer files as they are)
+    tokenizer: TokenizerSpec | None = None
 
     @property
     def method_def(self) -> Method:
@@ -523,6 +524,72 @@ def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tokenizer(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+               hub_records: dict[str, Any]) -> TokenizerSpec | None:
+    """tokenizer_source, the tokenizer: block and chat_template, as mergekit reads them."""
+    ts, block, chat = data.get("tokenizer_source"), data.get("tokenizer"), data.get("chat_template")
+    if ts is not None and block is not None:
+        raise _err(source, "tokenizer", "give tokenizer_source or tokenizer, not both "
+                   "(mergekit refuses both)")
+    if chat is not None and not isinstance(chat, str):
+        raise _err(source, "chat_template", "expected auto, a built-in name or Jinja text")
+
+    def model_ref(value: Any, key: str) -> str:
+        if isinstance(value, str) and value.startswith("model:"):
+            value = value[len("model:"):]
+        return _resolve_model(base_dir, value, source, key, hub_config, hub_records)
+
+    def src(value: Any, key: str) -> str:
+        if value in ("base", "union"):
+            return str(value)
+        return model_ref(value, key)
+
+    if block is not None:
+        if not isinstance(block, dict) or set(block) - {"source", "tokens", "pad_to_multiple_of"}:
+            raise _err(source, "tokenizer", "expected a mapping with source, tokens and/or "
+                       "pad_to_multiple_of")
+        pad = block.get("pad_to_multiple_of")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+            raise _err(source, "tokenizer.pad_to_multiple_of", f"expected a positive integer, "
+                       f"got {pad!r}")
+        tokens: dict[str, TokenRule] = {}
+        raw_tokens = block.get("tokens") or {}
+        if not isinstance(raw_tokens, dict):
+            raise _err(source, "tokenizer.tokens", "expected a mapping of token -> {source, force}")
+        for t, cfg in raw_tokens.items():
+            key = f"tokenizer.tokens.{t}"
+            cfg = cfg or {}
+            if not isinstance(cfg, dict) or set(cfg) - {"source", "force"}:
+                raise _err(source, key, "expected a mapping with source and/or force")
+            force = cfg.get("force", False)
+            if not isinstance(force, bool):
+                raise _err(source, f"{key}.force", "expected true or false")
+            s = cfg.get("source")
+            if s is None:
+                tokens[str(t)] = TokenRule("auto", force=force)
+            elif isinstance(s, dict) and s.get("kind") == "zero":
+                tokens[str(t)] = TokenRule("zero", force=force)
+            elif isinstance(s, dict) and s.get("kind") == "model_token":
+                tid, tname = s.get("token_id"), s.get("token")
+                if (tid is None) == (tname is None):
+                    raise _err(source, f"{key}.source", "give one of token_id and token")
+                tokens[str(t)] = TokenRule("model_token", model_ref(s.get("model"),
+                                                                    f"{key}.source.model"),
+                                           tid, tname, force)
+            elif isinstance(s, dict):
+                raise _err(source, f"{key}.source", "expected a model, {kind: zero} or "
+                           "{kind: model_token, model: ..., token_id|token: ...}")
+            else:
+                tokens[str(t)] = TokenRule("model", model_ref(s, f"{key}.source"), force=force)
+        return TokenizerSpec(src(block.get("source", "union"), "tokenizer.source"), tokens,
+                             pad, chat)
+    if ts is not None:
+        return TokenizerSpec(src(ts, "tokenizer_source"), chat_template=chat)
+    if chat is not None:
+        return TokenizerSpec(None, chat_template=chat)
+    return None
+
+
 def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base: str | None,
                     source: str, lenient: _Lenient) -> tuple[
                         dict[str, Any], list[_Model], list[dict[str, Any]], bool]:
@@ -660,6 +727,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                    "slice's sources (mergekit refuses a slice without its base)")
     glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
                                   lenient, scopes=None)
+    tok = _tokenizer(data, base_dir, source, hub_config, hub_records)
     slice_defs = (_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
                   else (_models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]
@@ -730,6 +798,12 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         "budget": budget.to_spec(),
         "block_size": block_size,
     }
+    if tok is not None:
+        if tok.source is not None or tok.tokens or tok.pad_to_multiple_of:
+            raw["tokenizer"] = {**tokenizer_json(tok), "source": hub_records.get(
+                tok.source, tok.source) if tok.source is not None else "base"}
+        if tok.chat_template is not None:
+            raw["chat_template"] = tok.chat_template
     if sliced:
         del raw["models"]
         raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
@@ -745,7 +819,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
-                settings=glob_settings)
+                settings=glob_settings, tokenizer=tok)
 
 
 # -- remote sources -----------------------------------------------------------------------------
