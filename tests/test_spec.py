@@ -206,7 +206,11 @@ BAD: dict[str, tuple[Any, str]] = {
     "unknown top-level key": (good_doc(mystery=1, strict=True), "mystery"),
     "slices": (good_doc(slices=[{"sources": [{"model": "a", "layer_range": [0, 4]}]}]),
                "slices"),
-    "tokenizer_source": (good_doc(tokenizer_source="union"), "tokenizer_source"),
+    "tokenizer_source and tokenizer": (good_doc(tokenizer_source="union",
+                                                tokenizer={"source": "base"}), "tokenizer"),
+    "pad_to_multiple_of zero": (good_doc(tokenizer={"pad_to_multiple_of": 0}),
+                                "tokenizer.pad_to_multiple_of"),
+    "modules": (good_doc(modules={"text": {"models": []}}), "modules"),
     "gradient out of range": (with_model_params({"weight": 0.5, "density": [0.2, 1.5]},
                                                 "ties"), "models[0].parameters.density"),
     "filter entry without value": (with_model_params({"weight": {"filter": "self_attn"}}),
@@ -278,7 +282,8 @@ def test_setting_errors_say_what_is_wrong(tmp_path: Path) -> None:
     assert "filter" in spec_error(tmp_path, BAD["filter entry without value"][0])
     assert "substring" in spec_error(tmp_path, BAD["filter of a non-string"][0])
     assert "not both" in spec_error(tmp_path, BAD["slices"][0])
-    assert "not supported" in spec_error(tmp_path, BAD["tokenizer_source"][0])
+    assert "not both" in spec_error(tmp_path, BAD["tokenizer_source and tokenizer"][0])
+    assert "not supported" in spec_error(tmp_path, BAD["modules"][0])
 
 
 @pytest.mark.parametrize("text", ["merge_method: [unclosed\n", "- just\n- a list\n", ""])
