@@ -212,7 +212,12 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
-    every model the slices name, keyed by the output's units."""
+    every model the slices name, keyed by the output's units. A multi-document spec's
+    named merges are materialised first (mergefs.multi), unless already up to date."""
+    if spec.intermediates:
+        from .multi import ensure_intermediates
+
+        ensure_intermediates(spec)
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]

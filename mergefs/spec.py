@@ -256,6 +256,8 @@ class Spec:
     settings: Mapping[str, Any] = field(default_factory=dict)
     #: tokenizer_source / tokenizer / chat_template (None: the base's tokenizer files as they are)
     tokenizer: TokenizerSpec | None = None
+    #: a multi-document spec's named merges, in dependency order: (name, spec, output dir)
+    intermediates: tuple[tuple[str, Spec, str], ...] = ()
 
     @property
     def method_def(self) -> Method:
@@ -329,10 +331,92 @@ def load_spec(path: str | Path, strict: bool = False) -> Spec:
     except OSError as exc:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        docs = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
-    return parse_spec(data, base_dir=p.resolve().parent, source=str(p), strict=strict)
+    if len(docs) > 1:
+        return _load_multi(docs, p, strict)
+    return parse_spec(docs[0] if docs else None, base_dir=p.resolve().parent, source=str(p),
+                      strict=strict)
+
+
+#: model-reference keys whose value may name an earlier merge of a multi-document spec
+_REF_KEYS = frozenset({"model", "base_model", "tokenizer_source", "source"})
+
+
+def _patch_refs(value: Any, paths: Mapping[str, str], used: set[str], key: str = "") -> Any:
+    """``value`` with every model reference that names a merge replaced by its output path."""
+    if isinstance(value, list):
+        return [_patch_refs(v, paths, used, key) for v in value]
+    if isinstance(value, dict):
+        return {k: _patch_refs(v, paths, used, k) for k, v in value.items()}
+    if isinstance(value, str) and key in _REF_KEYS:
+        name, sep, rest = value.partition("+")  # name+lora
+        name, at, rev = name.partition("@")
+        if name in paths:
+            used.add(name)
+            return paths[name] + (sep + rest if sep else "")
+    return value
+
+
+def _load_multi(docs: list[Any], p: Path, strict: bool) -> Spec:
+    """mergekit-multi: named merges that later documents use as models, and one unnamed final
+    merge. Each named merge is materialised under ``intermediate_dir`` (a key of the final
+    document; default ``.mergefs/intermediate`` beside the spec) as ``<dir>/<name>``, as
+    mergekit-multi does; the final Spec lists them, in dependency order, in ``intermediates``."""
+    base_dir = p.resolve().parent
+    named: dict[str, dict[str, Any]] = {}
+    final: dict[str, Any] | None = None
+    for k, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            raise SpecError(f"{p}: document {k + 1}: a merge spec is a YAML mapping")
+        if doc.get("name") is None:
+            if final is not None:
+                raise SpecError(f"{p}: only one document may be unnamed (the final merge)")
+            final = dict(doc)
+        else:
+            name = doc["name"]
+            if not isinstance(name, str) or not name or "/" in name or name in named:
+                raise SpecError(f"{p}: document {k + 1}: name: expected a unique name "
+                                f"without '/', got {name!r}")
+            named[name] = {k2: v for k2, v in doc.items() if k2 != "name"}
+    if final is None:
+        raise SpecError(f"{p}: a multi-document spec needs one unnamed document: the merge "
+                        "to write or mount")
+    inter = final.pop("intermediate_dir", ".mergefs/intermediate")
+    inter_dir = Path(_resolve_path(base_dir, inter, str(p), "intermediate_dir"))
+    paths = {n: str(inter_dir / n) for n in named}
+    deps: dict[str, set[str]] = {}
+    patched: dict[str, dict[str, Any]] = {}
+    for n, doc in named.items():
+        used: set[str] = set()
+        patched[n] = _patch_refs(doc, paths, used)
+        deps[n] = used
+    order: list[str] = []
+
+    def visit(n: str, stack: tuple[str, ...]) -> None:
+        if n in order:
+            return
+        if n in stack:
+            raise SpecError(f"{p}: merges depend on each other in a cycle: "
+                            f"{' -> '.join((*stack, n))}")
+        for d in sorted(deps[n]):
+            visit(d, (*stack, n))
+        order.append(n)
+
+    used_final: set[str] = set()
+    final = _patch_refs(final, paths, used_final)
+    for n in named:
+        visit(n, ())
+    stem = p.stem
+    intermediates = []
+    for n in order:
+        doc = {"index_dir": final.get("index_dir", ".mergefs/index"),
+               "manifest": f"{stem}.{n}.manifest.jsonl", **patched[n]}
+        intermediates.append((n, parse_spec(doc, base_dir, source=f"{p}#{n}", strict=strict),
+                              paths[n]))
+    spec = parse_spec(final, base_dir=base_dir, source=str(p), strict=strict)
+    return Spec(**{**spec.__dict__, "intermediates": tuple(intermediates)})
 
 
 class _Lenient:

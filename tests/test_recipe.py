@@ -296,3 +296,67 @@ def test_replay_of_a_sliced_merge(fam: Family, tmp_path: Path) -> None:
 
     assert sha256(tmp_path / "out" / "model.safetensors") == \
         sha256(tmp_path / "replayed" / "model.safetensors")
+
+
+# -- multi-document specs (mergekit-multi) --------------------------------------------------------
+
+def test_multi_document_equals_mergekit_multi(fam: Family, tmp_path: Path) -> None:
+    from mergekit.scripts.multimerge import main as multimerge
+
+    from test_mergekit_parity import load_dir
+
+    docs = [
+        {"name": "soup", "merge_method": "linear", "dtype": "float32", "out_dtype": fam.dtype,
+         "models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.7}},
+                    {"model": str(fam.experts[1]), "parameters": {"weight": 0.3}}]},
+        {"merge_method": "slerp", "base_model": str(fam.base), "dtype": "float32",
+         "out_dtype": fam.dtype,
+         "slices": [{"sources": [all_layers(fam.base), all_layers("soup")]}],  # type: ignore
+         "parameters": {"t": T_TEMPLATE}},
+    ]
+    mk_cfg = tmp_path / "mk.yaml"
+    mk_cfg.write_text(yaml.safe_dump_all(docs))
+    multimerge([str(mk_cfg), "--intermediate-dir", str(tmp_path / "mk-inter"), "--out-path",
+                str(tmp_path / "mk"), "--no-copy-tokenizer"], standalone_mode=False)
+    fs_docs = [dict(d) for d in docs]
+    fs_docs[1] = {**fs_docs[1], "intermediate_dir": str(tmp_path / "fs-inter"),
+                  "block_size": "4KiB", "index_dir": str(tmp_path / "index")}
+    spec = tmp_path / "fs.yaml"
+    spec.write_text(yaml.safe_dump_all(fs_docs))
+    from mergefs import cli
+
+    assert cli.main(["merge", str(spec), str(tmp_path / "fs")]) == 0
+    assert_identical(load_dir(tmp_path / "mk"), load_dir(tmp_path / "fs"))
+    assert_identical(load_dir(tmp_path / "mk-inter" / "soup"),
+                     load_dir(tmp_path / "fs-inter" / "soup"))
+    assert len(load_dir(tmp_path / "mk")) > 0 and len(load_dir(tmp_path / "mk-inter" / "soup"))
+    mtime = (tmp_path / "fs-inter" / "soup" / "model.safetensors").stat().st_mtime_ns
+    assert cli.main(["merge", str(spec), str(tmp_path / "fs2")]) == 0  # reused, not redone
+    assert (tmp_path / "fs-inter" / "soup" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.mount
+@needs_fuse
+def test_mount_of_a_multi_document_spec(fam: Family, tmp_path: Path, mounts: Any) -> None:
+    from test_mount import merge, sha256
+    from viewcases import tree
+
+    docs = [
+        {"name": "stack", "merge_method": "passthrough", "dtype": "float32",
+         "slices": [{"sources": [all_layers(fam.experts[0], 3)]},
+                    {"sources": [all_layers(fam.experts[0], 3)]}]},
+        {"name": "stack-b", "merge_method": "passthrough", "dtype": "float32",
+         "slices": [{"sources": [all_layers(fam.experts[1], 3)]},
+                    {"sources": [all_layers(fam.experts[1], 3)]}]},
+        {"merge_method": "task_arithmetic", "base_model": "stack", "dtype": "float32",
+         "models": [{"model": "stack-b", "parameters": {"weight": 0.5}}],
+         "block_size": "4KiB", "budget": "50%", "index_dir": str(tmp_path / "index"),
+         "intermediate_dir": str(tmp_path / "inter")},
+    ]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump_all(docs))
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
+        {r: sha256(p) for r, p in tree(out).items()}
+    assert json.loads((m.path / "config.json").read_text())["num_hidden_layers"] == 6
