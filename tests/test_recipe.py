@@ -285,12 +285,13 @@ def test_mount_of_a_self_stack_serves_twice_the_layers(fam: Family, tmp_path: Pa
     assert m.stats()["physical_bytes_read"]["base"] <= weights  # each source block once
 
 
-def test_replay_of_a_sliced_merge(fam: Family, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["layer-stack", "slerp-template", "filtered-task-arithmetic"])
+def test_replay_of_a_recipe_merge(case: str, fam: Family, tmp_path: Path) -> None:
     from mergefs import cli
 
-    cfg, _ = sliced_cases(fam)["layer-stack"]
+    cfg, budget = sliced_cases(fam)[case]
     manifest = tmp_path / "m.jsonl"
-    materialise(cfg, tmp_path / "out", manifest)
+    materialise(cfg, tmp_path / "out", manifest, budget)
     assert cli.main(["replay", str(manifest), "--out", str(tmp_path / "replayed")]) == 0
     from test_mount import sha256
 

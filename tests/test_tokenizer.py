@@ -195,3 +195,20 @@ def test_mount_serves_the_tokenizer_merge(vocab_family: dict[str, Path], tmp_pat
     assert "gamma" in tok.get_vocab() and tok.chat_template
     model = AutoModelForCausalLM.from_pretrained(m.path)
     assert model.config.vocab_size == len(tok.get_vocab())
+
+
+def test_replay_of_a_tokenizer_merge(vocab_family: dict[str, Path], tmp_path: Path) -> None:
+    from test_mount import sha256
+
+    from mergefs import cli
+
+    cfg = cfg_for(vocab_family, tokenizer={"source": "union", "pad_to_multiple_of": 8},
+                  chat_template="chatml")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({**cfg, "budget": "40%", "block_size": "4KiB",
+                                    "index_dir": str(tmp_path / "index")}))
+    assert cli.main(["merge", str(spec), str(tmp_path / "out"), "--manifest",
+                     str(tmp_path / "m.jsonl")]) == 0
+    assert cli.main(["replay", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "again")]) == 0
+    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert sha256(tmp_path / "out" / f) == sha256(tmp_path / "again" / f)
