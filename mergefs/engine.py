@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from . import __version__
+from . import tokenizer as tokenizers
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
@@ -42,7 +43,6 @@ from .manifest import SCHEMA_VERSION, ManifestWriter
 from .methods import Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
-from . import tokenizer as tokenizers
 from .recipe import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
 from .spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
 
@@ -311,19 +311,21 @@ class Engine:
             self.extra_hidden = frozenset(r for r in base.extra_files
                                           if r in tokenizers.TOKENIZER_FILES)
             self.extra_overrides.update(self.tokenizer.files)
-            if CONFIG_NAME in self.extra_overrides or CONFIG_NAME in base.extra_files:
-                if self.derived:
-                    cfg = json.loads(self.extra_overrides.get(CONFIG_NAME)
-                                     or base.read_extra(CONFIG_NAME))
-                    self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
-                        tokenizers.update_config(cfg, self.tokenizer))
+            if self.derived and (CONFIG_NAME in self.extra_overrides
+                                 or CONFIG_NAME in base.extra_files):
+                cfg = json.loads(self.extra_overrides.get(CONFIG_NAME)
+                                 or base.read_extra(CONFIG_NAME))
+                self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
+                    tokenizers.update_config(cfg, self.tokenizer))
         self.labels = expert_labels([e.path for e in spec.experts])
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
 
     def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        out = {}
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        if self.tokenizer is None:
+            return out
         for key in self.derived:
             _, loc = self.base.vocab_locs[key]  # type: ignore[attr-defined]
             out[key] = (loc.dtype, (self.tokenizer.rows, *loc.shape[1:]))
@@ -334,6 +336,7 @@ class Engine:
         tokens (mergefs.tokenizer.permute), then merged by the method as one unit."""
         import torch
 
+        assert self.tokenizer is not None and self.spec.tokenizer is not None
         u = self.unit_outputs[name]
         loaded: dict[str, Any] = {}
         for role, src in enumerate([self.base, *self.experts]):

@@ -228,9 +228,9 @@ def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
         n_src = config[key]
         out[key] = n_out
         for k, v in config.items():
-            if isinstance(v, list) and len(v) == n_src and n_src != n_out:
-                if all(L < len(v) for _, L in recipe.layers):
-                    out[k] = [v[L] for _, L in recipe.layers]
+            if (isinstance(v, list) and len(v) == n_src and n_src != n_out
+                    and all(L < len(v) for _, L in recipe.layers)):
+                out[k] = [v[L] for _, L in recipe.layers]
     return out
 
 

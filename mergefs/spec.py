@@ -25,9 +25,9 @@ from . import methods as registry
 from .errors import BudgetError, SpecError
 from .format import FLOAT_DTYPES
 from .methods.base import REQUIRED, BasePolicy, Method, ParamDef, Scope
+from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 from .tokenizer import TokenizerSpec, TokenRule
 from .tokenizer import to_json as tokenizer_json
-from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ def _patch_refs(value: Any, paths: Mapping[str, str], used: set[str], key: str =
         return {k: _patch_refs(v, paths, used, k) for k, v in value.items()}
     if isinstance(value, str) and key in _REF_KEYS:
         name, sep, rest = value.partition("+")  # name+lora
-        name, at, rev = name.partition("@")
+        name = name.partition("@")[0]
         if name in paths:
             used.add(name)
             return paths[name] + (sep + rest if sep else "")
@@ -803,8 +803,12 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
             x.path for x in models}:
         method_base = None  # the inputs of a slice are its sources, exactly
-    glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, method_base, source,
-                                                        lenient)
+    method_data = data
+    if sliced:  # parameters a slice sets count as given (resolved per tensor by the recipe)
+        method_data = {**data, "parameters": {**slices[0].params_raw,
+                                              **(data.get("parameters") or {})}}
+    glob, inputs, per_input, has_base = _resolve_method(mdef, method_data, models, method_base,
+                                                        source, lenient)
     base = method_base if method_base is not None else models[0].path
     if sliced and has_base and base not in {x.path for x in models}:
         raise _err(source, "slices[0].sources", f"the base model {base} must be one of the "
@@ -891,8 +895,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     if sliced:
         del raw["models"]
         raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
-        raw["parameters"] = {**{k: settings.to_json(v) for k, v in glob_settings.items()},
-                             **raw["parameters"]}
+        # only what the global level gave: a slice's own values stay on the slice
+        raw["parameters"] = {k: settings.to_json(v) for k, v in glob_settings.items()}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log
         raw["storage_options"] = redact_options(top_options)
     if "remote" in data:

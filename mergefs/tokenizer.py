@@ -75,7 +75,7 @@ def _load(path: str) -> Any:
     tf = _transformers()
     try:
         return tf.AutoTokenizer.from_pretrained(path, use_fast=True)
-    except Exception as exc:  # transformers raises many kinds
+    except Exception as exc:  # noqa: BLE001 (transformers raises many kinds)
         raise SpecError(f"{path}: cannot load its tokenizer: {exc}".splitlines()[0]) from None
 
 
@@ -272,7 +272,7 @@ def _rule_embedding(built: BuiltTokenizer, tensors: Mapping[str, Any], token: st
     if rule.kind == "zero":
         t0 = next(iter(tensors.values()))
         return t0.new_zeros(t0.shape[1:])
-    if rule.model not in tensors:
+    if rule.model is None or rule.model not in tensors:
         raise SpecError(f"tokenizer.tokens.{token}: its source {rule.model} is not an input "
                         "of this tensor")
     src = tensors[rule.model]

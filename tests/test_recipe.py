@@ -19,12 +19,12 @@ from families import Family, make_llama_family
 torch = pytest.importorskip("torch")
 pytest.importorskip("mergekit")
 
-from test_mergekit_parity import assert_identical, run_mergekit, run_mergefs  # noqa: E402
+from test_mergekit_parity import assert_identical, run_mergefs, run_mergekit
 
-from mergefs.engine import Session  # noqa: E402
-from mergefs.recipe import build_recipe  # noqa: E402
-from mergefs.settings import evaluate  # noqa: E402
-from mergefs.spec import load_spec  # noqa: E402
+from mergefs.engine import Session
+from mergefs.recipe import build_recipe
+from mergefs.settings import evaluate
+from mergefs.spec import load_spec
 
 N_LAYERS = 5
 T_TEMPLATE = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
@@ -303,7 +303,6 @@ def test_replay_of_a_recipe_merge(case: str, fam: Family, tmp_path: Path) -> Non
 
 def test_multi_document_equals_mergekit_multi(fam: Family, tmp_path: Path) -> None:
     from mergekit.scripts.multimerge import main as multimerge
-
     from test_mergekit_parity import load_dir
 
     docs = [
@@ -361,3 +360,19 @@ def test_mount_of_a_multi_document_spec(fam: Family, tmp_path: Path, mounts: Any
     assert {r: sha256(p) for r, p in tree(m.path).items()} == \
         {r: sha256(p) for r, p in tree(out).items()}
     assert json.loads((m.path / "config.json").read_text())["num_hidden_layers"] == 6
+
+
+def test_slice_level_required_parameter(fam: Family, tmp_path: Path) -> None:
+    """slerp's t given only on the slices (a different gradient each), none globally."""
+    cfg = common(fam, "slerp", base_model=str(fam.base), slices=[
+        {"sources": [{"model": str(fam.base), "layer_range": [0, 2]},
+                     {"model": str(fam.experts[2]), "layer_range": [0, 2]}],
+         "parameters": {"t": [0.1, 0.9]}},
+        {"sources": [{"model": str(fam.base), "layer_range": [2, 5]},
+                     {"model": str(fam.experts[2]), "layer_range": [2, 5]}],
+         "parameters": {"t": {"filter": "mlp", "value": [0.8, 0.2]}}},
+    ])
+    cfg["slices"][1]["parameters"]["t"] = [cfg["slices"][1]["parameters"]["t"], {"value": 0.3}]
+    mk, fs = both(cfg, tmp_path)
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)

@@ -16,10 +16,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("mergekit")
 pytest.importorskip("transformers")
 
-from mergekit.config import MergeConfiguration  # noqa: E402
-from mergekit.merge import run_merge  # noqa: E402
-from mergekit.options import MergeOptions  # noqa: E402
-from test_mergekit_parity import assert_identical, load_dir, run_mergefs  # noqa: E402
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+from test_mergekit_parity import assert_identical, load_dir, run_mergefs
 
 BASE_WORDS = ["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(13)]]
 EXTRA = {"a": ["alpha", "beta"], "b": ["beta", "gamma", "delta"]}
