@@ -194,7 +194,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
     spec = parse_spec(dict(h["spec"]), base_dir=Path(manifest_path).resolve().parent,
                       source=f"{manifest_path} (recorded spec)")
     if out is not None:
-        check_writes([spec.base, *(e.path for e in spec.experts)], outdir=out)
+        check_writes(spec.model_paths, outdir=out)
     base, experts = open_family(spec)
     try:
         recorded = h["sources"]

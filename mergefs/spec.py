@@ -288,6 +288,21 @@ class Spec:
         raw["budget"] = budget.to_spec()
         return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
 
+    @property
+    def model_paths(self) -> list[str]:
+        """Every model the spec reads: base, experts, every slice's models, tokenizer sources
+        and the models its named merges read (outputs must never land in one)."""
+        out = [self.base, *(e.path for e in self.experts)]
+        for sl in self.slices:
+            out += [r.path for r in (sl.ref, *sl.experts)]
+        tok = self.tokenizer
+        if tok is not None:
+            out += [p for p in (tok.source, *(r.model for r in tok.tokens.values()))
+                    if p is not None and p not in ("base", "union")]
+        for _, sub, _ in self.intermediates:
+            out += sub.model_paths
+        return list(dict.fromkeys(out))
+
     def source_options(self, path: str) -> RemoteOptions | None:
         """Options to open the source at ``path``: None for a local path."""
         return self.remote_sources.get(path)

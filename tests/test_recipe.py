@@ -376,3 +376,13 @@ def test_slice_level_required_parameter(fam: Family, tmp_path: Path) -> None:
     mk, fs = both(cfg, tmp_path)
     assert set(mk) == set(fs)
     assert_identical(mk, fs)
+
+
+def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path) -> None:
+    """A model only a later slice reads is a source too: no output may land in it."""
+    from mergefs import cli
+
+    cfg, _ = sliced_cases(fam)["layer-stack"]
+    spec = spec_file(cfg, tmp_path / "spec.yaml")
+    assert cli.main(["merge", str(spec), str(fam.experts[1] / "merged")]) == 1
+    assert not (fam.experts[1] / "merged").exists()
