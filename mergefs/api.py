@@ -64,7 +64,7 @@ class Merge:
     def _check_writes(self, **paths: Any) -> None:
         from .outdir import check_writes
 
-        check_writes([self.spec.base, *(e.path for e in self.spec.experts)], **paths)
+        check_writes(self.spec.model_paths, **paths)
 
     def index(self, rebuild: bool = False) -> Any:
         """Build (or reuse) the block index; returns the :class:`mergefs.index.BlockIndex`."""

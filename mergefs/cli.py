@@ -39,7 +39,7 @@ typical session:
 
 def _sources(spec: Spec) -> list[str]:
     """Every local or remote source the spec reads (outputs must never land in one)."""
-    return [spec.base, *(e.path for e in spec.experts)]
+    return spec.model_paths
 
 
 def _load(args: argparse.Namespace) -> Spec:

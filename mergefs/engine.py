@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from . import __version__, memory
+from . import tokenizer as tokenizers
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged
@@ -42,6 +43,7 @@ from .manifest import SCHEMA_VERSION, ManifestWriter
 from .methods import Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
+from .recipe import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
 from .spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,37 @@ def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
 CONFIG_NAME = "config.json"
 
 
-def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
+def sliced_layout(spec: Spec, recipe: Recipe, base: Checkpoint, layout_index: dict[str, int],
+                  vocab_shapes: dict[str, tuple[str, tuple[int, ...]]] | None = None
+                  ) -> tuple[list[OutFile], bytes | None]:
+    """The weight file of a sliced (or tokenizer) merge: every output tensor, one file;
+    ``vocab_shapes``: unit key -> (source dtype, output shape) of vocabulary tensors."""
+    spec_map = {}
+    for o in recipe.outputs:
+        if vocab_shapes and o.key in vocab_shapes:
+            dtype, shape = vocab_shapes[o.key]
+        else:
+            dtype, shape = base.tensors[o.key].dtype, base.tensors[o.key].shape
+        spec_map[o.name] = (output_dtype(spec, dtype), shape)
+    header, lay = build_header(spec_map, {"format": "pt"})
+    units = {o.name: o.key for o in recipe.outputs}
+    tensors = tuple(
+        OutTensor(n, SINGLE_NAME, len(header) + lay[n].start, len(header) + lay[n].end,
+                  lay[n].dtype, lay[n].shape, layout_index.get(units[n]))
+        for n in sorted(lay, key=lambda n: lay[n].start))
+    size = len(header) + max((t.end for t in lay.values()), default=0)
+    return [OutFile(SINGLE_NAME, header, size, tensors)], None
+
+
+def recipe_of(spec: Spec, base: Checkpoint) -> Recipe:
+    """The spec's recipe: carried by the sources of a sliced spec, else built over the base."""
+    if isinstance(base, RoleSource):
+        return base.recipe
+    return build_recipe(spec, {spec.base: list(base.tensors)})
+
+
+def output_extra_files(spec: Spec, base: Checkpoint, recipe: Recipe | None = None
+                       ) -> dict[str, bytes]:
     """Non-weight files the merge writes differently from the base's, by relative path.
 
     ``config.json`` carries the output dtype (``torch_dtype`` and ``dtype``, the name
@@ -120,7 +152,8 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
     merge as float16. Keys keep their order. Without an output dtype (each tensor keeps its own)
     or with a config that is not a JSON object, the base's file passes through unchanged.
     """
-    if spec.out_dtype is None or CONFIG_NAME not in base.extra_files:
+    sliced = recipe is not None and recipe.layers is not None
+    if (spec.out_dtype is None and not sliced) or CONFIG_NAME not in base.extra_files:
         return {}
     try:
         config = json.loads(base.read_extra(CONFIG_NAME))
@@ -132,9 +165,12 @@ def output_extra_files(spec: Spec, base: Checkpoint) -> dict[str, bytes]:
         log.warning("%s of the base is not a JSON object: copied unchanged (its dtype may not "
                     "match the merge)", CONFIG_NAME)
         return {}
-    name = OUT_DTYPE_NAMES[spec.out_dtype]
-    config["torch_dtype"] = name
-    config["dtype"] = name
+    if recipe is not None:
+        config = rewrite_config(config, recipe)  # layer count and per-layer lists of slices
+    if spec.out_dtype is not None:
+        name = OUT_DTYPE_NAMES[spec.out_dtype]
+        config["torch_dtype"] = name
+        config["dtype"] = name
     return {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode()}
 
 
@@ -175,11 +211,68 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
 
 
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
+    every model the slices name, keyed by the output's units. A multi-document spec's
+    named merges are materialised first (mergefs.multi), unless already up to date."""
+    if spec.intermediates:
+        from .multi import ensure_intermediates
+
+        ensure_intermediates(spec)
     base = open_checkpoint(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]
+    if spec.sliced or spec.tokenizer is not None:
+        opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
+        try:
+            for sl in spec.slices:
+                for r in (sl.ref, *sl.experts):
+                    if r.path not in opened:
+                        opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+            built, vocab = _tokenizer(spec, opened)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab)
+            roles = [RoleSource(recipe, r, opened) for r in range(1 + len(experts))]
+        except BaseException:
+            for c in opened.values():
+                c.close()
+            raise
+        for role in roles:
+            role.tokenizer = built
+        base, experts = roles[0], roles[1:]  # type: ignore[assignment]
     check_coordinates(base, experts)
     return base, experts
+
+
+#: Vocabulary tensors (rows are tokens) of a tokenizer merge: embeddings and LM heads whose
+#: first dimension is the model's vocab_size
+_VOCAB_NAME = re.compile(r"lm_head|embed_out|(^|\.)output\.weight$")
+
+
+def _config_of(c: Checkpoint) -> dict[str, Any] | None:
+    if CONFIG_NAME not in c.extra_files:
+        return None
+    try:
+        doc = json.loads(c.read_extra(CONFIG_NAME))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
+               ) -> tuple[tokenizers.BuiltTokenizer | None, frozenset[str]]:
+    """The output tokenizer of a spec that merges one, and the vocabulary tensors of its
+    reference model (empty when only a chat template is set: no rows change)."""
+    if spec.tokenizer is None:
+        return None, frozenset()
+    configs = {p: _config_of(c) for p, c in opened.items()}
+    built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs)
+    if spec.tokenizer.source is None:
+        return built, frozenset()
+    ref = opened[spec.slices[0].ref.path]
+    size = tokenizers.vocab_size_of(configs[spec.slices[0].ref.path], -1)
+    vocab = frozenset(n for n, loc in ref.tensors.items()
+                      if loc.shape and loc.shape[0] == size and loc.dtype in FLOAT_DTYPES
+                      and (PRE_WEIGHT.search(n) or _VOCAB_NAME.search(n)))
+    return built, vocab
 
 
 class Engine:
@@ -187,27 +280,96 @@ class Engine:
 
     def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
-                 verify_index: bool = True) -> None:
+                 verify_index: bool = True, recipe: Recipe | None = None) -> None:
         self.spec = spec
+        self.recipe = recipe if recipe is not None else recipe_of(spec, base)
+        self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
+        #: output tensor name -> the unit it is made of (several names for a repeated unit)
+        self.unit_of = {o.name: o.key for o in self.recipe.outputs}
+        self.tokenizer = getattr(base, "tokenizer", None)
+        #: vocabulary units of a tokenizer merge: not in the index, merged from whole tensors
+        self.derived = frozenset(o.key for o in self.recipe.outputs if o.vocab)
         self.base = base
         self.experts = list(experts)
         self.index = index
         self.layout = index.layout
         self.plan = plan
         self.method = spec.method_def
-        self.elementwise = self.method.elementwise(len(spec.input_order), spec.parameters)
-        self.input_params = tuple(spec.input_parameters())
         self.manifest = manifest
         self.verify_index = verify_index
         self.tindex = self.layout.tensor_index()
-        self.out_files, self.index_json = output_layout(spec, base, self.tindex)
+        if self.recipe.layers is not None or self.derived:
+            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
+                                                            self._vocab_shapes())
+        else:
+            self.out_files, self.index_json = output_layout(spec, base, self.tindex)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
-        self.extra_overrides = output_extra_files(spec, base)
+        self.extra_overrides = output_extra_files(spec, base, self.recipe)
+        #: non-weight files of the base not in the output (its tokenizer, when one is built)
+        self.extra_hidden: frozenset[str] = frozenset()
+        if self.tokenizer is not None:
+            self.extra_hidden = frozenset(r for r in base.extra_files
+                                          if r in tokenizers.TOKENIZER_FILES)
+            self.extra_overrides.update(self.tokenizer.files)
+            if self.derived and (CONFIG_NAME in self.extra_overrides
+                                 or CONFIG_NAME in base.extra_files):
+                cfg = json.loads(self.extra_overrides.get(CONFIG_NAME)
+                                 or base.read_extra(CONFIG_NAME))
+                self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
+                    tokenizers.update_config(cfg, self.tokenizer))
         self.labels = expert_labels([e.path for e in spec.experts])
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
+
+    def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        if self.tokenizer is None:
+            return out
+        for key in self.derived:
+            _, loc = self.base.vocab_locs[key]  # type: ignore[attr-defined]
+            out[key] = (loc.dtype, (self.tokenizer.rows, *loc.shape[1:]))
+        return out
+
+    def _vocab_unit(self, name: str) -> bytes:
+        """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
+        tokens (mergefs.tokenizer.permute), then merged by the method as one unit."""
+        import torch
+
+        assert self.tokenizer is not None and self.spec.tokenizer is not None
+        u = self.unit_outputs[name]
+        loaded: dict[str, Any] = {}
+        for role, src in enumerate([self.base, *self.experts]):
+            c, loc = src.vocab_locs[name]  # type: ignore[attr-defined]
+            buf = c.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+            if self.manifest is not None:
+                label = "base" if role == 0 else self.labels[role - 1]
+                self.manifest.write({"type": "read", "source": label, "file": loc.file,
+                                     "tensor": name, "start": loc.start, "end": loc.end,
+                                     "xxh3": xxhash.xxh3_64_hexdigest(buf)})
+            loaded[u.models[role]] = torch.from_numpy(decode_f32(buf, loc.dtype).copy()
+                                                      ).reshape(loc.shape)
+        order = [u.models[0] if k == REFERENCE else u.models[k + 1]
+                 for k in self.spec.input_order]
+        if self.spec.has_base:
+            order = [u.models[0], *order]
+        permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
+                                      u.models[0] if self.spec.has_base else None,
+                                      {m: loaded[m] for m in order})
+        ref = permuted[u.models[0]]
+        inputs = tuple(ref if k == REFERENCE else permuted[u.models[k + 1]]
+                       for k in self.spec.input_order)
+        unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
+                    base=ref if self.spec.has_base else None, inputs=inputs, params=u.params,
+                    input_params=u.input_params, expert_ids=tuple(range(len(inputs))))
+        with torch.no_grad():
+            out = self.method.merge(unit)
+        merged = np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+        size = self.out_tensors[name].end - self.out_tensors[name].start
+        data = encode(merged, self.out_tensors[name].dtype)
+        assert len(data) == size
+        return self._output(name, 0, 0, data)
 
     # -- units ---------------------------------------------------------------------------
     def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
@@ -216,9 +378,12 @@ class Engine:
         Whole-tensor methods: one unit. Elementwise: single blocks, or runs of about
         ``unit_elems`` elements when given.
         """
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return [(0, 0)]
         t = self.tindex[name]
         blocks = self.layout.blocks_of(t)
-        if not self.elementwise or not blocks:
+        if not self._elementwise(name) or not blocks:
             return [(blocks.start, blocks.stop)]
         out = []
         b0 = blocks.start
@@ -231,6 +396,9 @@ class Engine:
 
     def unit_out_range(self, name: str, b0: int, b1: int) -> tuple[int, int]:
         """Byte range ``[start, end)`` of a unit within the tensor's output bytes."""
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return 0, self.out_tensors[name].end - self.out_tensors[name].start
         item = DTYPES[self.out_tensors[name].dtype][0]
         return int(self.layout.elem_start[b0]) * item, int(self.layout.elem_end[b1 - 1]) * item
 
@@ -261,7 +429,10 @@ class Engine:
 
     # -- merging -------------------------------------------------------------------------
     def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
-        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name``."""
+        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return self._vocab_unit(name)
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype
@@ -303,19 +474,25 @@ class Engine:
     def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
                ) -> np.ndarray:
         """Run the method on one unit: float32 in, float32 out (flat)."""
-        shape = (w0.size,) if self.elementwise else self.out_tensors[name].shape
+        shape = (w0.size,) if self._elementwise(name) else self.out_tensors[name].shape
         ref = w0.reshape(shape)
+        out_t = self.unit_outputs[name]
         inputs = tuple(ref if k == REFERENCE or values[k] is None
                        else values[k].reshape(shape)  # type: ignore[union-attr]
                        for k in self.spec.input_order)
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
-                    params=self.spec.parameters, input_params=self.input_params,
+                    params=out_t.params, input_params=out_t.input_params,
                     expert_ids=tuple(range(len(inputs))))
         out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
         if not isinstance(out, np.ndarray):
             out = out.detach().numpy()
         return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
+
+    def _elementwise(self, name: str) -> bool:
+        u = self.unit_outputs.get(name)
+        return self.method.elementwise(len(self.spec.input_order),
+                                       u.params if u is not None else self.spec.parameters)
 
     def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
         """True when a unit that reads no expert is exactly the base's bytes (see
@@ -336,10 +513,13 @@ class Engine:
 
     def passthrough(self, name: str) -> bytes:
         """Bytes of a non-merged tensor (non-float): the base's, unchanged."""
+        name = self.unit_of.get(name, name)
         loc = self.base.tensors[name]
         return bytes(self.base.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0])
 
     def tensor_pieces(self, name: str, unit_elems: int) -> list[Callable[[], bytes]]:
+        if self.unit_of.get(name, name) in self.derived:
+            return [functools.partial(self.merge_unit, name, 0, 0)]
         if self.out_tensors[name].layout_index is None:
             return [functools.partial(self.passthrough, name)]
         return [functools.partial(self.merge_unit, name, b0, b1)
@@ -375,7 +555,10 @@ class Engine:
                         self._write_file(out, f, pool, hashes, on_bytes)
                 if self.index_json is not None:
                     _atomic_write(out / INDEX_NAME, [self.index_json])
-                for rel in self.base.extra_files:
+                added = [r for r in self.extra_overrides if r not in self.base.extra_files]
+                for rel in [*self.base.extra_files, *added]:
+                    if rel in self.extra_hidden and rel not in self.extra_overrides:
+                        continue
                     dst = out / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     rewritten = self.extra_overrides.get(rel)
@@ -394,10 +577,19 @@ class Engine:
 
     def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
                     hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
-        pieces: list[tuple[str, Callable[[], bytes]]] = [
-            (t.name, fn) for t in f.tensors for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
+        # A unit the output repeats (a self-stack) is merged once, where it first appears in
+        # the file; its later copies are read back from the file written so far.
+        first: dict[str, OutTensor] = {}
+        pieces: list[tuple[str, Callable[[], bytes] | OutTensor]] = []
+        for t in f.tensors:
+            key = self.unit_of.get(t.name, t.name)
+            if key in first:
+                pieces.append((t.name, first[key]))
+            else:
+                first[key] = t
+                pieces += [(t.name, fn) for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
         # The same merge units in the same order, for reading ahead of the workers.
-        ahead = iter([(t.name, b0, b1) for t in f.tensors if t.layout_index is not None
+        ahead = iter([(t.name, b0, b1) for t in first.values() if t.layout_index is not None
                       for b0, b1 in self.units(t.name, UNIT_ELEMS)])
         for unit in islice(ahead, PREFETCH_UNITS):
             self.prefetch(*unit)
@@ -405,9 +597,9 @@ class Engine:
         hashers: dict[str, Any] = {}
         try:
             _clear_temp(tmp)
-            with open(tmp, "xb") as fh:
+            with open(tmp, "xb+") as fh:  # read back: repeated units
                 fh.write(f.header)
-                window: deque[tuple[str, Future[bytes]]] = deque()
+                window: deque[tuple[str, Future[bytes] | OutTensor]] = deque()
                 it = iter(pieces)
 
                 def fill() -> None:
@@ -415,7 +607,9 @@ class Engine:
                         nxt = next(it, None)
                         if nxt is None:
                             return
-                        window.append((nxt[0], pool.submit(nxt[1])))
+                        job = nxt[1]
+                        window.append((nxt[0], job if isinstance(job, OutTensor)
+                                       else pool.submit(job)))
                         for unit in islice(ahead, 1):
                             self.prefetch(*unit)
 
@@ -423,7 +617,11 @@ class Engine:
                 written = synced = 0
                 while window:
                     name, fut = window.popleft()
-                    data = fut.result()
+                    if isinstance(fut, OutTensor):  # a repeated unit: its bytes written earlier
+                        fh.flush()
+                        data = os.pread(fh.fileno(), fut.end - fut.start, fut.start)
+                    else:
+                        data = fut.result()
                     fill()
                     fh.write(data)
                     written += len(data)
@@ -519,9 +717,13 @@ class Session:
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing
             c.counters.reset()
-        self.plan = plan if plan is not None else make_plan(spec, self.index, budget_bytes)
+        self.recipe = recipe_of(spec, self.base)
+        self.plan = plan if plan is not None else make_plan(
+            spec, self.index, budget_bytes,
+            coefficients=self.recipe.coefficients(spec, self.index.layout.tensors))
         self.manifest = manifest
-        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest)
+        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
+                             recipe=self.recipe)
         if manifest is not None:
             manifest.write(self.header_record())
 

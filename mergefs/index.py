@@ -310,9 +310,9 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
 def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
     elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
                         len(layout.tensors))
-    items = np.asarray([[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors]
-                        for e in experts], np.int64).reshape(len(experts), len(layout.tensors))
-    return int(layout.block_bytes().sum()) + int((items @ elems).sum())
+    items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
+    per_elem = np.asarray(items, np.int64).reshape(len(experts), len(layout.tensors))
+    return int(layout.block_bytes().sum()) + int((per_elem @ elems).sum())  # 0 experts: 0
 
 
 def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:

@@ -171,7 +171,7 @@ def run_mount(args: argparse.Namespace, spec: Spec) -> int:
     explicit = getattr(args, "manifest", None)
     if explicit:
         explicit = os.path.abspath(explicit)  # the daemon runs in /
-    check_writes([spec.base, *(e.path for e in spec.experts)],
+    check_writes(spec.model_paths,
                  manifest=explicit or spec.manifest, cache_dir=cfg.cache_dir, log=cfg.log_file)
     check_mountpoint(cfg.mountpoint)
     # Validated now, created by the server at its first record (never truncating anything).

@@ -107,18 +107,22 @@ def _content_digest(index: BlockIndex) -> str:
 
 def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple[float, float,
                                                                                float, float]:
-    """(tight, loose, exact error, update norm) for an additive merge."""
-    per_pair = np.abs(coeffs)[:, None] * index.norms * omitted  # (N, B)
+    """(tight, loose, exact error, update norm) for an additive merge; ``coeffs`` (N, B)."""
+    per_pair = np.abs(coeffs) * index.norms * omitted  # (N, B)
     loose = float(per_pair.sum())
     tight = float(np.sqrt((per_pair.sum(axis=0) ** 2).sum()))
-    c_om = coeffs[:, None] * omitted  # (N, B): c_i where omitted, else 0
+    c_om = coeffs * omitted  # (N, B): c_ib where omitted, else 0
     err_sq = np.einsum("ib,bij,jb->", c_om, index.gram, c_om)
-    upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
+    upd_sq = np.einsum("ib,bij,jb->", coeffs, index.gram, coeffs)
     return tight, loose, float(np.sqrt(max(err_sq, 0.0))), float(np.sqrt(max(upd_sq, 0.0)))
 
 
-def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None) -> Plan:
-    """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given)."""
+def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
+              coefficients: np.ndarray | None = None) -> Plan:
+    """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given).
+
+    ``coefficients``: (N, T) each expert's coefficient per tensor of the layout (gradients and
+    filters resolve per tensor: mergefs.recipe); default the spec's one per expert."""
     lay = index.layout
     n, nb = index.norms.shape
     block_bytes = index.expert_block_bytes()  # (N, B): experts' dtypes may differ
@@ -129,12 +133,17 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None) ->
         raise BudgetError(f"budget must not be negative, got {budget_bytes} bytes")
     nonzero = ~index.zero
     nonzero_bytes = int((block_bytes * nonzero).sum())
-    coeffs = np.asarray(spec.expert_coefficients(), dtype=np.float64).reshape(n)
+    if coefficients is None:
+        per_tensor = np.repeat(np.asarray(spec.expert_coefficients(), dtype=np.float64)
+                               .reshape(n, 1), len(lay.tensors), axis=1)
+    else:
+        per_tensor = np.asarray(coefficients, dtype=np.float64).reshape(n, len(lay.tensors))
+    coeffs = per_tensor[:, lay.tensor_of]  # (N, B)
     selected = np.zeros((n, nb), dtype=bool)
     if budget_bytes >= nonzero_bytes:
         selected[:] = nonzero
     else:
-        score = np.abs(coeffs)[:, None] * index.norms / np.maximum(block_bytes, 1)
+        score = np.abs(coeffs) * index.norms / np.maximum(block_bytes, 1)
         ii, bb = np.nonzero(nonzero)
         # lexsort: last key is primary. Descending score, then tensor, block, expert ascending.
         order = np.lexsort((ii, bb, lay.tensor_of[bb], -score[ii, bb]))

@@ -128,6 +128,9 @@ def _recorded_units(path: str | Path, engine: Engine, outputs: list[dict[str, An
     that tensor's blocks)."""
     units: dict[str, set[tuple[int, int]]] = {}
     for o in outputs:
+        if o["tensor"] in engine.derived and (o["b0"], o["b1"]) == (0, 0):
+            units.setdefault(o["tensor"], set()).add((0, 0))  # a vocabulary tensor: one unit
+            continue
         t = engine.tindex.get(o["tensor"])
         if t is None:
             raise ManifestError(f"{path}: output of {o['tensor']!r}, which is not a merged "
@@ -191,7 +194,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
     spec = parse_spec(dict(h["spec"]), base_dir=Path(manifest_path).resolve().parent,
                       source=f"{manifest_path} (recorded spec)")
     if out is not None:
-        check_writes([spec.base, *(e.path for e in spec.experts)], outdir=out)
+        check_writes(spec.model_paths, outdir=out)
     base, experts = open_family(spec)
     try:
         recorded = h["sources"]

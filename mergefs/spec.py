@@ -20,23 +20,22 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from . import hub
+from . import hub, settings
 from . import methods as registry
 from .errors import BudgetError, SpecError
 from .format import FLOAT_DTYPES
 from .methods.base import BasePolicy, Method, ParamDef, Scope
 from .remote import DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions
+from .tokenizer import TokenizerSpec, TokenRule
+from .tokenizer import to_json as tokenizer_json
 
 log = logging.getLogger(__name__)
 
-_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype")
+_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype",
+                  "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict")
 _UNSUPPORTED_KEYS = (
-    "slices",
-    "tokenizer_source",
-    "tokenizer",
-    "chat_template",
     "modules",
     "architecture",
 )
@@ -186,10 +185,31 @@ def parse_budget(value: object) -> Budget:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """An expert: its resolved path and its validated parameters."""
+    """An expert: its resolved path and its validated parameters (settings: scalars, or
+    gradients and filtered values resolved per tensor by the recipe)."""
 
     path: str
     parameters: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SliceSource:
+    """One input of an output slice: a model, its layers ``[lo, hi)`` (None: all of them) and
+    the parameter settings given on it (only those given: the recipe resolves precedence)."""
+
+    path: str
+    layer_range: tuple[int, int] | None
+    settings: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SliceDef:
+    """An output slice by role: ``ref`` plays the reference (``Spec.base``'s role), ``experts``
+    the roles of ``Spec.experts`` in order; ``settings`` are the slice's own parameters."""
+
+    ref: SliceSource
+    experts: tuple[SliceSource, ...]
+    settings: Mapping[str, Any]
 
 
 #: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
@@ -228,6 +248,16 @@ class Spec:
     input_order: tuple[int, ...] = ()
     base_parameters: Mapping[str, Any] | None = None
     warnings: tuple[str, ...] = ()
+    #: the output by slices (a ``models:`` spec is one slice over all layers, as in mergekit)
+    slices: tuple[SliceDef, ...] = ()
+    #: the spec was written with ``slices`` (output layers renumbered, config rewritten)
+    sliced: bool = False
+    #: the global ``parameters`` as given (settings), for per-tensor resolution
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    #: tokenizer_source / tokenizer / chat_template (None: the base's tokenizer files as they are)
+    tokenizer: TokenizerSpec | None = None
+    #: a multi-document spec's named merges, in dependency order: (name, spec, output dir)
+    intermediates: tuple[tuple[str, Spec, str], ...] = ()
 
     @property
     def method_def(self) -> Method:
@@ -258,6 +288,21 @@ class Spec:
         raw["budget"] = budget.to_spec()
         return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
 
+    @property
+    def model_paths(self) -> list[str]:
+        """Every model the spec reads: base, experts, every slice's models, tokenizer sources
+        and the models its named merges read (outputs must never land in one)."""
+        out = [self.base, *(e.path for e in self.experts)]
+        for sl in self.slices:
+            out += [r.path for r in (sl.ref, *sl.experts)]
+        tok = self.tokenizer
+        if tok is not None:
+            out += [p for p in (tok.source, *(r.model for r in tok.tokens.values()))
+                    if p is not None and p not in ("base", "union")]
+        for _, sub, _ in self.intermediates:
+            out += sub.model_paths
+        return list(dict.fromkeys(out))
+
     def source_options(self, path: str) -> RemoteOptions | None:
         """Options to open the source at ``path``: None for a local path."""
         return self.remote_sources.get(path)
@@ -265,25 +310,6 @@ class Spec:
 
 def _err(source: str, key: str, message: str) -> SpecError:
     return SpecError(f"{source}: {key}: {message}")
-
-
-def _number(source: str, key: str, value: Any, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
-            raise _err(source, key, "per-tensor 'filter' values are not supported yet; "
-                                    "give one number")
-        if isinstance(value, list):
-            raise _err(source, key, "gradient lists are not supported yet; give one number")
-        if isinstance(value, dict):
-            raise _err(source, key, "per-tensor 'filter' values are not supported yet; "
-                                    "give one number")
-        raise _err(source, key, f"expected a number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise _err(source, key, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise _err(source, key, f"must be <= {hi}, got {value}")
-    return float(value)
 
 
 def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
@@ -320,10 +346,92 @@ def load_spec(path: str | Path, strict: bool = False) -> Spec:
     except OSError as exc:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        docs = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
-    return parse_spec(data, base_dir=p.resolve().parent, source=str(p), strict=strict)
+    if len(docs) > 1:
+        return _load_multi(docs, p, strict)
+    return parse_spec(docs[0] if docs else None, base_dir=p.resolve().parent, source=str(p),
+                      strict=strict)
+
+
+#: model-reference keys whose value may name an earlier merge of a multi-document spec
+_REF_KEYS = frozenset({"model", "base_model", "tokenizer_source", "source"})
+
+
+def _patch_refs(value: Any, paths: Mapping[str, str], used: set[str], key: str = "") -> Any:
+    """``value`` with every model reference that names a merge replaced by its output path."""
+    if isinstance(value, list):
+        return [_patch_refs(v, paths, used, key) for v in value]
+    if isinstance(value, dict):
+        return {k: _patch_refs(v, paths, used, k) for k, v in value.items()}
+    if isinstance(value, str) and key in _REF_KEYS:
+        name, sep, rest = value.partition("+")  # name+lora
+        name = name.partition("@")[0]
+        if name in paths:
+            used.add(name)
+            return paths[name] + (sep + rest if sep else "")
+    return value
+
+
+def _load_multi(docs: list[Any], p: Path, strict: bool) -> Spec:
+    """mergekit-multi: named merges that later documents use as models, and one unnamed final
+    merge. Each named merge is materialised under ``intermediate_dir`` (a key of the final
+    document; default ``.mergefs/intermediate`` beside the spec) as ``<dir>/<name>``, as
+    mergekit-multi does; the final Spec lists them, in dependency order, in ``intermediates``."""
+    base_dir = p.resolve().parent
+    named: dict[str, dict[str, Any]] = {}
+    final: dict[str, Any] | None = None
+    for k, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            raise SpecError(f"{p}: document {k + 1}: a merge spec is a YAML mapping")
+        if doc.get("name") is None:
+            if final is not None:
+                raise SpecError(f"{p}: only one document may be unnamed (the final merge)")
+            final = dict(doc)
+        else:
+            name = doc["name"]
+            if not isinstance(name, str) or not name or "/" in name or name in named:
+                raise SpecError(f"{p}: document {k + 1}: name: expected a unique name "
+                                f"without '/', got {name!r}")
+            named[name] = {k2: v for k2, v in doc.items() if k2 != "name"}
+    if final is None:
+        raise SpecError(f"{p}: a multi-document spec needs one unnamed document: the merge "
+                        "to write or mount")
+    inter = final.pop("intermediate_dir", ".mergefs/intermediate")
+    inter_dir = Path(_resolve_path(base_dir, inter, str(p), "intermediate_dir"))
+    paths = {n: str(inter_dir / n) for n in named}
+    deps: dict[str, set[str]] = {}
+    patched: dict[str, dict[str, Any]] = {}
+    for n, doc in named.items():
+        used: set[str] = set()
+        patched[n] = _patch_refs(doc, paths, used)
+        deps[n] = used
+    order: list[str] = []
+
+    def visit(n: str, stack: tuple[str, ...]) -> None:
+        if n in order:
+            return
+        if n in stack:
+            raise SpecError(f"{p}: merges depend on each other in a cycle: "
+                            f"{' -> '.join((*stack, n))}")
+        for d in sorted(deps[n]):
+            visit(d, (*stack, n))
+        order.append(n)
+
+    used_final: set[str] = set()
+    final = _patch_refs(final, paths, used_final)
+    for n in named:
+        visit(n, ())
+    stem = p.stem
+    intermediates = []
+    for n in order:
+        doc = {"index_dir": final.get("index_dir", ".mergefs/index"),
+               "manifest": f"{stem}.{n}.manifest.jsonl", **patched[n]}
+        intermediates.append((n, parse_spec(doc, base_dir, source=f"{p}#{n}", strict=strict),
+                              paths[n]))
+    spec = parse_spec(final, base_dir=base_dir, source=str(p), strict=strict)
+    return Spec(**{**spec.__dict__, "intermediates": tuple(intermediates)})
 
 
 class _Lenient:
@@ -341,12 +449,11 @@ class _Lenient:
 
 
 def _method_value(source: str, key: str, pdef: ParamDef, value: Any) -> Any:
-    if isinstance(value, (list, dict)):
-        _number(source, key, value)  # raises the gradient / filter message
-    problem = pdef.check(value)
+    """A checked setting (mergefs.settings): a scalar, a gradient or filtered values."""
+    checked, problem = settings.check(pdef, value)
     if problem:
         raise _err(source, key, problem)
-    return float(value) if pdef.kind in ("float", "float?") and value is not None else value
+    return checked
 
 
 @dataclass
@@ -380,6 +487,206 @@ def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
             raise _err(source, f"{key}.parameters", "expected a mapping")
         out.append(_Model(mpath, key, dict(params_raw), options))
     return out
+
+
+@dataclass
+class _Slice:
+    key: str
+    sources: list[tuple[_Model, tuple[int, int]]]
+    base: str | None
+    params_raw: dict[str, Any]
+
+
+def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+            hub_records: dict[str, Any]) -> list[_Slice]:
+    """``slices`` as mergekit reads them: sources with a layer range each, an optional slice
+    ``base_model`` and ``parameters``."""
+    raw = data.get("slices")
+    if not isinstance(raw, list) or not raw:
+        raise _err(source, "slices", "expected a non-empty list of {sources: [...]}")
+    out: list[_Slice] = []
+    for k, sl in enumerate(raw):
+        key = f"slices[{k}]"
+        if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) \
+                or not sl["sources"]:
+            raise _err(source, key, "expected a mapping with a non-empty 'sources' list")
+        extra = set(sl) - {"sources", "base_model", "parameters", "residual_weight"}
+        if extra:
+            raise _err(source, f"{key}.{sorted(extra)[0]}", "not a slice key")
+        if sl.get("residual_weight") is not None:
+            raise _err(source, f"{key}.residual_weight", "not supported (mergekit 0.1.5 "
+                       "accepts it but never applies it)")
+        sources: list[tuple[_Model, tuple[int, int]]] = []
+        for j, src in enumerate(sl["sources"]):
+            skey = f"{key}.sources[{j}]"
+            if not isinstance(src, dict) or "model" not in src or "layer_range" not in src:
+                raise _err(source, skey, "expected a mapping with 'model' and 'layer_range'")
+            if set(src) - {"model", "layer_range", "parameters"}:
+                raise _err(source, f"{skey}.{sorted(set(src) - {'model', 'layer_range', 'parameters'})[0]}",
+                           "not supported")
+            lr = src["layer_range"]
+            if (not isinstance(lr, list) or len(lr) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in lr)
+                    or not 0 <= lr[0] < lr[1]):
+                raise _err(source, f"{skey}.layer_range", f"expected [first, end) with "
+                           f"0 <= first < end, got {lr!r}")
+            mpath = _resolve_model(base_dir, src["model"], source, f"{skey}.model", hub_config,
+                                   hub_records)
+            params_raw = src.get("parameters") or {}
+            if not isinstance(params_raw, dict):
+                raise _err(source, f"{skey}.parameters", "expected a mapping")
+            sources.append((_Model(mpath, skey, dict(params_raw), None), (lr[0], lr[1])))
+        lengths = {hi - lo for _, (lo, hi) in sources}
+        if len(lengths) != 1:
+            raise _err(source, f"{key}.sources", "all sources of a slice must have the same "
+                       "number of layers (mergekit refuses it too)")
+        if len({m.path for m, _ in sources}) != len(sources):
+            raise _err(source, f"{key}.sources", "the same model is listed twice")
+        sbase = None
+        if sl.get("base_model") is not None:
+            sbase = _resolve_model(base_dir, sl["base_model"], source, f"{key}.base_model",
+                                   hub_config, hub_records)
+        params_raw = sl.get("parameters") or {}
+        if not isinstance(params_raw, dict):
+            raise _err(source, f"{key}.parameters", "expected a mapping")
+        out.append(_Slice(key, sources, sbase, dict(params_raw)))
+    return out
+
+
+def _own_settings(m: Method, raw: dict[str, Any], key: str, source: str, lenient: _Lenient,
+                  scopes: tuple[Scope, ...] | None) -> dict[str, Any]:
+    """The settings given at one level (checked), keyed by parameter name; ``scopes``: which
+    parameters this level may set (None: all)."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        pdef = m.param(name)
+        if pdef is None or (scopes is not None and pdef.scope not in scopes):
+            continue  # reported (ignored) where the level is first read
+        out[name] = _method_value(source, f"{key}.{name}", pdef, value)
+    return out
+
+
+_PER_MODEL = (Scope.MODEL, Scope.NON_BASE)
+
+
+def _models_slice(m: Method, inputs: list[_Model], base: str, has_base: bool, source: str,
+                  lenient: _Lenient) -> SliceDef:
+    """A ``models:`` spec as mergekit normalises it: one slice over every layer."""
+    own = {x.path: _own_settings(m, x.params_raw, f"{x.key}.parameters", source, lenient,
+                                 _PER_MODEL) for x in inputs}
+    ref = SliceSource(base, None, own.get(base, {}) if not has_base else {})
+    experts = tuple(SliceSource(x.path, None, own[x.path]) for x in inputs if x.path != base)
+    return SliceDef(ref, experts, {})
+
+
+def _slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has_base: bool,
+                source: str, lenient: _Lenient) -> tuple[SliceDef, ...]:
+    """Each slice by role; every slice must have slice 0's roles (count and reference place)."""
+    out: list[SliceDef] = []
+    ref_place = None
+    for sl in slices:
+        paths = [x.path for x, _ in sl.sources]
+        sbase = sl.base if sl.base is not None else base_given
+        if has_base and sbase not in paths:
+            raise _err(source, f"{sl.key}.sources", f"the base model {sbase} must be one of "
+                       "the slice's sources (mergekit refuses a slice without its base)")
+        if has_base or m.caps.base != BasePolicy.IGNORED:
+            place = paths.index(sbase) if sbase in paths else 0
+        else:
+            place = paths.index(sbase) if sbase in paths else 0
+        if ref_place is None:
+            ref_place = place
+        elif place != ref_place or len(paths) != len(slices[0].sources):
+            raise _err(source, sl.key, "every slice must have the same number of sources "
+                       "with the base in the same place as slices[0] (not supported otherwise)")
+        for name in sl.params_raw:
+            if m.param(name) is None:
+                lenient.ignore(f"{sl.key}.parameters.{name}", f"{m.name} has no parameter "
+                               f"{name!r}")
+        roles = [SliceSource(x.path, lr, _own_settings(
+            m, x.params_raw, f"{x.key}.parameters", source, lenient, _PER_MODEL))
+            for x, lr in sl.sources]
+        out.append(SliceDef(roles[place], tuple(r for k, r in enumerate(roles) if k != place),
+                            _own_settings(m, sl.params_raw, f"{sl.key}.parameters", source,
+                                          lenient, None)))
+    return tuple(out)
+
+
+def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"sources": [
+        {"model": hub_records.get(x.path, x.path), "layer_range": list(lr),
+         **({"parameters": x.params_raw} if x.params_raw else {})} for x, lr in sl.sources]}
+    if sl.base is not None:
+        out["base_model"] = hub_records.get(sl.base, sl.base)
+    if sl.params_raw:
+        out["parameters"] = sl.params_raw
+    return out
+
+
+def _tokenizer(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+               hub_records: dict[str, Any]) -> TokenizerSpec | None:
+    """tokenizer_source, the tokenizer: block and chat_template, as mergekit reads them."""
+    ts, block, chat = data.get("tokenizer_source"), data.get("tokenizer"), data.get("chat_template")
+    if ts is not None and block is not None:
+        raise _err(source, "tokenizer", "give tokenizer_source or tokenizer, not both "
+                   "(mergekit refuses both)")
+    if chat is not None and not isinstance(chat, str):
+        raise _err(source, "chat_template", "expected auto, a built-in name or Jinja text")
+
+    def model_ref(value: Any, key: str) -> str:
+        if isinstance(value, str) and value.startswith("model:"):
+            value = value[len("model:"):]
+        return _resolve_model(base_dir, value, source, key, hub_config, hub_records)
+
+    def src(value: Any, key: str) -> str:
+        if value in ("base", "union"):
+            return str(value)
+        return model_ref(value, key)
+
+    if block is not None:
+        if not isinstance(block, dict) or set(block) - {"source", "tokens", "pad_to_multiple_of"}:
+            raise _err(source, "tokenizer", "expected a mapping with source, tokens and/or "
+                       "pad_to_multiple_of")
+        pad = block.get("pad_to_multiple_of")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+            raise _err(source, "tokenizer.pad_to_multiple_of", f"expected a positive integer, "
+                       f"got {pad!r}")
+        tokens: dict[str, TokenRule] = {}
+        raw_tokens = block.get("tokens") or {}
+        if not isinstance(raw_tokens, dict):
+            raise _err(source, "tokenizer.tokens", "expected a mapping of token -> {source, force}")
+        for t, cfg in raw_tokens.items():
+            key = f"tokenizer.tokens.{t}"
+            cfg = cfg or {}
+            if not isinstance(cfg, dict) or set(cfg) - {"source", "force"}:
+                raise _err(source, key, "expected a mapping with source and/or force")
+            force = cfg.get("force", False)
+            if not isinstance(force, bool):
+                raise _err(source, f"{key}.force", "expected true or false")
+            s = cfg.get("source")
+            if s is None:
+                tokens[str(t)] = TokenRule("auto", force=force)
+            elif isinstance(s, dict) and s.get("kind") == "zero":
+                tokens[str(t)] = TokenRule("zero", force=force)
+            elif isinstance(s, dict) and s.get("kind") == "model_token":
+                tid, tname = s.get("token_id"), s.get("token")
+                if (tid is None) == (tname is None):
+                    raise _err(source, f"{key}.source", "give one of token_id and token")
+                tokens[str(t)] = TokenRule("model_token", model_ref(s.get("model"),
+                                                                    f"{key}.source.model"),
+                                           tid, tname, force)
+            elif isinstance(s, dict):
+                raise _err(source, f"{key}.source", "expected a model, {kind: zero} or "
+                           "{kind: model_token, model: ..., token_id|token: ...}")
+            else:
+                tokens[str(t)] = TokenRule("model", model_ref(s, f"{key}.source"), force=force)
+        return TokenizerSpec(src(block.get("source", "union"), "tokenizer.source"), tokens,
+                             pad, chat)
+    if ts is not None:
+        return TokenizerSpec(src(ts, "tokenizer_source"), chat_template=chat)
+    if chat is not None:
+        return TokenizerSpec(None, chat_template=chat)
+    return None
 
 
 def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base: str | None,
@@ -420,7 +727,8 @@ def _resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base:
                 else f"at least {c.min_inputs}" if c.max_inputs is None
                 else f"{c.min_inputs} to {c.max_inputs}")
         raise _err(source, "models", f"{m.name} merges {want} {what}, got {n}")
-    if m.check is not None:
+    scalar = all(settings.is_scalar(v) for p in [glob, *per_input] for v in p.values())
+    if m.check is not None and scalar:  # otherwise checked per tensor by the recipe
         problem = m.check(glob, per_input)
         if problem:
             raise _err(source, "models", problem)
@@ -507,11 +815,32 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         base_given = _resolve_model(base_dir, data["base_model"], source, "base_model",
                                     hub_config, hub_records)
     top_options = _storage_options(data.get("storage_options"), source, "storage_options")
-    models = _models(data, base_dir, source, hub_config, hub_records)
+    sliced = data.get("slices") is not None
+    if sliced and data.get("models") is not None:
+        raise _err(source, "slices", "give models or slices, not both (mergekit refuses both)")
+    slices = _slices(data, base_dir, source, hub_config, hub_records) if sliced else []
+    models = [m for m, _ in slices[0].sources] if sliced else _models(
+        data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
-    glob, inputs, per_input, has_base = _resolve_method(mdef, data, models, base_given, source,
-                                                        lenient)
-    base = base_given if base_given is not None else models[0].path
+    method_base = base_given
+    if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
+            x.path for x in models}:
+        method_base = None  # the inputs of a slice are its sources, exactly
+    method_data = data
+    if sliced:  # parameters a slice sets count as given (resolved per tensor by the recipe)
+        method_data = {**data, "parameters": {**slices[0].params_raw,
+                                              **(data.get("parameters") or {})}}
+    glob, inputs, per_input, has_base = _resolve_method(mdef, method_data, models, method_base,
+                                                        source, lenient)
+    base = method_base if method_base is not None else models[0].path
+    if sliced and has_base and base not in {x.path for x in models}:
+        raise _err(source, "slices[0].sources", f"the base model {base} must be one of the "
+                   "slice's sources (mergekit refuses a slice without its base)")
+    glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
+                                  lenient, scopes=None)
+    tok = _tokenizer(data, base_dir, source, hub_config, hub_records)
+    slice_defs = (_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
+                  else (_models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]
     expert_index = {e.path: k for k, e in enumerate(experts)}
     input_order = tuple(REFERENCE if x.path == base else expert_index[x.path] for x in inputs)
@@ -557,8 +886,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
 
     # the inputs in mergekit's order (an appended base listed last), so that replay re-parses
     # the same inputs in the same order
-    models_raw: list[dict[str, Any]] = [{"model": x.path, "parameters": dict(p)}
-                                        for x, p in zip(inputs, per_input)]
+    models_raw: list[dict[str, Any]] = [
+        {"model": x.path, "parameters": {k: settings.to_json(v) for k, v in p.items()}}
+        for x, p in zip(inputs, per_input)]
     for entry_raw in models_raw:
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
@@ -574,11 +904,22 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         "base_model": (hub_records.get(base_given, base_given) if base_given is not None
                        else None),
         "models": models_raw,
-        "parameters": glob,
+        "parameters": {k: settings.to_json(v) for k, v in glob.items()},
         "out_dtype": OUT_DTYPE_NAMES.get(out_dtype) if out_dtype else None,
         "budget": budget.to_spec(),
         "block_size": block_size,
     }
+    if tok is not None:
+        if tok.source is not None or tok.tokens or tok.pad_to_multiple_of:
+            raw["tokenizer"] = {**tokenizer_json(tok), "source": hub_records.get(
+                tok.source, tok.source) if tok.source is not None else "base"}
+        if tok.chat_template is not None:
+            raw["chat_template"] = tok.chat_template
+    if sliced:
+        del raw["models"]
+        raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
+        # only what the global level gave: a slice's own values stay on the slice
+        raw["parameters"] = {k: settings.to_json(v) for k, v in glob_settings.items()}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log
         raw["storage_options"] = redact_options(top_options)
     if "remote" in data:
@@ -588,7 +929,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     return Spec(source, mdef.name, base, tuple(experts), base_weight, glob, out_dtype, budget,
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
-                warnings=tuple(lenient.warnings))
+                warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
+                settings=glob_settings, tokenizer=tok)
 
 
 # -- remote sources -----------------------------------------------------------------------------

@@ -94,13 +94,14 @@ def weight_file(engine: Engine, f: OutFile) -> WeightFile:
     for t in f.tensors:
         if t.end == t.start:
             continue
-        if t.layout_index is None:
+        unit = engine.unit_of.get(t.name, t.name)  # a repeated unit (self-stack): one cache key
+        if t.layout_index is None and unit not in engine.derived:  # derived: vocabulary rows
             segs.append(Segment(t.start, t.end, t.name, -1, -1, t.start, t.end))
             continue
-        for b0, b1 in engine.units(t.name):
-            u0, u1 = engine.unit_out_range(t.name, b0, b1)
+        for b0, b1 in engine.units(unit):
+            u0, u1 = engine.unit_out_range(unit, b0, b1)
             if u1 > u0:
-                segs.append(Segment(t.start + u0, t.start + u1, t.name, b0, b1, t.start, t.end))
+                segs.append(Segment(t.start + u0, t.start + u1, unit, b0, b1, t.start, t.end))
     pos = 0
     for s in segs:
         if s.start != pos:
@@ -168,7 +169,9 @@ class UnitReader:
         # units merged from the old bytes (usually a few small integer buffers).
         self._passthrough_hashes = {t.name: self._chunk_hashes(t.name)
                                     for t in self.engine.out_tensors.values()
-                                    if t.layout_index is None and t.end > t.start}
+                                    if t.layout_index is None and t.end > t.start
+                                    and self.engine.unit_of.get(t.name, t.name)
+                                    not in self.engine.derived}
 
     def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None
              ) -> bytes | memoryview:

@@ -133,7 +133,13 @@ class View:
                             default=0)
         mount_ns = int(self.started_unix * 1e9)
         entries: dict[str, tuple[Kind, dict[str, Any]]] = {}
+        for rel, data in self.engine.extra_overrides.items():  # files the merge adds (tokenizer)
+            if rel not in base.extra_files:
+                entries[PurePosixPath(rel).as_posix()] = (
+                    "static", {"size_bytes": len(data), "mtime_ns": weights_mtime, "static": data})
         for rel in base.extra_files:
+            if rel in self.engine.extra_hidden and rel not in self.engine.extra_overrides:
+                continue
             if base.is_remote:  # small files beside remote weights: fetched once, kept in memory
                 data = base.read_extra(rel)
                 entries[PurePosixPath(rel).as_posix()] = (

@@ -202,6 +202,7 @@ def make_llama_family(
     seed: int = 0,
     *,
     sharded: bool = False,
+    num_layers: int = 2,
 ) -> Family:
     """Write a tiny Llama base and fine-tune-like experts with transformers' ``save_pretrained``.
 
@@ -223,7 +224,7 @@ def make_llama_family(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -206,16 +206,19 @@ BAD: dict[str, tuple[Any, str]] = {
     "unknown top-level key": (good_doc(mystery=1, strict=True), "mystery"),
     "slices": (good_doc(slices=[{"sources": [{"model": "a", "layer_range": [0, 4]}]}]),
                "slices"),
-    "tokenizer_source": (good_doc(tokenizer_source="union"), "tokenizer_source"),
-    "gradient list weight": (with_model_params({"weight": [0.0, 0.5, 1.0]}),
-                             "models[0].parameters.weight"),
-    "global gradient list": (good_doc(parameters={"weight": [0.1, 0.9]}),
-                             "parameters.weight"),
-    "filter dict": (with_model_params({"weight": {"filter": "self_attn", "value": 0.5}}),
-                    "models[0].parameters.weight"),
-    "filter list": (with_model_params({"weight": [{"filter": "mlp", "value": 0.5},
-                                                  {"value": 0.3}]}),
-                    "models[0].parameters.weight"),
+    "tokenizer_source and tokenizer": (good_doc(tokenizer_source="union",
+                                                tokenizer={"source": "base"}), "tokenizer"),
+    "pad_to_multiple_of zero": (good_doc(tokenizer={"pad_to_multiple_of": 0}),
+                                "tokenizer.pad_to_multiple_of"),
+    "modules": (good_doc(modules={"text": {"models": []}}), "modules"),
+    "gradient out of range": (with_model_params({"weight": 0.5, "density": [0.2, 1.5]},
+                                                "ties"), "models[0].parameters.density"),
+    "filter entry without value": (with_model_params({"weight": {"filter": "self_attn"}}),
+                                   "models[0].parameters.weight"),
+    "filter of a non-string": (with_model_params({"weight": [{"filter": 3, "value": 0.5}]}),
+                               "models[0].parameters.weight"),
+    "nested filter": (good_doc(parameters={"weight": [{"filter": "mlp", "value": [
+        {"value": 0.3}]}]}), "parameters.weight"),
     "unknown method": (good_doc(merge_method="frankenmerge"), "merge_method"),
     "missing method": ({k: v for k, v in good_doc().items() if k != "merge_method"},
                        "merge_method"),
@@ -274,12 +277,13 @@ def test_bad_spec_one_line_naming_file_and_key(tmp_path: Path, case: str) -> Non
     assert msg.startswith(f"{key}:") or f".{key}:" in msg, msg
 
 
-def test_gradient_and_filter_errors_say_what_is_unsupported(tmp_path: Path) -> None:
-    assert "gradient" in spec_error(tmp_path, BAD["gradient list weight"][0])
-    assert "filter" in spec_error(tmp_path, BAD["filter dict"][0])
-    assert "filter" in spec_error(tmp_path, BAD["filter list"][0])
-    assert "not supported" in spec_error(tmp_path, BAD["slices"][0])
-    assert "not supported" in spec_error(tmp_path, BAD["tokenizer_source"][0])
+def test_setting_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    assert "must be <= 1" in spec_error(tmp_path, BAD["gradient out of range"][0])
+    assert "filter" in spec_error(tmp_path, BAD["filter entry without value"][0])
+    assert "substring" in spec_error(tmp_path, BAD["filter of a non-string"][0])
+    assert "not both" in spec_error(tmp_path, BAD["slices"][0])
+    assert "not both" in spec_error(tmp_path, BAD["tokenizer_source and tokenizer"][0])
+    assert "not supported" in spec_error(tmp_path, BAD["modules"][0])
 
 
 @pytest.mark.parametrize("text", ["merge_method: [unclosed\n", "- just\n- a list\n", ""])
