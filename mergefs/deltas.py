@@ -1,0 +1,372 @@
+"""Delta sidecars: compressed refinement levels of one expert's delta, and their decoding.
+
+``mergefs compress SPEC`` (:mod:`mergefs.compress`) writes, beside every expert, a safetensors file
+``mergefs-delta.<base-key>.<block_size>.safetensors`` (beside a bare ``x.safetensors``:
+``x.mergefs-delta....``). It holds one ``U8`` tensor ``data`` with every payload and a *range
+table* (``range_start``, ``range_end`` relative to ``data``, ``range_xxh3``, ``range_resid``);
+its metadata key ``mergefs_delta`` (JSON) ties it to the base key, block size and layout, the base
+blocks' content hash and the expert's identity, and lists per tensor its *levels*, each a
+refinement of the previous ones:
+
+``lowrank`` (``k`` components at ``bits``: 2/3/4/8, or 16 for float16)
+    ``D ~ U V``; a *shared* range per tensor holds the scales and the packed ``V`` (``k x cols``),
+    and each row block's range the packed rows of ``U`` (``rows_b x k``).
+``quant`` (``bits``: 1, 2 or 3)
+    the residual quantised per element; a block's range holds one float32 step per row, then
+    the packed codes.
+``sparse``
+    exact values: a block's range holds uint32 positions and the expert's float32 values there,
+    which overwrite the reconstruction.
+
+For row block ``b`` the range of level ``l`` is ``first_range[l] + (b - first_block[t])``: the
+bytes of one level of one row block are one contiguous range, and the ranges of consecutive
+blocks are adjacent. ``range_resid`` of a block range is ``||D_b - D_hat_b||`` after levels
+``0..l``, computed by the publisher with :func:`reconstruct` itself (``D = fl(W_i - W_0)`` as the
+index computes it; ``D_hat = fl(W_hat - W_0)`` with ``W_hat`` what the engine merges), so it is
+the exact error of that block, not an estimate. Shared ranges have ``range_resid`` NaN.
+
+Pure decoding and a blocking reader (pread, xxh3 checked per range); never on the trio thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import format as fmt
+from .errors import MergefsError, SourceChanged
+
+log = logging.getLogger(__name__)
+
+DELTA_VERSION = "1"
+META_KEY = "mergefs_delta"
+#: uniform quantiser step per bit width, in units of the RMS (near-optimal for Gaussian values)
+GAUSS_STEP = {1: 0.0, 2: 0.996, 3: 0.586, 4: 0.335}
+
+
+class DeltaError(MergefsError):
+    """A delta sidecar is malformed or does not belong to this base and expert."""
+
+
+# -- bit packing (little-endian bit order, value-major) -------------------------------------------
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> bytes:
+    """Pack unsigned ``codes`` (< 2**bits) into ``ceil(n * bits / 8)`` bytes."""
+    c = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return c.tobytes()
+    planes = (c[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
+    """The ``n`` codes packed by :func:`pack_bits`, as uint8."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if bits == 8:
+        return raw[:n]
+    if bits in (1, 2, 4):  # whole codes per byte: shifts instead of a bit matrix
+        per = 8 // bits
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        out = (raw[:, None] >> shifts) & np.uint8((1 << bits) - 1)
+        return out.reshape(-1)[:n]
+    planes = np.unpackbits(raw, count=n * bits, bitorder="little").reshape(n, bits)
+    return planes @ (np.uint8(1) << np.arange(bits, dtype=np.uint8))
+
+
+def packed_size(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def quant_levels(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Code -> value in units of the step: midrise ``q - (2**bits - 1) / 2`` (1 bit: +-1)."""
+    if bits == 1:
+        return codes.astype(np.float64) * 2.0 - 1.0
+    return codes.astype(np.float64) - ((1 << bits) - 1) / 2.0
+
+
+def quantise(x: np.ndarray, bits: int, step: np.ndarray | float) -> np.ndarray:
+    """Codes of ``x`` for a uniform midrise quantiser of ``step`` (broadcast), clipped."""
+    top = (1 << bits) - 1
+    if bits == 1:
+        return (x >= 0).astype(np.uint8)
+    s = np.where(np.asarray(step) > 0, step, 1.0)
+    q = np.floor(x / s + (top + 1) / 2.0)
+    return np.clip(q, 0, top).astype(np.uint8)
+
+
+# -- the description of a sidecar ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Level:
+    kind: str  # "lowrank" | "quant" | "sparse"
+    bits: int = 0
+    k: int = 0
+    shared: int = -1  # range id of the shared part (lowrank), else -1
+    first_range: int = 0  # range id of the tensor's first block
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "bits": self.bits, "k": self.k, "shared": self.shared,
+                "first_range": self.first_range}
+
+
+@dataclass(frozen=True)
+class TensorLevels:
+    name: str
+    t: int  # index in the block layout
+    rows: int
+    cols: int
+    levels: tuple[Level, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "t": self.t, "rows": self.rows, "cols": self.cols,
+                "levels": [lv.to_json() for lv in self.levels]}
+
+
+def lowrank_shared_size(k: int, cols: int, bits: int) -> int:
+    return 8 * k + (2 * k * cols if bits == 16 else packed_size(k * cols, bits))
+
+
+def lowrank_block_size(rows_b: int, k: int, bits: int) -> int:
+    return 2 * rows_b * k if bits == 16 else packed_size(rows_b * k, bits)
+
+
+def quant_block_size(rows_b: int, cols: int, bits: int) -> int:
+    return 4 * rows_b + packed_size(rows_b * cols, bits)
+
+
+def _lowrank_v(shared: memoryview, k: int, cols: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(U column scales (k,), V (k, cols)) float64 from a lowrank level's shared range."""
+    scales = np.frombuffer(shared, dtype="<f4", count=2 * k).astype(np.float64)
+    body = shared[8 * k:]
+    if bits == 16:
+        v = np.frombuffer(body, dtype="<f2", count=k * cols).astype(np.float64)
+    else:
+        v = quant_levels(unpack_bits(body, bits, k * cols), bits)
+    return scales[:k], v.reshape(k, cols) * scales[k:, None]
+
+
+def contribution(level: Level, rows_b: int, cols: int, block: memoryview,
+                 shared: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """The additive contribution (float64, ``rows_b x cols``) of one level to one block."""
+    if level.kind == "lowrank":
+        assert shared is not None
+        uscale, v = shared
+        k = level.k
+        if level.bits == 16:
+            u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float64)
+        else:
+            u = quant_levels(unpack_bits(block, level.bits, rows_b * k), level.bits)
+        return (u.reshape(rows_b, k) * uscale[None, :]) @ v
+    if level.kind == "quant":
+        step = np.frombuffer(block, dtype="<f4", count=rows_b).astype(np.float64)
+        codes = unpack_bits(block[4 * rows_b:], level.bits, rows_b * cols)
+        return quant_levels(codes, level.bits).reshape(rows_b, cols) * step[:, None]
+    raise DeltaError(f"level kind {level.kind!r} has no additive contribution")
+
+
+def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
+                shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int, cols: int,
+                on_prefix: Any = None) -> np.ndarray:
+    """``W_hat`` (float32, flat) of one row block from its first ``len(blocks)`` levels.
+
+    ``w0`` is the base block (float32, flat). Additive levels accumulate in float64 in level
+    order; ``W_hat = fl32(w0 + acc)``; ``sparse`` levels then overwrite exact values.
+    ``on_prefix(l, w_hat)`` (the publisher's hook) sees ``W_hat`` after each level.
+    """
+    acc = np.zeros((rows_b, cols), dtype=np.float64)
+    w_hat = w0
+    for lvl, (level, block) in enumerate(zip(levels, blocks)):
+        if level.kind == "sparse":
+            if lvl == 0 or w_hat is w0:
+                w_hat = w0.copy()
+            n = len(block) // 8
+            idx = np.frombuffer(block, dtype="<u4", count=n)
+            w_hat[idx] = np.frombuffer(block, dtype="<f4", count=n, offset=4 * n)
+        else:
+            acc += contribution(level, rows_b, cols, block, shared[lvl])
+            w_hat = (w0.astype(np.float64) + acc.reshape(-1)).astype(np.float32)
+        if on_prefix is not None:
+            on_prefix(lvl, w_hat)
+    return w_hat
+
+
+# -- the file -----------------------------------------------------------------------------------
+
+
+def delta_name(sidecar_name: str) -> str:
+    """The delta sidecar's name from the index sidecar's (``mergefs-index`` -> ``mergefs-delta``)."""
+    return sidecar_name.replace("mergefs-index.", "mergefs-delta.")
+
+
+@dataclass(eq=False)
+class DeltaSidecar:
+    """One expert's delta sidecar, opened: the range table in memory, payloads read on demand.
+
+    ``bytes_read`` counts payload bytes returned by pread (the range table and header are read
+    once at open and counted in ``header_bytes``). Shared ranges are cached after the first read
+    (a few KiB per tensor), so each is read and counted once. Thread-safe.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, TensorLevels]  # by tensor name
+    data_offset: int  # absolute offset of ``data`` in the file
+    range_start: np.ndarray
+    range_end: np.ndarray
+    range_xxh3: np.ndarray
+    range_resid: np.ndarray
+    header_bytes: int
+    bytes_read: int = 0
+    reads: int = 0
+    _fd: int = -1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def range_bytes(self) -> np.ndarray:
+        return self.range_end - self.range_start
+
+    def read(self, r0: int, r1: int) -> memoryview:
+        """Bytes of the adjacent ranges ``r0 .. r1 - 1`` (one pread), checksums verified."""
+        start, end = int(self.range_start[r0]), int(self.range_end[r1 - 1])
+        if end == start:
+            return memoryview(b"")
+        with self._lock:
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            fd = self._fd
+        buf = os.pread(fd, end - start, self.data_offset + start)
+        if len(buf) != end - start:
+            raise SourceChanged(f"{self.path}: truncated (delta sidecar changed while open)")
+        with self._lock:
+            self.bytes_read += len(buf)
+            self.reads += 1
+        view = memoryview(buf)
+        for r in range(r0, r1):
+            lo, hi = int(self.range_start[r]) - start, int(self.range_end[r]) - start
+            if xxhash.xxh3_64_intdigest(view[lo:hi]) != int(self.range_xxh3[r]):
+                raise SourceChanged(f"{self.path}: checksum of range {r} differs (delta sidecar "
+                                    "corrupt or changed since it was published)")
+        return view
+
+    def abs_range(self, r0: int, r1: int) -> tuple[int, int]:
+        """Absolute file offsets ``[start, end)`` of ranges ``r0 .. r1 - 1``."""
+        return (self.data_offset + int(self.range_start[r0]),
+                self.data_offset + int(self.range_end[r1 - 1]))
+
+    def shared(self, level: Level, cols: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if level.shared < 0:
+            return None
+        with self._lock:
+            got = self._shared.get(level.shared)
+        if got is None:
+            got = _lowrank_v(self.read(level.shared, level.shared + 1), level.k, cols,
+                             level.bits)
+            with self._lock:
+                self._shared[level.shared] = got
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def open_sidecar(path: Path) -> DeltaSidecar:
+    """Parse a delta sidecar's header and range table (payloads stay on disk)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise DeltaError(f"{path}: not a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > fmt.HEADER_SIZE_CAP:
+            raise DeltaError(f"{path}: header too large")
+        try:
+            hdr = json.loads(f.read(n))
+        except ValueError:
+            raise DeltaError(f"{path}: header is not JSON") from None
+        meta = json.loads(hdr.get("__metadata__", {}).get(META_KEY, "null") or "null")
+        if not isinstance(meta, dict) or meta.get("version") != DELTA_VERSION:
+            raise DeltaError(f"{path}: not a mergefs delta sidecar of version {DELTA_VERSION}")
+        table: dict[str, np.ndarray] = {}
+        kinds = {"range_start": "<i8", "range_end": "<i8", "range_xxh3": "<u8",
+                 "range_resid": "<f8"}
+        for key, dt in kinds.items():
+            s, e = hdr[key]["data_offsets"]
+            f.seek(8 + n + s)
+            table[key] = np.frombuffer(f.read(e - s), dtype=dt).copy()
+        data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
+    tensors = {}
+    for tj in meta["tensors"]:
+        levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
+                       for lv in tj["levels"])
+        tensors[tj["name"]] = TensorLevels(tj["name"], tj["t"], tj["rows"], tj["cols"], levels)
+    table_bytes = sum(a.nbytes for a in table.values())
+    return DeltaSidecar(path, meta, tensors, data_offset, table["range_start"],
+                        table["range_end"], table["range_xxh3"], table["range_resid"],
+                        8 + n + table_bytes)
+
+
+def _digest(arr: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr, dtype="<u8").tobytes())
+
+
+def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSidecar]:
+    """Delta sidecars beside the (local) experts that match this base, layout and expert bytes.
+
+    A sidecar matches when its base key, block size, layout hash and expert identity match and
+    the content hashes of the base blocks and of the expert's blocks equal the index's (so it
+    was computed from exactly these bytes). Anything else is ignored with a log line saying why.
+    """
+    from . import sidecar
+
+    key = sidecar.base_key(base)
+    lay = index.layout
+    found: dict[int, DeltaSidecar] = {}
+    for i, e in enumerate(experts):
+        if e.is_remote:
+            continue
+        name = delta_name(sidecar.sidecar_name(e, key, lay.block_size))
+        path = sidecar._local_path(e, name)
+        if not path.is_file():
+            continue
+        try:
+            sc = open_sidecar(path)
+        except (DeltaError, OSError, KeyError, ValueError) as exc:
+            log.warning("ignoring delta sidecar %s: unreadable: %s", path, exc)
+            continue
+        m = sc.meta
+        why = None
+        if m.get("base_key") != key or m.get("block_size") != lay.block_size:
+            why = "published for another base or block size"
+        elif m.get("layout_xxh3") != sidecar.layout_hash(lay):
+            why = "block layout differs"
+        elif [r[:3] for r in m.get("expert", [])] != [r[:3] for r in sidecar.expert_identity(e)]:
+            why = "the expert changed since it was published"
+        elif m.get("base_content") != _digest(index.base_hash):
+            why = "published against a base whose bytes differ"
+        elif m.get("expert_content") != _digest(index.expert_hash[i]):
+            why = "published from expert bytes that differ from the indexed ones"
+        elif any(tl.t >= len(lay.tensors) or lay.tensors[tl.t] != tl.name
+                 for tl in sc.tensors.values()):
+            why = "tensor table does not match the layout"
+        if why is not None:
+            log.warning("ignoring delta sidecar %s: %s", path, why)
+            continue
+        found[i] = sc
+    return found
