@@ -229,9 +229,13 @@ class DeltaSidecar:
     header_bytes: int
     bytes_read: int = 0
     reads: int = 0
+    #: called as ``recorder(tensor, start, end, buf)`` for every payload pread (absolute
+    #: file offsets): the engine's manifest hook
+    recorder: Any = None
     _fd: int = -1
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    _shared_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def name(self) -> str:
@@ -240,7 +244,7 @@ class DeltaSidecar:
     def range_bytes(self) -> np.ndarray:
         return self.range_end - self.range_start
 
-    def read(self, r0: int, r1: int) -> memoryview:
+    def read(self, r0: int, r1: int, tensor: str = "") -> memoryview:
         """Bytes of the adjacent ranges ``r0 .. r1 - 1`` (one pread), checksums verified."""
         start, end = int(self.range_start[r0]), int(self.range_end[r1 - 1])
         if end == start:
@@ -261,22 +265,41 @@ class DeltaSidecar:
             if xxhash.xxh3_64_intdigest(view[lo:hi]) != int(self.range_xxh3[r]):
                 raise SourceChanged(f"{self.path}: checksum of range {r} differs (delta sidecar "
                                     "corrupt or changed since it was published)")
+        if self.recorder is not None:
+            self.recorder(tensor, self.data_offset + start, self.data_offset + end, view)
         return view
+
+    def read_runs(self, first: int, js: Sequence[int], tensor: str = "") -> dict[int, memoryview]:
+        """Block ranges ``first + j`` for ``j`` in ``js`` (ascending), one pread per adjacent
+        run; returns {j: bytes}."""
+        out: dict[int, memoryview] = {}
+        k = 0
+        while k < len(js):
+            e = k
+            while e + 1 < len(js) and js[e + 1] == js[e] + 1:
+                e += 1
+            buf = self.read(first + js[k], first + js[e] + 1, tensor)
+            base = int(self.range_start[first + js[k]])
+            for j in js[k:e + 1]:
+                r = first + j
+                out[j] = buf[int(self.range_start[r]) - base:int(self.range_end[r]) - base]
+            k = e + 1
+        return out
 
     def abs_range(self, r0: int, r1: int) -> tuple[int, int]:
         """Absolute file offsets ``[start, end)`` of ranges ``r0 .. r1 - 1``."""
         return (self.data_offset + int(self.range_start[r0]),
                 self.data_offset + int(self.range_end[r1 - 1]))
 
-    def shared(self, level: Level, cols: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def shared(self, level: Level, cols: int, tensor: str = ""
+               ) -> tuple[np.ndarray, np.ndarray] | None:
         if level.shared < 0:
             return None
-        with self._lock:
+        with self._shared_lock:  # read (and counted, and recorded) once
             got = self._shared.get(level.shared)
-        if got is None:
-            got = _lowrank_v(self.read(level.shared, level.shared + 1), level.k, cols,
-                             level.bits)
-            with self._lock:
+            if got is None:
+                got = _lowrank_v(self.read(level.shared, level.shared + 1, tensor), level.k,
+                                 cols, level.bits)
                 self._shared[level.shared] = got
         return got
 
