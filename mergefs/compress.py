@@ -190,14 +190,11 @@ def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[
     for j, (r0, r1) in enumerate(rows):
         w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
         db = d32[r0:r1].reshape(-1).astype(np.float64)
-
-        def seen(lvl: int, w_hat: np.ndarray, j: int = j, w0b: np.ndarray = w0b,
-                 db: np.ndarray = db) -> None:
+        blocks = [memoryview(b[j]) for b in built.blocks]
+        for n in range(1, len(levels) + 1):
+            w_hat = dl.reconstruct(w0b, levels[:n], blocks[:n], shared[:n], r1 - r0, cols)
             eff = (w_hat - w0b).astype(np.float64)  # float32 difference, as methods take it
-            out[lvl][j] = float(np.linalg.norm(db - eff))
-
-        dl.reconstruct(w0b, levels, [memoryview(b[j]) for b in built.blocks], shared,
-                       r1 - r0, cols, on_prefix=seen)
+            out[n - 1][j] = float(np.linalg.norm(db - eff))
     return out
 
 

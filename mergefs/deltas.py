@@ -94,6 +94,26 @@ def quant_levels(codes: np.ndarray, bits: int) -> np.ndarray:
     return codes.astype(np.float64) - ((1 << bits) - 1) / 2.0
 
 
+def _table(bits: int) -> np.ndarray:
+    """(256, 8 // bits) float64: the values (in steps) of the codes packed in each byte."""
+    per = 8 // bits
+    byte = np.arange(256, dtype=np.uint16)[:, None]
+    codes = (byte >> (np.arange(per, dtype=np.uint16) * bits)) & ((1 << bits) - 1)
+    return quant_levels(codes.astype(np.uint8), bits)
+
+
+_TABLES = {b: _table(b) for b in (1, 2, 4, 8)}
+
+
+def dequant(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
+    """Values (in steps, float64) of the ``n`` codes packed by :func:`pack_bits`."""
+    table = _TABLES.get(bits)
+    if table is None:
+        return quant_levels(unpack_bits(buf, bits, n), bits)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=packed_size(n, bits))
+    return table[raw].reshape(-1)[:n]
+
+
 def quantise(x: np.ndarray, bits: int, step: np.ndarray | float) -> np.ndarray:
     """Codes of ``x`` for a uniform midrise quantiser of ``step`` (broadcast), clipped."""
     top = (1 << bits) - 1
@@ -156,48 +176,50 @@ def _lowrank_v(shared: memoryview, k: int, cols: int, bits: int) -> tuple[np.nda
     return scales[:k], v.reshape(k, cols) * scales[k:, None]
 
 
-def contribution(level: Level, rows_b: int, cols: int, block: memoryview,
-                 shared: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
-    """The additive contribution (float64, ``rows_b x cols``) of one level to one block."""
-    if level.kind == "lowrank":
-        assert shared is not None
-        uscale, v = shared
-        k = level.k
-        if level.bits == 16:
-            u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float64)
-        else:
-            u = quant_levels(unpack_bits(block, level.bits, rows_b * k), level.bits)
-        return (u.reshape(rows_b, k) * uscale[None, :]) @ v
-    if level.kind == "quant":
-        step = np.frombuffer(block, dtype="<f4", count=rows_b).astype(np.float64)
-        codes = unpack_bits(block[4 * rows_b:], level.bits, rows_b * cols)
-        return quant_levels(codes, level.bits).reshape(rows_b, cols) * step[:, None]
-    raise DeltaError(f"level kind {level.kind!r} has no additive contribution")
+def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.ndarray:
+    k = level.k
+    if level.bits == 16:
+        u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float64)
+    else:
+        u = dequant(block, level.bits, rows_b * k)
+    return u.reshape(rows_b, k) * uscale[None, :]
+
+
+def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarray:
+    step = np.frombuffer(block, dtype="<f4", count=rows_b).astype(np.float64)
+    codes = dequant(block[4 * rows_b:], level.bits, rows_b * cols)
+    return codes.reshape(rows_b, cols) * step[:, None]
 
 
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
-                shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int, cols: int,
-                on_prefix: Any = None) -> np.ndarray:
-    """``W_hat`` (float32, flat) of one row block from its first ``len(blocks)`` levels.
+                shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
+                cols: int) -> np.ndarray:
+    """``W_hat`` (float32, flat) of one row block from its levels ``levels`` (a prefix).
 
-    ``w0`` is the base block (float32, flat). Additive levels accumulate in float64 in level
-    order; ``W_hat = fl32(w0 + acc)``; ``sparse`` levels then overwrite exact values.
-    ``on_prefix(l, w_hat)`` (the publisher's hook) sees ``W_hat`` after each level.
+    ``w0`` is the base block (float32, flat). The low-rank levels are one product
+    ``[U_1 .. U_j] [V_1; ..; V_j]`` (float64), quantised levels are added in level order, then
+    ``W_hat = fl32(w0 + acc)``, and ``sparse`` levels overwrite exact values. The publisher
+    computes every residual norm with this function, prefix by prefix, so they are exact.
     """
-    acc = np.zeros((rows_b, cols), dtype=np.float64)
-    w_hat = w0
-    for lvl, (level, block) in enumerate(zip(levels, blocks)):
+    us, vs = [], []
+    acc: np.ndarray | None = None
+    for level, block, sh in zip(levels, blocks, shared):
+        if level.kind == "lowrank":
+            assert sh is not None
+            us.append(_u(level, rows_b, block, sh[0]))
+            vs.append(sh[1])
+    if us:
+        acc = np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]
+    for level, block in zip(levels, blocks):
+        if level.kind == "quant":
+            q = _quant(level, rows_b, cols, block)
+            acc = q if acc is None else acc + q
+    w_hat = w0.copy() if acc is None else (w0 + acc.reshape(-1)).astype(np.float32)
+    for level, block in zip(levels, blocks):
         if level.kind == "sparse":
-            if lvl == 0 or w_hat is w0:
-                w_hat = w0.copy()
             n = len(block) // 8
             idx = np.frombuffer(block, dtype="<u4", count=n)
             w_hat[idx] = np.frombuffer(block, dtype="<f4", count=n, offset=4 * n)
-        else:
-            acc += contribution(level, rows_b, cols, block, shared[lvl])
-            w_hat = (w0.astype(np.float64) + acc.reshape(-1)).astype(np.float32)
-        if on_prefix is not None:
-            on_prefix(lvl, w_hat)
     return w_hat
 
 
