@@ -20,6 +20,7 @@ only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -56,15 +58,21 @@ class _Built:
     resid: list[list[float]]  # per level, per block
 
 
-def _top_vectors(r: np.ndarray, k: int) -> np.ndarray:
+def _spectrum(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(singular values descending, eigenvectors of the smaller Gram matrix, descending)."""
+    m, n = r.shape
+    vals, vecs = np.linalg.eigh(r.T @ r if n <= m else r @ r.T)
+    return np.sqrt(np.maximum(vals[::-1], 0.0)), vecs[:, ::-1]
+
+
+def _top_vectors(r: np.ndarray, k: int, vecs: np.ndarray | None = None) -> np.ndarray:
     """Top-k right singular vectors (k x cols) of r, from the eigenvectors of a Gram matrix."""
     m, n = r.shape
+    if vecs is None:
+        vecs = _spectrum(r)[1]
     if n <= m:
-        _, vecs = np.linalg.eigh(r.T @ r)
-        return np.ascontiguousarray(vecs[:, ::-1][:, :k].T)
-    _, vecs = np.linalg.eigh(r @ r.T)
-    u = vecs[:, ::-1][:, :k]
-    v = u.T @ r
+        return np.ascontiguousarray(vecs[:, :k].T)
+    v = vecs[:, :k].T @ r
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
 
 
@@ -76,10 +84,10 @@ def _step(x: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return dl.GAUSS_STEP[bits] * rms
 
 
-def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]]
-             ) -> tuple[bytes, list[bytes], np.ndarray]:
+def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]],
+             vecs: np.ndarray | None = None) -> tuple[bytes, list[bytes], np.ndarray]:
     """(shared range, block ranges, contribution float64) of one lowrank level on residual r."""
-    v = _top_vectors(r, k)
+    v = _top_vectors(r, k, vecs)
     if bits == 16:
         vscale = np.maximum(np.sqrt(np.mean(v * v, axis=1)), 1e-30).astype(np.float32)
         vq = (v / vscale[:, None]).astype(np.float16)
@@ -92,7 +100,10 @@ def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]]
         v_payload = dl.pack_bits(codes, bits)
         vscale = vstep
     gram = v_hat @ v_hat.T
-    u = np.linalg.lstsq(gram, v_hat @ r.T, rcond=None)[0].T  # argmin ||r - u v_hat||
+    try:  # argmin ||r - u v_hat||: the normal equations (gram is k x k)
+        u = np.linalg.solve(gram, v_hat @ r.T).T
+    except np.linalg.LinAlgError:
+        u = np.linalg.lstsq(gram, v_hat @ r.T, rcond=None)[0].T
     if bits == 16:
         uscale = np.maximum(np.sqrt(np.mean(u * u, axis=0)), 1e-30).astype(np.float32)
         uq = (u / uscale[None, :]).astype(np.float16)
@@ -146,10 +157,10 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]]) ->
         built.blocks.append(blocks)
 
     density = np.count_nonzero(d32) / max(1, d32.size)
-    sv = np.sqrt(np.maximum(np.linalg.eigvalsh(r.T @ r if n <= m else r @ r.T)[::-1], 0))
+    sv, vecs = _spectrum(r)
     rank = int(np.count_nonzero(sv > EXACT_RANK_TOL * sv[0])) if sv.size and sv[0] > 0 else 0
     if 0 < rank <= p // 4:
-        shared, blocks, contrib = _lowrank(r, rank, 16, rows)
+        shared, blocks, contrib = _lowrank(r, rank, 16, rows, vecs)
         add("lowrank", 16, rank, shared, blocks)
         r = r - contrib
         blocks, contrib = _quant(r, 2, rows)
@@ -167,7 +178,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]]) ->
             k = min(p, max(done + 1, int(round(share * p)))) - done
             if k <= 0:
                 continue
-            shared, blocks, contrib = _lowrank(r, k, bits, rows)
+            shared, blocks, contrib = _lowrank(r, k, bits, rows, vecs if done == 0 else None)
             add("lowrank", bits, k, shared, blocks)
             r = r - contrib
             done += k
@@ -258,6 +269,16 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
                 metadata={dl.META_KEY: json.dumps(meta)})
 
 
+def _one_blas_thread() -> Any:
+    """Single-threaded BLAS while compressing: on small shared machines OpenBLAS's threads
+    spin against each other (eigh of 512 x 512 measured 16x slower with 2 threads than 1)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: without it BLAS keeps its own setting
+        return contextlib.nullcontext()
+    return threadpool_limits(1)
+
+
 def _digest(arr: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr, dtype="<u8").tobytes())
 
@@ -276,7 +297,8 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
                               "supported yet (compress a local copy, then upload the file)")
     written = []
     for i, e in enumerate(experts):
-        data = encode_sidecar(base, e, index, i, on_tensor)
+        with _one_blas_thread():
+            data = encode_sidecar(base, e, index, i, on_tensor)
         path = sidecar_path(base, e, index.layout.block_size)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:

@@ -75,9 +75,43 @@ def energy(got: dict[str, np.ndarray], full: dict[str, np.ndarray], w0: dict[str
     return 1 - err / upd if upd else 1.0, err ** 0.5, upd ** 0.5
 
 
+DECODE = {"seconds": 0.0, "blocks": 0}
+
+
+def _timed_reconstruct(orig: Any) -> Any:
+    def wrapper(self: Any, i: int, name: str, e0: int, w0: Any, full: Any, blocks: Any) -> None:
+        t0 = time.perf_counter()
+        orig(self, i, name, e0, w0, full, blocks)
+        DECODE["seconds"] += time.perf_counter() - t0
+        DECODE["blocks"] += len(blocks)
+    return wrapper
+
+
+def replaced_read_seconds(s: Session, sources: list[Path]) -> tuple[float, int]:
+    """Cold pread time of the exact expert bytes of every block the plan reconstructed."""
+    if s.plan.levels is None:
+        return 0.0, 0
+    evict(*sources)
+    lay = s.index.layout
+    total, t0 = 0, time.perf_counter()
+    for i, b in zip(*np.nonzero(s.plan.levels)):
+        e = s.experts[int(i)]
+        loc = e.tensors[lay.tensors[int(lay.tensor_of[b])]]
+        item = (loc.end - loc.start) // max(1, int(np.prod(loc.shape)))
+        start = loc.start + int(lay.elem_start[b]) * item
+        end = loc.start + int(lay.elem_end[b]) * item
+        fd = os.open(e.path_of(loc.file), os.O_RDONLY)
+        try:
+            total += len(os.pread(fd, end - start, start))
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0, total
+
+
 def merge(spec: Any, out: Path, sources: list[Path], *, budget: int | None, sidecars: bool,
           plan: Any = None) -> tuple[Session, float]:
     evict(*sources)
+    DECODE.update(seconds=0.0, blocks=0)
     t0 = time.perf_counter()
     s = Session(spec, budget_bytes=budget, sidecars=sidecars, plan=plan)
     shutil.rmtree(out, ignore_errors=True)
@@ -117,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compress", action="store_true", help="reuse published sidecars")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
+    from mergefs.engine import Engine
+
+    Engine._reconstruct = _timed_reconstruct(Engine._reconstruct)  # type: ignore[method-assign]
     spec = load_spec(str(args.family / args.spec))
     base_dir = Path(spec.base)
     sources = [base_dir, *[Path(e.path) for e in spec.experts]]
@@ -163,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                        "bytes_read": tot["expert_bytes_read"],
                        "sidecar_bytes": sum(tot.get("sidecar_bytes_read", {}).values()),
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,
-                       "wall_s": round(wall, 2)}
+                       "wall_s": round(wall, 2), "decode_s": round(DECODE["seconds"], 3),
+                       "blocks_decoded": DECODE["blocks"]}
+                if sidecars and pct is not None:
+                    secs, nbytes = replaced_read_seconds(s, sources)
+                    row["replaced_exact_bytes"] = nbytes
+                    row["replaced_exact_read_cold_s"] = round(secs, 3)
                 rows.append(row)
                 print(json.dumps(row))
                 if pct is not None and args.layers_only:
