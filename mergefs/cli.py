@@ -140,6 +140,9 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("budget", f"{human_bytes(rep['budget_bytes'])}{pct(rep['budget_bytes'], rep['total_expert_bytes'])}")
     table.add_row("planned expert reads", f"{human_bytes(rep['planned_expert_bytes'])}"
                   f"{pct(rep['planned_expert_bytes'], rep['total_expert_bytes'])}")
+    if "sidecar_bytes" in rep:  # delta sidecars (issue 14)
+        table.add_row("  of which delta sidecar reads", f"{human_bytes(rep['sidecar_bytes'])}"
+                      f"  ({rep['blocks_from_sidecar']} blocks reconstructed)")
     table.add_row("non-zero expert bytes", human_bytes(rep["nonzero_expert_bytes"]))
     table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
@@ -154,7 +157,8 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
         exact, update = rep["error_exact"], rep["update_norm"]
         table.add_row("||E|| exact (from index)",
-                      "- (index from sidecars)" if exact is None else f"{exact:.6g}")
+                      "- (reconstructed blocks)" if exact is None and plan.levels is not None
+                      else "- (index from sidecars)" if exact is None else f"{exact:.6g}")
         table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
     return table
 
