@@ -6,8 +6,11 @@ not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for t
 
 - *exactly low rank* (a LoRA merged into float32 weights: singular values beyond ``r`` below
   1e-4 of the first): the rank-r factors in float16, then a 2-bit residual;
-- *sparse* (fewer than 30% of the elements changed, as a LoRA merged into bf16 weights leaves
-  its +-1 ulp pattern): the largest quarter of the changed values exactly, then the rest;
+- *a rounding pattern* (base and expert in one 16-bit dtype, most changed elements moved by at
+  most 8 ulp, as small deltas rounded to bf16 leave them): the moves (a 1-bit map and a 2, 3 or
+  4-bit code per moved element), then the other changed values exactly;
+- *sparse* (fewer than 30% of the elements changed): the largest quarter of the changed values
+  exactly, then the rest;
 - *dense* (full fine-tunes): four low-rank levels, each the top singular vectors of what is
   left, quantised at 8, 4, 3, 2 bits (more bits for larger singular values, as Delta-CoMe), the
   left factors least-squares refitted to the quantised right ones; then the residual at 1 bit
@@ -143,8 +146,36 @@ def _sparse(wi: np.ndarray, mask: np.ndarray, rows: list[tuple[int, int]], cols:
     return out
 
 
-def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]]) -> _Built:
-    """Levels of one tensor (``w0``, ``wi``: float32, rows x cols) for row blocks ``rows``."""
+def _ulp(w0: np.ndarray, wi: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(elements an ulp level holds, their codes, code bits) for 16-bit patterns of dtype k.
+
+    The code width (2, 3 or 4 bits: moves of up to 2, 4 or 8 ulp) minimises the level's bytes
+    plus 8 bytes per changed element left to the exact sparse level after it."""
+    b0, bi = dl.bits16(w0, k), dl.bits16(wi, k)
+    moves = bi - b0
+    same = (((b0 ^ bi) & 0x8000) == 0) & (moves != 0)
+    mag = np.abs(moves)
+    best = None
+    for bits in (2, 3, 4):
+        half = 1 << (bits - 1)
+        ok = same & (mag <= half)
+        held = int(ok.sum())
+        cost = moves.size / 8 + held * bits / 8 + 8 * (int(np.count_nonzero(moves)) - held)
+        if best is None or cost < best[0]:
+            best = (cost, ok, bits)
+    _, ok, bits = best  # type: ignore[misc]
+    half = 1 << (bits - 1)
+    codes = np.where(ok, moves + half - (moves > 0), 0).astype(np.uint8)  # -h..-1, 1..h
+    return ok, codes, bits
+
+
+def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
+                 ulp_dtype: int = 0) -> _Built:
+    """Levels of one tensor (``w0``, ``wi``: float32, rows x cols) for row blocks ``rows``.
+
+    ``ulp_dtype``: :data:`mergefs.deltas.ULP_DTYPES` value when base and expert share that
+    16-bit dtype (the ``ulp`` level applies), else 0.
+    """
     d32 = wi - w0
     r = d32.astype(np.float64)
     m, n = r.shape
@@ -159,7 +190,19 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]]) ->
     density = np.count_nonzero(d32) / max(1, d32.size)
     sv, vecs = _spectrum(r)
     rank = int(np.count_nonzero(sv > EXACT_RANK_TOL * sv[0])) if sv.size and sv[0] > 0 else 0
-    if 0 < rank <= p // 4:
+    ulp_ok = None
+    if ulp_dtype and density > 0.016:  # below, sparse values cost less than a bitmap
+        ulp_ok, codes, ulp_bits = _ulp(w0, wi, ulp_dtype)
+        if ulp_ok.sum() < 0.5 * np.count_nonzero(d32):
+            ulp_ok = None  # mostly moves of more than 8 ulp: not a rounding pattern
+    if ulp_ok is not None:
+        flat_ok, flat_codes = ulp_ok.reshape(m, n), codes.reshape(m, n)
+        add("ulp", ulp_bits, ulp_dtype, None,
+            [dl.pack_bits(flat_ok[r0:r1], 1)
+             + dl.pack_bits(flat_codes[r0:r1][flat_ok[r0:r1]], ulp_bits) for r0, r1 in rows])
+        rest = (d32 != 0) & ~flat_ok
+        add("sparse", 0, 0, None, _sparse(wi, rest, rows, n))
+    elif 0 < rank <= p // 4:
         shared, blocks, contrib = _lowrank(r, rank, 16, rows, vecs)
         add("lowrank", 16, rank, shared, blocks)
         r = r - contrib
@@ -233,7 +276,8 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
         w0 = decode_f32(base.read_tensor(name), base.tensors[name].dtype).reshape(rows_n, cols)
         wi = decode_f32(expert.read_tensor(name), expert.tensors[name].dtype).reshape(rows_n, cols)
         rows = _tensor_rows(index, t, cols)
-        built = build_levels(w0, wi, rows)
+        dt0, dti = base.tensors[name].dtype, expert.tensors[name].dtype
+        built = build_levels(w0, wi, rows, dl.ULP_DTYPES.get(dt0, 0) if dt0 == dti else 0)
         zero = index.zero[i, blocks.start:blocks.stop]
         levels = []
         for lvl, (kind, bits, k) in enumerate(built.kinds):

@@ -14,6 +14,11 @@ refinement of the previous ones:
 ``quant`` (``bits``: 1, 2 or 3)
     the residual quantised per element; a block's range holds one float32 step per row, then
     the packed codes.
+``ulp`` (``k``: 1 for bfloat16, 2 for float16 experts over a base of the same dtype)
+    the delta in units in the last place: a block's range holds a bitmap of the elements whose
+    16-bit pattern moved by at most ``2**(bits-1)`` (same sign), then a code of ``bits`` bits
+    per such element;
+    the reconstruction there is the base's bit pattern plus that move, exactly the expert's.
 ``sparse``
     exact values: a block's range holds uint32 positions and the expert's float32 values there,
     which overwrite the reconstruction.
@@ -102,14 +107,14 @@ def _table(bits: int) -> np.ndarray:
     return quant_levels(codes.astype(np.uint8), bits)
 
 
-_TABLES = {b: _table(b) for b in (1, 2, 4, 8)}
+_TABLES = {b: _table(b).astype(np.float32) for b in (1, 2, 4, 8)}  # exact in float32
 
 
 def dequant(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
-    """Values (in steps, float64) of the ``n`` codes packed by :func:`pack_bits`."""
+    """Values (in steps, float32: exact) of the ``n`` codes packed by :func:`pack_bits`."""
     table = _TABLES.get(bits)
     if table is None:
-        return quant_levels(unpack_bits(buf, bits, n), bits)
+        return quant_levels(unpack_bits(buf, bits, n), bits).astype(np.float32)
     raw = np.frombuffer(buf, dtype=np.uint8, count=packed_size(n, bits))
     return table[raw].reshape(-1)[:n]
 
@@ -129,7 +134,7 @@ def quantise(x: np.ndarray, bits: int, step: np.ndarray | float) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Level:
-    kind: str  # "lowrank" | "quant" | "sparse"
+    kind: str  # "lowrank" | "quant" | "ulp" | "sparse"
     bits: int = 0
     k: int = 0
     shared: int = -1  # range id of the shared part (lowrank), else -1
@@ -153,6 +158,22 @@ class TensorLevels:
                 "levels": [lv.to_json() for lv in self.levels]}
 
 
+ULP_DTYPES = {"BF16": 1, "F16": 2}
+
+
+def bits16(w: np.ndarray, k: int) -> np.ndarray:
+    """16-bit patterns (int32) of float32 values exactly representable in bf16 (k=1) or f16."""
+    if k == 1:
+        return (np.ascontiguousarray(w, dtype=np.float32).view(np.uint32) >> 16).astype(np.int32)
+    return w.astype(np.float16).view(np.uint16).astype(np.int32)
+
+
+def from_bits16(bits: np.ndarray, k: int) -> np.ndarray:
+    if k == 1:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
 def lowrank_shared_size(k: int, cols: int, bits: int) -> int:
     return 8 * k + (2 * k * cols if bits == 16 else packed_size(k * cols, bits))
 
@@ -166,27 +187,27 @@ def quant_block_size(rows_b: int, cols: int, bits: int) -> int:
 
 
 def _lowrank_v(shared: memoryview, k: int, cols: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(U column scales (k,), V (k, cols)) float64 from a lowrank level's shared range."""
-    scales = np.frombuffer(shared, dtype="<f4", count=2 * k).astype(np.float64)
+    """(U column scales (k,), V (k, cols)) float32 from a lowrank level's shared range."""
+    scales = np.frombuffer(shared, dtype="<f4", count=2 * k)
     body = shared[8 * k:]
     if bits == 16:
-        v = np.frombuffer(body, dtype="<f2", count=k * cols).astype(np.float64)
+        v = np.frombuffer(body, dtype="<f2", count=k * cols).astype(np.float32)
     else:
-        v = quant_levels(unpack_bits(body, bits, k * cols), bits)
-    return scales[:k], v.reshape(k, cols) * scales[k:, None]
+        v = dequant(body, bits, k * cols)
+    return scales[:k].copy(), v.reshape(k, cols) * scales[k:, None]
 
 
 def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.ndarray:
     k = level.k
     if level.bits == 16:
-        u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float64)
+        u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float32)
     else:
         u = dequant(block, level.bits, rows_b * k)
     return u.reshape(rows_b, k) * uscale[None, :]
 
 
 def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarray:
-    step = np.frombuffer(block, dtype="<f4", count=rows_b).astype(np.float64)
+    step = np.frombuffer(block, dtype="<f4", count=rows_b)
     codes = dequant(block[4 * rows_b:], level.bits, rows_b * cols)
     return codes.reshape(rows_b, cols) * step[:, None]
 
@@ -196,10 +217,12 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
                 cols: int) -> np.ndarray:
     """``W_hat`` (float32, flat) of one row block from its levels ``levels`` (a prefix).
 
-    ``w0`` is the base block (float32, flat). The low-rank levels are one product
-    ``[U_1 .. U_j] [V_1; ..; V_j]`` (float64), quantised levels are added in level order, then
-    ``W_hat = fl32(w0 + acc)``, and ``sparse`` levels overwrite exact values. The publisher
-    computes every residual norm with this function, prefix by prefix, so they are exact.
+    ``w0`` is the base block (float32, flat). The low-rank levels are one float32 product
+    ``[U_1 .. U_j] [V_1; ..; V_j]``, quantised levels are added in level order, then
+    ``W_hat = w0 + acc`` (float32), and ``ulp`` and ``sparse`` levels overwrite exact values.
+    The publisher computes every residual norm with this function, prefix by prefix, so they
+    are exact for this decoder (with a float32 BLAS that rounds the product as the publisher's
+    did; another may differ by about 1e-7 of the low-rank contribution).
     """
     us, vs = [], []
     acc: np.ndarray | None = None
@@ -214,7 +237,15 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
         if level.kind == "quant":
             q = _quant(level, rows_b, cols, block)
             acc = q if acc is None else acc + q
-    w_hat = w0.copy() if acc is None else (w0 + acc.reshape(-1)).astype(np.float32)
+    w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
+    for level, block in zip(levels, blocks):
+        if level.kind == "ulp":
+            n = w0.size
+            mask = unpack_bits(block, 1, n).astype(bool)
+            half = 1 << (level.bits - 1)
+            codes = unpack_bits(block[packed_size(n, 1):], level.bits, int(mask.sum()))
+            moves = codes.astype(np.int32) - half + (codes >= half)
+            w_hat[mask] = from_bits16(bits16(w0[mask], level.k) + moves, level.k)
     for level, block in zip(levels, blocks):
         if level.kind == "sparse":
             n = len(block) // 8

@@ -160,7 +160,7 @@ def test_lora_merged_deltas_are_nearly_exact_in_few_bytes(tmp_path: Path, dtype:
         for tl in sc.tensors.values():
             blocks = index.layout.blocks_of(tl.t)
             lv = tl.levels[0]
-            assert lv.kind == ("lowrank" if dtype == "float32" else "sparse")
+            assert lv.kind == ("lowrank" if dtype == "float32" else "ulp")
             first = tl.levels[0 if dtype == "float32" else -1]
             r = sc.range_resid[first.first_range:first.first_range + len(blocks)]
             energy = 1 - (r**2).sum() / (index.norms[i, blocks.start:blocks.stop] ** 2).sum()
