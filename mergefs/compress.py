@@ -23,7 +23,6 @@ only.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -31,7 +30,6 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -313,16 +311,6 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
                 metadata={dl.META_KEY: json.dumps(meta)})
 
 
-def _one_blas_thread() -> Any:
-    """Single-threaded BLAS while compressing: on small shared machines OpenBLAS's threads
-    spin against each other (eigh of 512 x 512 measured 16x slower with 2 threads than 1)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: without it BLAS keeps its own setting
-        return contextlib.nullcontext()
-    return threadpool_limits(1)
-
-
 def _digest(arr: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr, dtype="<u8").tobytes())
 
@@ -341,7 +329,7 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
                               "supported yet (compress a local copy, then upload the file)")
     written = []
     for i, e in enumerate(experts):
-        with _one_blas_thread():
+        with dl.one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
         path = sidecar_path(base, e, index.layout.block_size)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -212,6 +212,43 @@ def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarra
     return codes.reshape(rows_b, cols) * step[:, None]
 
 
+def _add_quant(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
+               block: memoryview) -> np.ndarray:
+    """``acc + fl32(code value * step)`` per element (a new array when ``acc`` is None)."""
+    if _quant_add_nb is None:
+        q = _quant(level, rows_b, cols, block)
+        return q if acc is None else acc + q
+    out = np.zeros((rows_b, cols), np.float32) if acc is None else acc
+    step = np.frombuffer(block, dtype="<f4", count=rows_b)
+    raw = np.frombuffer(block, dtype=np.uint8, offset=4 * rows_b)
+    _quant_add_nb(out.reshape(-1), raw, level.bits, step, cols)
+    return out
+
+
+try:  # optional compiled decode: one pass instead of four numpy passes (same float32 results)
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def _quant_add_nb(acc, raw, bits, step, cols):  # type: ignore[no-untyped-def]
+        mask = (1 << bits) - 1
+        half = np.float32(((1 << bits) - 1) / 2.0)
+        for e in range(acc.size):
+            bit = e * bits
+            byte = bit >> 3
+            sh = bit & 7
+            v = np.int32(raw[byte]) >> sh
+            if sh + bits > 8:
+                v |= np.int32(raw[byte + 1]) << (8 - sh)
+            code = v & mask
+            if bits == 1:
+                val = np.float32(2 * code - 1)
+            else:
+                val = np.float32(code) - half
+            acc[e] += val * step[e // cols]
+except ImportError:
+    _quant_add_nb = None
+
+
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
                 shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
                 cols: int) -> np.ndarray:
@@ -235,8 +272,7 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
         acc = np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]
     for level, block in zip(levels, blocks):
         if level.kind == "quant":
-            q = _quant(level, rows_b, cols, block)
-            acc = q if acc is None else acc + q
+            acc = _add_quant(acc, level, rows_b, cols, block)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     for level, block in zip(levels, blocks):
         if level.kind == "ulp":
@@ -252,6 +288,49 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             idx = np.frombuffer(block, dtype="<u4", count=n)
             w_hat[idx] = np.frombuffer(block, dtype="<f4", count=n, offset=4 * n)
     return w_hat
+
+
+class OneBlasThread:
+    """While any thread is inside, numpy's BLAS runs single-threaded (threadpoolctl, optional).
+
+    Decoding runs in the engine's worker threads, which already use the cores; a BLAS that
+    also spawns threads per product makes them spin against each other (measured: a 512 x 512
+    product 16x slower on a busy 2-core machine). Nested and concurrent users share one limit,
+    restored when the last leaves.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._ctx: Any = None
+        try:
+            from threadpoolctl import ThreadpoolController
+            self._controller: Any = ThreadpoolController()
+        except ImportError:
+            self._controller = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0 and self._controller is not None:
+                self._ctx = self._controller.limit(limits=1, user_api="blas")
+            self._users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._ctx is not None:
+                self._ctx.restore_original_limits()
+                self._ctx = None
+
+
+_ONE_BLAS: OneBlasThread | None = None
+
+
+def one_blas_thread() -> OneBlasThread:
+    global _ONE_BLAS
+    if _ONE_BLAS is None:
+        _ONE_BLAS = OneBlasThread()
+    return _ONE_BLAS
 
 
 # -- the file -----------------------------------------------------------------------------------

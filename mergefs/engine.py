@@ -319,7 +319,7 @@ class Engine:
     def _reconstruct(self, i: int, name: str, e0: int, w0: np.ndarray, full: np.ndarray,
                      blocks: list[tuple[int, int]]) -> None:
         """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
-        from .deltas import reconstruct
+        from .deltas import one_blas_thread, reconstruct
 
         sc = self.deltas[i]
         tl = sc.tensors[name]
@@ -329,11 +329,12 @@ class Engine:
         got = [sc.read_runs(lv.first_range, [b - first for b, k in blocks if k > lvl], name)
                for lvl, lv in enumerate(tl.levels[:depth])]
         shared = [sc.shared(lv, tl.cols, name) for lv in tl.levels[:depth]]
-        for b, k in blocks:
-            s0, s1 = int(lay.elem_start[b]) - e0, int(lay.elem_end[b]) - e0
-            j = b - first
-            full[s0:s1] = reconstruct(w0[s0:s1], tl.levels[:k], [g[j] for g in got[:k]],
-                                      shared[:k], (s1 - s0) // tl.cols, tl.cols)
+        with one_blas_thread():
+            for b, k in blocks:
+                s0, s1 = int(lay.elem_start[b]) - e0, int(lay.elem_end[b]) - e0
+                j = b - first
+                full[s0:s1] = reconstruct(w0[s0:s1], tl.levels[:k], [g[j] for g in got[:k]],
+                                          shared[:k], (s1 - s0) // tl.cols, tl.cols)
 
     def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
                         buf: memoryview) -> None:
