@@ -327,8 +327,14 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
         if e.is_remote:
             raise SourceError(f"{e.root}: publishing delta sidecars to remote experts is not "
                               "supported yet (compress a local copy, then upload the file)")
+    from .lora import LoraCheckpoint
+
     written = []
     for i, e in enumerate(experts):
+        if isinstance(e, LoraCheckpoint):  # reads its factors already: nothing to compress
+            log.info("%s is a LoRA adapter: it is read as its exact factors, no delta sidecar",
+                     e.root)
+            continue
         with dl.one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
         path = sidecar_path(base, e, index.layout.block_size)

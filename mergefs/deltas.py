@@ -493,9 +493,11 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
     key = sidecar.base_key(base)
     lay = index.layout
     found: dict[int, DeltaSidecar] = {}
+    from .lora import LoraCheckpoint
+
     for i, e in enumerate(experts):
-        if e.is_remote:
-            continue
+        if e.is_remote or isinstance(e, LoraCheckpoint):
+            continue  # remote delta sidecars: not yet; adapters are read as exact factors
         name = delta_name(sidecar.sidecar_name(e, key, lay.block_size))
         path = sidecar._local_path(e, name)
         if not path.is_file():
