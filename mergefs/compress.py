@@ -9,8 +9,10 @@ not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for t
 - *a rounding pattern* (base and expert in one 16-bit dtype, most changed elements moved by at
   most 8 ulp, as small deltas rounded to bf16 leave them): the moves (a 1-bit map and a 2, 3 or
   4-bit code per moved element), then the other changed values exactly;
-- *sparse* (fewer than 30% of the elements changed): the largest quarter of the changed values
-  exactly, then the rest;
+- *sparse* (fewer than 30% of the elements changed, and the first low-rank level would hold
+  less than half of the energy): the largest quarter of the changed values exactly, then the
+  rest (an Adam fine-tune's word embeddings change only seen tokens' rows, but are nearly rank 1:
+  they take the dense route);
 - *dense* (full fine-tunes): four low-rank levels, each the top singular vectors of what is
   left, quantised at 8, 4, 3, 2 bits (more bits for larger singular values, as Delta-CoMe), the
   left factors least-squares refitted to the quantised right ones; then the residual at 1 bit
@@ -167,6 +169,13 @@ def _ulp(w0: np.ndarray, wi: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     return ok, codes, bits
 
 
+def _top_share(sv: np.ndarray, p: int) -> float:
+    """Share of the energy in the first low-rank level's singular directions."""
+    total = float((sv**2).sum())
+    k = max(1, int(round(LOWRANK_GROUPS[0][0] * p)))
+    return float((sv[:k] ** 2).sum()) / total if total else 0.0
+
+
 def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
                  ulp_dtype: int = 0) -> _Built:
     """Levels of one tensor (``w0``, ``wi``: float32, rows x cols) for row blocks ``rows``.
@@ -206,7 +215,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
         r = r - contrib
         blocks, contrib = _quant(r, 2, rows)
         add("quant", 2, 0, None, blocks)
-    elif density < SPARSE_DENSITY:
+    elif density < SPARSE_DENSITY and _top_share(sv, p) < 0.5:
         mag = np.abs(d32)
         nz = mag > 0
         cut = np.quantile(mag[nz], 0.75) if nz.any() else 0.0
