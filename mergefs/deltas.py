@@ -245,8 +245,27 @@ try:  # optional compiled decode: one pass instead of four numpy passes (same fl
             else:
                 val = np.float32(code) - half
             acc[e] += val * step[e // cols]
+    @numba.njit(cache=True, nogil=True)
+    def _ulp_bf16_nb(out, w0, raw, bits):  # type: ignore[no-untyped-def]
+        n = w0.size
+        half = 1 << (bits - 1)
+        mask = (1 << bits) - 1
+        pos = ((n + 7) >> 3) * 8  # bit position of the first code
+        for e in range(n):
+            if (raw[e >> 3] >> (e & 7)) & 1:
+                byte = pos >> 3
+                sh = pos & 7
+                v = np.int32(raw[byte]) >> sh
+                if sh + bits > 8:
+                    v |= np.int32(raw[byte + 1]) << (8 - sh)
+                code = v & mask
+                move = code - half + (1 if code >= half else 0)
+                b16 = np.int32(w0[e] >> 16) + move
+                out[e] = np.uint32(b16 & 0xFFFF) << 16
+                pos += bits
 except ImportError:
     _quant_add_nb = None
+    _ulp_bf16_nb = None
 
 
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
@@ -275,7 +294,10 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             acc = _add_quant(acc, level, rows_b, cols, block)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     for level, block in zip(levels, blocks):
-        if level.kind == "ulp":
+        if level.kind == "ulp" and level.k == 1 and _ulp_bf16_nb is not None:
+            _ulp_bf16_nb(w_hat.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
+                         np.frombuffer(block, dtype=np.uint8), level.bits)
+        elif level.kind == "ulp":
             n = w0.size
             mask = unpack_bits(block, 1, n).astype(bool)
             half = 1 << (level.bits - 1)

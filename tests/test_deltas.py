@@ -166,3 +166,37 @@ def test_lora_merged_deltas_are_nearly_exact_in_few_bytes(tmp_path: Path, dtype:
             energy = 1 - (r**2).sum() / (index.norms[i, blocks.start:blocks.stop] ** 2).sum()
             assert energy >= 0.999
     _check_residuals(fam, base, experts, index, found)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    fam = _lora_family(tmp_path / "fam", dtype) if dtype == "bfloat16" else \
+        make_family(tmp_path / "fam", dtype=dtype, seed=8)
+    _, base, experts, index = _open(fam, tmp_path)
+    compress.publish(base, experts, index)
+    sc = deltas.find(base, experts, index)[0]
+    w0s = _load_f32(fam.base / "model.safetensors")
+    lay = index.layout
+
+    def decode_all() -> list[np.ndarray]:
+        out = []
+        for tl in sc.tensors.values():
+            w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
+            for j, b in enumerate(lay.blocks_of(tl.t)):
+                if index.zero[0, b]:
+                    continue
+                r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
+                out.append(deltas.reconstruct(
+                    np.ascontiguousarray(w0[r0:r1]).reshape(-1), tl.levels,
+                    [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in tl.levels],
+                    [sc.shared(lv, tl.cols) for lv in tl.levels], r1 - r0, tl.cols))
+        return out
+
+    fast = decode_all()
+    monkeypatch.setattr(deltas, "_quant_add_nb", None)
+    monkeypatch.setattr(deltas, "_ulp_bf16_nb", None)
+    slow = decode_all()
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
