@@ -5,11 +5,12 @@ builds or reuses), and for every mergeable 2-D (or higher: rows x the rest) tens
 not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for the format):
 
 - *exactly low rank* (a LoRA merged into float32 weights: singular values beyond ``r`` below
-  1e-4 of the first): the rank-r factors in float16, then a 2-bit residual;
+  1e-4 of the first, and the factors cost less than 2 bits per element): the rank-r factors in
+  float16, then a 2-bit residual;
 - *a rounding pattern* (base and expert in one 16-bit dtype, most changed elements moved by at
   most 8 ulp, as small deltas rounded to bf16 leave them): the moves (a 1-bit map and a 2, 3 or
   4-bit code per moved element), then the other changed values exactly;
-- *sparse* (fewer than 30% of the elements changed, and the first low-rank level would hold
+- *sparse* (fewer than 10% of the elements changed, and the first low-rank level would hold
   less than half of the energy): the largest quarter of the changed values exactly, then the
   rest (an Adam fine-tune's word embeddings change only seen tokens' rows, but are nearly rank 1:
   they take the dense route);
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 LOWRANK_GROUPS = ((1 / 48, 8), (1 / 16, 4), (1 / 6, 3), (1 / 3, 2))  # (share of rank, bits)
 EXACT_RANK_TOL = 1e-4
-SPARSE_DENSITY = 0.3
+SPARSE_DENSITY = 0.1
 
 
 @dataclass
@@ -209,7 +210,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
              + dl.pack_bits(flat_codes[r0:r1][flat_ok[r0:r1]], ulp_bits) for r0, r1 in rows])
         rest = (d32 != 0) & ~flat_ok
         add("sparse", 0, 0, None, _sparse(wi, rest, rows, n))
-    elif 0 < rank <= p // 4:
+    elif 0 < rank and rank * (m + n) <= m * n // 8:  # factors cheaper than 2 bits/element
         shared, blocks, contrib = _lowrank(r, rank, 16, rows, vecs)
         add("lowrank", 16, rank, shared, blocks)
         r = r - contrib
