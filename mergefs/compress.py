@@ -173,7 +173,7 @@ def _ulp(w0: np.ndarray, wi: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
 def _top_share(sv: np.ndarray, p: int) -> float:
     """Share of the energy in the first low-rank level's singular directions."""
     total = float((sv**2).sum())
-    k = max(1, int(round(LOWRANK_GROUPS[0][0] * p)))
+    k = max(1, round(LOWRANK_GROUPS[0][0] * p))
     return float((sv[:k] ** 2).sum()) / total if total else 0.0
 
 
@@ -226,7 +226,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
     else:
         done = 0
         for share, bits in LOWRANK_GROUPS:
-            k = min(p, max(done + 1, int(round(share * p)))) - done
+            k = min(p, max(done + 1, round(share * p))) - done
             if k <= 0:
                 continue
             shared, blocks, contrib = _lowrank(r, k, bits, rows, vecs if done == 0 else None)

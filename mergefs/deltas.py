@@ -80,7 +80,6 @@ def unpack_bits(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
     if bits == 8:
         return raw[:n]
     if bits in (1, 2, 4):  # whole codes per byte: shifts instead of a bit matrix
-        per = 8 // bits
         shifts = np.arange(0, 8, bits, dtype=np.uint8)
         out = (raw[:, None] >> shifts) & np.uint8((1 << bits) - 1)
         return out.reshape(-1)[:n]
@@ -225,6 +224,8 @@ def _add_quant(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
     return out
 
 
+_quant_add_nb: Any
+_ulp_bf16_nb: Any
 try:  # optional compiled decode: one pass instead of four numpy passes (same float32 results)
     import numba
 
@@ -326,7 +327,7 @@ class OneBlasThread:
         self._users = 0
         self._ctx: Any = None
         try:
-            from threadpoolctl import ThreadpoolController
+            from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
             self._controller: Any = ThreadpoolController()
         except ImportError:
             self._controller = None

@@ -18,6 +18,7 @@ the residual of the option taken (design.md, with ``D_ib`` replaced by the resid
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -107,8 +108,8 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
         if c2[i] == 0:
             continue
         per_block = opts[i][1] if i in opts else None
-        for b in np.flatnonzero(~index.zero[i]):
-            b = int(b)
+        for bb in np.flatnonzero(~index.zero[i]):
+            b = int(bb)
             full = c2[i] * float(index.norms[i, b]) ** 2
             points = [(float(raw[i, b]), full, EXACT)]
             levels = per_block[b] if per_block is not None else None
@@ -122,7 +123,7 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                     points.append((cum + amort, full - c2[i] * r * r, k))
                 block_cost[(i, b)] = costs
             hull = _hull(points)
-            for (ca, ga, oa), (cb, gb, ob) in zip(hull, hull[1:]):
+            for (ca, ga, oa), (cb, gb, ob) in itertools.pairwise(hull):
                 slope = (gb - ga) / max(cb - ca, 1e-12)
                 segments.append((-slope, int(lay.tensor_of[b]), b, i, oa, ob))
     segments.sort()

@@ -5,6 +5,7 @@ Expected merges come from the independent reference (tests/reference.py), never 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ from mergefs import compress
 from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
 from mergefs.levelplan import _hull, level_runs, levels_from_runs
-from mergefs.manifest import ManifestWriter, read_manifest
+from mergefs.manifest import ManifestWriter
 from mergefs.replayer import replay
 from mergefs.spec import load_spec
 
@@ -61,7 +62,7 @@ def test_hull_keeps_only_concave_upgrades() -> None:
     pts = [(10.0, 5.0, 1), (20.0, 6.0, 2), (30.0, 9.0, 3), (40.0, 9.0, -1), (5.0, 1.0, 4)]
     hull = _hull(pts)
     assert [o for _, _, o in hull] == [0, 1, 3]  # 4 and 2 under the chord, -1 no gain
-    slopes = [(g2 - g1) / (c2 - c1) for (c1, g1, _), (c2, g2, _) in zip(hull, hull[1:])]
+    slopes = [(g2 - g1) / (c2 - c1) for (c1, g1, _), (c2, g2, _) in itertools.pairwise(hull)]
     assert slopes == sorted(slopes, reverse=True)
 
 
@@ -76,7 +77,7 @@ def test_level_runs_round_trip() -> None:
 def test_budget_never_exceeded_and_bound_never_below_error(
         published: tuple[Family, Path], tmp_path_factory: pytest.TempPathFactory,
         frac: float) -> None:
-    fam, spec_path = published
+    _, spec_path = published
     out = tmp_path_factory.mktemp("out")
     want = reference_merge_dir(spec_path)
     spec = load_spec(str(spec_path))
