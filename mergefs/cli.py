@@ -92,6 +92,23 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compress(args: argparse.Namespace) -> int:
+    """Publish delta sidecars (issue 14): refinement levels of every expert's delta."""
+    from .compress import publish
+    from .engine import open_family
+    from .index import build_layout, index_bytes_total, load_or_build
+
+    spec = _load(args)
+    base, experts = open_family(spec)
+    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
+    with byte_progress("indexing", total) as tick:
+        index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
+                                 sidecars=False)
+    for where in publish(base, experts, index):
+        print(f"published {where}")
+    return 0
+
+
 def _tensor_table(spec: Spec, index: Any, top: int) -> Table:
     """The ``top`` tensors by delta norm (summed over experts): where the merge update lives."""
     norms = index.tensor_norms()  # (N, T)
@@ -123,6 +140,9 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("budget", f"{human_bytes(rep['budget_bytes'])}{pct(rep['budget_bytes'], rep['total_expert_bytes'])}")
     table.add_row("planned expert reads", f"{human_bytes(rep['planned_expert_bytes'])}"
                   f"{pct(rep['planned_expert_bytes'], rep['total_expert_bytes'])}")
+    if "sidecar_bytes" in rep:  # delta sidecars (issue 14)
+        table.add_row("  of which delta sidecar reads", f"{human_bytes(rep['sidecar_bytes'])}"
+                      f"  ({rep['blocks_from_sidecar']} blocks reconstructed)")
     table.add_row("non-zero expert bytes", human_bytes(rep["nonzero_expert_bytes"]))
     table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
@@ -137,7 +157,8 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
         exact, update = rep["error_exact"], rep["update_norm"]
         table.add_row("||E|| exact (from index)",
-                      "- (index from sidecars)" if exact is None else f"{exact:.6g}")
+                      "- (reconstructed blocks)" if exact is None and plan.levels is not None
+                      else "- (index from sidecars)" if exact is None else f"{exact:.6g}")
         table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
     return table
 
@@ -373,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(mergefs-index.<base-key>.<block_size>.safetensors), so later plans over "
                    "remote experts need not read them")
     s.set_defaults(func=cmd_index)
+
+    s = add("compress", help="publish compressed delta sidecars beside each expert",
+            description="Write per expert mergefs-delta.<base-key>.<block_size>.safetensors: "
+            "refinement levels of its delta (low rank at mixed precision, quantised residual, "
+            "sparse exact values) per row block, with exact residual norms, so that budgeted "
+            "merges read a few bits per element instead of skipping blocks.")
+    s.add_argument("spec", help=SPEC_HELP)
+    s.set_defaults(func=cmd_compress)
 
     s = add("plan", help="show which expert blocks a budget reads and its error bound",
             description="Plan the expert reads for a budget (deterministic) and report "

@@ -280,7 +280,8 @@ class Engine:
 
     def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
-                 verify_index: bool = True, recipe: Recipe | None = None) -> None:
+                 verify_index: bool = True, recipe: Recipe | None = None,
+                 deltas: dict[int, Any] | None = None) -> None:
         self.spec = spec
         self.recipe = recipe if recipe is not None else recipe_of(spec, base)
         self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
@@ -318,6 +319,10 @@ class Engine:
                 self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
                     tokenizers.update_config(cfg, self.tokenizer))
         self.labels = expert_labels([e.path for e in spec.experts])
+        # delta sidecars (issue 14): blocks the plan reads as reconstructed levels
+        self.deltas = dict(deltas or {}) if plan.levels is not None else {}
+        for i, sc in self.deltas.items():
+            sc.recorder = functools.partial(self._record_sidecar, self.labels[i], sc.name)
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
@@ -449,12 +454,14 @@ class Engine:
         fetched = iter(got[1:])
         expert_bufs = [next(fetched) if rs else [] for rs in ranges]
         out_dtype = self.out_tensors[name].dtype
-        if not any(runs) and self._unread_is_base(src_dtype, out_dtype, base_buf):
+        levels = [self._level_blocks(i, b0, b1) for i in range(len(self.experts))]
+        if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
+                                                                      base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
         w0 = decode_f32(base_buf, src_dtype)
         values: list[np.ndarray | None] = []  # per expert; None: the reference's values
         for i, src in enumerate(self.experts):
-            if not runs[i]:
+            if not runs[i] and not levels[i]:
                 values.append(None)
                 continue
             whole = runs[i] == [(b0, b1)]
@@ -467,9 +474,47 @@ class Engine:
                     full = wi
                 else:
                     full[int(lay.elem_start[r0]) - e0:int(lay.elem_end[r1 - 1]) - e0] = wi
+            if levels[i]:
+                assert full is not None
+                self._reconstruct(i, name, e0, w0, full, levels[i])
             values.append(full)
         merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    # -- delta sidecars (issue 14) ---------------------------------------------------------
+    def _level_blocks(self, i: int, b0: int, b1: int) -> list[tuple[int, int]]:
+        """(block, levels) of expert i in [b0, b1) that the plan reconstructs from its sidecar."""
+        if i not in self.deltas or self.plan.levels is None:
+            return []
+        row = self.plan.levels[i, b0:b1]
+        return [(b0 + int(j), int(row[j])) for j in np.flatnonzero(row)]
+
+    def _reconstruct(self, i: int, name: str, e0: int, w0: np.ndarray, full: np.ndarray,
+                     blocks: list[tuple[int, int]]) -> None:
+        """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
+        from .deltas import one_blas_thread, reconstruct
+
+        sc = self.deltas[i]
+        tl = sc.tensors[name]
+        lay = self.layout
+        first = int(lay.first_block[tl.t])
+        depth = max(k for _, k in blocks)
+        got = [sc.read_runs(lv.first_range, [b - first for b, k in blocks if k > lvl], name)
+               for lvl, lv in enumerate(tl.levels[:depth])]
+        shared = [sc.shared(lv, tl.cols, name) for lv in tl.levels[:depth]]
+        with one_blas_thread():
+            for b, k in blocks:
+                s0, s1 = int(lay.elem_start[b]) - e0, int(lay.elem_end[b]) - e0
+                j = b - first
+                full[s0:s1] = reconstruct(w0[s0:s1], tl.levels[:k], [g[j] for g in got[:k]],
+                                          shared[:k], (s1 - s0) // tl.cols, tl.cols)
+
+    def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
+                        buf: memoryview) -> None:
+        if self.manifest is not None:
+            self.manifest.write({"type": "read", "source": label, "file": file,
+                                 "tensor": tensor, "start": start, "end": end,
+                                 "xxh3": xxhash.xxh3_64_hexdigest(buf)})
 
     def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
                ) -> np.ndarray:
@@ -707,9 +752,11 @@ class Session:
                  manifest: ManifestWriter | None = None,
                  on_index_bytes: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
-                 family: tuple[Checkpoint, list[Checkpoint]] | None = None) -> None:
+                 family: tuple[Checkpoint, list[Checkpoint]] | None = None,
+                 sidecars: bool = True) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
-        session then owns and closes them)."""
+        session then owns and closes them). ``sidecars``: plan with the experts' delta
+        sidecars when they have matching ones (:mod:`mergefs.deltas`)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
@@ -718,12 +765,14 @@ class Session:
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing
             c.counters.reset()
         self.recipe = recipe_of(spec, self.base)
+        self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
         self.plan = plan if plan is not None else make_plan(
             spec, self.index, budget_bytes,
-            coefficients=self.recipe.coefficients(spec, self.index.layout.tensors))
+            coefficients=self.recipe.coefficients(spec, self.index.layout.tensors),
+            sidecars=self.deltas)
         self.manifest = manifest
         self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
-                             recipe=self.recipe)
+                             recipe=self.recipe, deltas=self.deltas)
         if manifest is not None:
             manifest.write(self.header_record())
 
@@ -741,12 +790,27 @@ class Session:
             "plan_hash": self.plan.plan_hash,
             "budget_bytes": self.plan.budget_bytes,
             "selected": selected_runs(self.plan.selected),
+            **self._levels_record(),
             "created_unix": time.time(),
         }
+
+    def _levels_record(self) -> dict[str, Any]:
+        """Header keys of a plan that reads delta sidecars (absent otherwise)."""
+        if self.plan.levels is None:
+            return {}
+        from .levelplan import level_runs
+
+        return {"levels": level_runs(self.plan.levels),
+                "sidecars": {self.engine.labels[i]: str(sc.path)
+                             for i, sc in sorted(self.deltas.items())}}
 
     def source_bytes(self) -> dict[str, int]:
         return {"base": self.base.counters.bytes_read,
                 **{lab: e.counters.bytes_read for lab, e in zip(self.engine.labels, self.experts)}}
+
+    def sidecar_bytes(self) -> dict[str, int]:
+        """Delta sidecar payload bytes read per expert (expert I/O, issue 14)."""
+        return {self.engine.labels[i]: sc.bytes_read for i, sc in sorted(self.deltas.items())}
 
     def source_requests(self) -> dict[str, int]:
         """Read requests per source: preads (local) or requests sent, retries included (remote)."""
@@ -757,7 +821,13 @@ class Session:
     def totals_record(self) -> dict[str, Any]:
         read = self.source_bytes()
         expert_read = sum(v for k, v in read.items() if k != "base")
+        extra: dict[str, Any] = {}
+        if self.plan.levels is not None:
+            extra = {"sidecar_bytes_read": self.sidecar_bytes(),
+                     "sidecar_bytes_planned": self.plan.sidecar_bytes}
+            expert_read += sum(extra["sidecar_bytes_read"].values())
         return {
+            **extra,
             "type": "totals",
             "physical_bytes_read": read,
             "physical_requests": self.source_requests(),
@@ -783,4 +853,13 @@ class Session:
     def close(self) -> None:
         for c in [self.base, *self.experts]:
             c.close()
+        for sc in self.deltas.values():
+            sc.close()
+
+
+def _find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
+                 ) -> dict[int, Any]:
+    from .deltas import find
+
+    return find(base, experts, index)
 

@@ -13,6 +13,7 @@ deterministic; no I/O.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,9 @@ import xxhash
 from .errors import BudgetError
 from .index import BlockIndex
 from .spec import Spec
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,13 +45,17 @@ class Plan:
     error_exact: float | None
     update_norm: float | None
     plan_hash: str
+    #: (N, B) int16: how many sidecar levels of each pair are read (0: none); None without
+    #: delta sidecars (:mod:`mergefs.levelplan`)
+    levels: np.ndarray | None = None
+    sidecar_bytes: int = 0  # included in planned_bytes
 
     def report(self) -> dict[str, Any]:
         """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
         rel: float | None = None
         if self.bound_tight is not None and self.update_norm:
             rel = self.bound_tight / self.update_norm
-        return {
+        out: dict[str, Any] = {
             "budget_bytes": self.budget_bytes,
             "planned_expert_bytes": self.planned_bytes,
             "total_expert_bytes": self.total_expert_bytes,
@@ -62,6 +70,10 @@ class Plan:
             "bound_relative_to_update": rel,
             "plan_hash": self.plan_hash,
         }
+        if self.levels is not None:  # delta sidecars: what part of the reads they are
+            out["sidecar_bytes"] = self.sidecar_bytes
+            out["blocks_from_sidecar"] = int((self.levels > 0).sum())
+        return out
 
 
 def selected_runs(selected: np.ndarray) -> list[list[list[int]]]:
@@ -82,9 +94,17 @@ def selected_from_runs(runs: list[list[list[int]]], n_blocks: int) -> np.ndarray
     return sel
 
 
-def plan_hash(spec: Spec, index: BlockIndex, selected: np.ndarray) -> str:
+def plan_hash(spec: Spec, index: BlockIndex, selected: np.ndarray,
+              levels: np.ndarray | None = None, sidecars: Any = None) -> str:
+    extra: dict[str, Any] = {}
+    if levels is not None:  # which levels of which (content-tied) sidecars are read
+        extra = {"levels": xxhash.xxh3_128_hexdigest(np.ascontiguousarray(levels).tobytes()),
+                 "sidecars": {str(i): xxhash.xxh3_128_hexdigest(
+                     np.ascontiguousarray(sc.range_xxh3).tobytes())
+                     for i, sc in sorted((sidecars or {}).items())}}
     blob = json.dumps(
         {
+            **extra,
             "spec": {k: v for k, v in spec.raw.items() if k != "budget"},
             "index": index.key,
             # what the blocks hold, not only the files' identities: a source rewritten with its
@@ -118,11 +138,15 @@ def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple
 
 
 def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
-              coefficients: np.ndarray | None = None) -> Plan:
+              coefficients: np.ndarray | None = None, sidecars: Any = None) -> Plan:
     """Plan the reads for ``spec`` (its budget, unless ``budget_bytes`` is given).
 
     ``coefficients``: (N, T) each expert's coefficient per tensor of the layout (gradients and
-    filters resolve per tensor: mergefs.recipe); default the spec's one per expert."""
+    filters resolve per tensor: mergefs.recipe); default the spec's one per expert.
+    ``sidecars`` ({expert: :class:`mergefs.deltas.DeltaSidecar`}): plan with their levels
+    (:func:`_plan_with_levels`) unless the budget reads every non-zero block exactly; with
+    per-tensor coefficients (gradients) levels are not planned yet: exact blocks only.
+    """
     lay = index.layout
     n, nb = index.norms.shape
     block_bytes = index.expert_block_bytes()  # (N, B): experts' dtypes may differ
@@ -140,8 +164,16 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
         per_tensor = np.asarray(coefficients, dtype=np.float64).reshape(n, len(lay.tensors))
     coeffs = per_tensor[:, lay.tensor_of]  # (N, B)
     selected = np.zeros((n, nb), dtype=bool)
+    per_expert = per_tensor[:, 0] if per_tensor.shape[1] else np.zeros(n)
+    uniform = bool(np.all(per_tensor == per_expert[:, None]))
+    if sidecars and budget_bytes < nonzero_bytes and not uniform:
+        log.warning("delta sidecars are not used with per-tensor coefficients (gradients or "
+                    "filters) yet: planning exact blocks only")
     if budget_bytes >= nonzero_bytes:
         selected[:] = nonzero
+    elif sidecars and uniform:
+        return _plan_with_levels(spec, index, int(budget_bytes), per_expert, sidecars, total,
+                                 nonzero_bytes)
     else:
         score = np.abs(coeffs) * index.norms / np.maximum(block_bytes, 1)
         ii, bb = np.nonzero(nonzero)
@@ -179,4 +211,40 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
         error_exact=exact,
         update_norm=update,
         plan_hash=plan_hash(spec, index, selected),
+    )
+
+
+def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: np.ndarray,
+                      sidecars: Any, total: int, nonzero_bytes: int) -> Plan:
+    """A plan mixing skip / sidecar levels / exact per pair (:mod:`mergefs.levelplan`)."""
+    from .levelplan import bounds, choose
+
+    got = choose(index, coeffs, budget_bytes, sidecars)
+    planned = got.exact_bytes + got.sidecar_bytes
+    assert planned <= budget_bytes
+    tight = loose = exact = update = None
+    if spec.is_additive:
+        tight, loose = bounds(coeffs, got.resid)
+        if index.has_gram:
+            upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
+            update = float(np.sqrt(max(upd_sq, 0.0)))
+            if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
+                exact = _bounds(index, coeffs, ~index.zero & ~got.selected)[2]
+    n, nb = got.selected.shape
+    return Plan(
+        selected=got.selected,
+        budget_bytes=budget_bytes,
+        planned_bytes=planned,
+        total_expert_bytes=total,
+        nonzero_expert_bytes=nonzero_bytes,
+        blocks_read=int(got.selected.sum()),
+        blocks_total=n * nb,
+        blocks_zero=int(index.zero.sum()),
+        bound_tight=tight,
+        bound_loose=loose,
+        error_exact=exact,
+        update_norm=update,
+        plan_hash=plan_hash(spec, index, got.selected, got.levels, sidecars),
+        levels=got.levels,
+        sidecar_bytes=got.sidecar_bytes,
     )

@@ -223,12 +223,13 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
                            np.zeros((n, layout.n_blocks), np.uint64),
                            np.zeros((n, layout.n_blocks)), np.zeros((n, layout.n_blocks), bool),
                            np.zeros((layout.n_blocks, n, n)))
+        levels, sidecars = _recorded_levels(manifest_path, h, labels, layout.n_blocks)
         plan = Plan(selected, h["budget_bytes"], 0, 0, 0, int(selected.sum()), selected.size, 0,
-                    None, None, None, None, h["plan_hash"])
+                    None, None, None, None, h["plan_hash"], levels=levels)
         checker = _Checker(contents.reads, contents.outputs, contents.tensors, labelled)
         engine = _ReplayEngine(spec, base, experts, index, plan,
                                manifest=checker,  # type: ignore[arg-type]
-                               verify_index=False, recorded_units={})
+                               verify_index=False, recorded_units={}, deltas=sidecars)
         units = engine.recorded_units = _recorded_units(manifest_path, engine, contents.outputs)
         if out is not None:
             _check_tiling(manifest_path, engine, units)
@@ -248,4 +249,24 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
     finally:
         for c in [base, *experts]:
             c.close()
+
+
+def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_blocks: int
+                     ) -> tuple[np.ndarray | None, dict[int, Any]]:
+    """The delta sidecar levels a plan read (issue 14) and the sidecars, opened by their
+    recorded paths; every range read is then checked against its recorded xxh3."""
+    if "levels" not in h:
+        return None, {}
+    from .deltas import DeltaError, open_sidecar
+    from .levelplan import levels_from_runs
+
+    try:
+        levels = levels_from_runs(h["levels"], n_blocks)
+        where = {labels.index(lab): Path(p) for lab, p in dict(h["sidecars"]).items()}
+        return levels, {i: open_sidecar(p) for i, p in where.items()}
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ManifestError(f"{path}: invalid 'levels' or 'sidecars': {exc}") from None
+    except (DeltaError, OSError) as exc:
+        raise SourceChanged(f"{path}: a delta sidecar the plan read cannot be opened: {exc}"
+                            ) from None
 

@@ -85,12 +85,12 @@ def _short(key: str) -> str:
     return ".".join(p for p in key.split(".") if p != "parameters")
 
 
-def _row(spec: Spec, index: Any, budget: str, variant: str) -> SweepRow:
+def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -> SweepRow:
     from .plan import make_plan
 
     b = parse_budget(budget)
     total = int(index.expert_block_bytes().sum())
-    plan = make_plan(spec.with_budget(b), index, b.resolve(total))
+    plan = make_plan(spec.with_budget(b), index, b.resolve(total), coefficients=coefficients)
     kept = share = None
     if plan.error_exact is not None and plan.update_norm:
         kept = max(0.0, 1.0 - (plan.error_exact / plan.update_norm) ** 2)
@@ -121,9 +121,18 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str], methods: Sequence[s
         total = index_bytes_total(base, experts, build_layout(base, first.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
             index, _ = load_or_build(base, experts, first.block_size, first.index_dir, tick)
+        return _sweep_rows(doc, base_dir, path, first, base, index, budgets, methods, grid,
+                           strict)
     finally:
         for c in [base, *experts]:
             c.close()
+
+
+def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, index: Any,
+                budgets: Sequence[str], methods: Sequence[str],
+                grid: Sequence[tuple[str, list[Any]]], strict: bool) -> list[SweepRow]:
+    from .engine import recipe_of
+
     rows: list[SweepRow] = []
     keys = [k for k, _ in grid]
     for method in methods or [first.method]:
@@ -139,7 +148,9 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str], methods: Sequence[s
                     [e.path for e in first.experts]:
                 raise MergefsError(f"--grid: {label} changes the experts or block size; a sweep "
                                    "varies coefficients, methods and budgets over one index")
-            rows.extend(_row(spec, index, b, label) for b in budgets)
+            # per-tensor coefficients (gradients, filters), as `mergefs plan` uses them
+            coeffs = recipe_of(spec, base).coefficients(spec, index.layout.tensors)
+            rows.extend(_row(spec, index, b, label, coeffs) for b in budgets)
     return rows
 
 

@@ -1,0 +1,552 @@
+"""Delta sidecars: compressed refinement levels of one expert's delta, and their decoding.
+
+``mergefs compress SPEC`` (:mod:`mergefs.compress`) writes, beside every expert, a safetensors file
+``mergefs-delta.<base-key>.<block_size>.safetensors`` (beside a bare ``x.safetensors``:
+``x.mergefs-delta....``). It holds one ``U8`` tensor ``data`` with every payload and a *range
+table* (``range_start``, ``range_end`` relative to ``data``, ``range_xxh3``, ``range_resid``);
+its metadata key ``mergefs_delta`` (JSON) ties it to the base key, block size and layout, the base
+blocks' content hash and the expert's identity, and lists per tensor its *levels*, each a
+refinement of the previous ones:
+
+``lowrank`` (``k`` components at ``bits``: 2/3/4/8, or 16 for float16)
+    ``D ~ U V``; a *shared* range per tensor holds the scales and the packed ``V`` (``k x cols``),
+    and each row block's range the packed rows of ``U`` (``rows_b x k``).
+``quant`` (``bits``: 1, 2 or 3)
+    the residual quantised per element; a block's range holds one float32 step per row, then
+    the packed codes.
+``ulp`` (``k``: 1 for bfloat16, 2 for float16 experts over a base of the same dtype)
+    the delta in units in the last place: a block's range holds a bitmap of the elements whose
+    16-bit pattern moved by at most ``2**(bits-1)`` (same sign), then a code of ``bits`` bits
+    per such element;
+    the reconstruction there is the base's bit pattern plus that move, exactly the expert's.
+``sparse``
+    exact values: a block's range holds uint32 positions and the expert's float32 values there,
+    which overwrite the reconstruction.
+
+For row block ``b`` the range of level ``l`` is ``first_range[l] + (b - first_block[t])``: the
+bytes of one level of one row block are one contiguous range, and the ranges of consecutive
+blocks are adjacent. ``range_resid`` of a block range is ``||D_b - D_hat_b||`` after levels
+``0..l``, computed by the publisher with :func:`reconstruct` itself (``D = fl(W_i - W_0)`` as the
+index computes it; ``D_hat = fl(W_hat - W_0)`` with ``W_hat`` what the engine merges), so it is
+the exact error of that block, not an estimate. Shared ranges have ``range_resid`` NaN.
+
+Pure decoding and a blocking reader (pread, xxh3 checked per range); never on the trio thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import format as fmt
+from .errors import MergefsError, SourceChanged
+
+log = logging.getLogger(__name__)
+
+DELTA_VERSION = "1"
+META_KEY = "mergefs_delta"
+#: uniform quantiser step per bit width, in units of the RMS (near-optimal for Gaussian values)
+GAUSS_STEP = {1: 0.0, 2: 0.996, 3: 0.586, 4: 0.335}
+
+
+class DeltaError(MergefsError):
+    """A delta sidecar is malformed or does not belong to this base and expert."""
+
+
+# -- bit packing (little-endian bit order, value-major) -------------------------------------------
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> bytes:
+    """Pack unsigned ``codes`` (< 2**bits) into ``ceil(n * bits / 8)`` bytes."""
+    c = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return c.tobytes()
+    planes = (c[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
+    """The ``n`` codes packed by :func:`pack_bits`, as uint8."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if bits == 8:
+        return raw[:n]
+    if bits in (1, 2, 4):  # whole codes per byte: shifts instead of a bit matrix
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        out = (raw[:, None] >> shifts) & np.uint8((1 << bits) - 1)
+        return out.reshape(-1)[:n]
+    planes = np.unpackbits(raw, count=n * bits, bitorder="little").reshape(n, bits)
+    return planes @ (np.uint8(1) << np.arange(bits, dtype=np.uint8))
+
+
+def packed_size(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def quant_levels(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Code -> value in units of the step: midrise ``q - (2**bits - 1) / 2`` (1 bit: +-1)."""
+    if bits == 1:
+        return codes.astype(np.float64) * 2.0 - 1.0
+    return codes.astype(np.float64) - ((1 << bits) - 1) / 2.0
+
+
+def _table(bits: int) -> np.ndarray:
+    """(256, 8 // bits) float64: the values (in steps) of the codes packed in each byte."""
+    per = 8 // bits
+    byte = np.arange(256, dtype=np.uint16)[:, None]
+    codes = (byte >> (np.arange(per, dtype=np.uint16) * bits)) & ((1 << bits) - 1)
+    return quant_levels(codes.astype(np.uint8), bits)
+
+
+_TABLES = {b: _table(b).astype(np.float32) for b in (1, 2, 4, 8)}  # exact in float32
+
+
+def dequant(buf: bytes | memoryview, bits: int, n: int) -> np.ndarray:
+    """Values (in steps, float32: exact) of the ``n`` codes packed by :func:`pack_bits`."""
+    table = _TABLES.get(bits)
+    if table is None:
+        return quant_levels(unpack_bits(buf, bits, n), bits).astype(np.float32)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=packed_size(n, bits))
+    return table[raw].reshape(-1)[:n]
+
+
+def quantise(x: np.ndarray, bits: int, step: np.ndarray | float) -> np.ndarray:
+    """Codes of ``x`` for a uniform midrise quantiser of ``step`` (broadcast), clipped."""
+    top = (1 << bits) - 1
+    if bits == 1:
+        return (x >= 0).astype(np.uint8)
+    s = np.where(np.asarray(step) > 0, step, 1.0)
+    q = np.floor(x / s + (top + 1) / 2.0)
+    return np.clip(q, 0, top).astype(np.uint8)
+
+
+# -- the description of a sidecar ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Level:
+    kind: str  # "lowrank" | "quant" | "ulp" | "sparse"
+    bits: int = 0
+    k: int = 0
+    shared: int = -1  # range id of the shared part (lowrank), else -1
+    first_range: int = 0  # range id of the tensor's first block
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "bits": self.bits, "k": self.k, "shared": self.shared,
+                "first_range": self.first_range}
+
+
+@dataclass(frozen=True)
+class TensorLevels:
+    name: str
+    t: int  # index in the block layout
+    rows: int
+    cols: int
+    levels: tuple[Level, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "t": self.t, "rows": self.rows, "cols": self.cols,
+                "levels": [lv.to_json() for lv in self.levels]}
+
+
+ULP_DTYPES = {"BF16": 1, "F16": 2}
+
+
+def bits16(w: np.ndarray, k: int) -> np.ndarray:
+    """16-bit patterns (int32) of float32 values exactly representable in bf16 (k=1) or f16."""
+    if k == 1:
+        return (np.ascontiguousarray(w, dtype=np.float32).view(np.uint32) >> 16).astype(np.int32)
+    return w.astype(np.float16).view(np.uint16).astype(np.int32)
+
+
+def from_bits16(bits: np.ndarray, k: int) -> np.ndarray:
+    if k == 1:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def lowrank_shared_size(k: int, cols: int, bits: int) -> int:
+    return 8 * k + (2 * k * cols if bits == 16 else packed_size(k * cols, bits))
+
+
+def lowrank_block_size(rows_b: int, k: int, bits: int) -> int:
+    return 2 * rows_b * k if bits == 16 else packed_size(rows_b * k, bits)
+
+
+def quant_block_size(rows_b: int, cols: int, bits: int) -> int:
+    return 4 * rows_b + packed_size(rows_b * cols, bits)
+
+
+def _lowrank_v(shared: memoryview, k: int, cols: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(U column scales (k,), V (k, cols)) float32 from a lowrank level's shared range."""
+    scales = np.frombuffer(shared, dtype="<f4", count=2 * k)
+    body = shared[8 * k:]
+    if bits == 16:
+        v = np.frombuffer(body, dtype="<f2", count=k * cols).astype(np.float32)
+    else:
+        v = dequant(body, bits, k * cols)
+    return scales[:k].copy(), v.reshape(k, cols) * scales[k:, None]
+
+
+def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.ndarray:
+    k = level.k
+    if level.bits == 16:
+        u = np.frombuffer(block, dtype="<f2", count=rows_b * k).astype(np.float32)
+    else:
+        u = dequant(block, level.bits, rows_b * k)
+    return u.reshape(rows_b, k) * uscale[None, :]
+
+
+def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarray:
+    step = np.frombuffer(block, dtype="<f4", count=rows_b)
+    codes = dequant(block[4 * rows_b:], level.bits, rows_b * cols)
+    return codes.reshape(rows_b, cols) * step[:, None]
+
+
+def _add_quant(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
+               block: memoryview) -> np.ndarray:
+    """``acc + fl32(code value * step)`` per element (a new array when ``acc`` is None)."""
+    if _quant_add_nb is None:
+        q = _quant(level, rows_b, cols, block)
+        return q if acc is None else acc + q
+    out = np.zeros((rows_b, cols), np.float32) if acc is None else acc
+    step = np.frombuffer(block, dtype="<f4", count=rows_b)
+    raw = np.frombuffer(block, dtype=np.uint8, offset=4 * rows_b)
+    _quant_add_nb(out.reshape(-1), raw, level.bits, step, cols)
+    return out
+
+
+_quant_add_nb: Any
+_ulp_bf16_nb: Any
+try:  # optional compiled decode: one pass instead of four numpy passes (same float32 results)
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def _quant_add_nb(acc, raw, bits, step, cols):  # type: ignore[no-untyped-def]
+        mask = (1 << bits) - 1
+        half = np.float32(((1 << bits) - 1) / 2.0)
+        for e in range(acc.size):
+            bit = e * bits
+            byte = bit >> 3
+            sh = bit & 7
+            v = np.int32(raw[byte]) >> sh
+            if sh + bits > 8:
+                v |= np.int32(raw[byte + 1]) << (8 - sh)
+            code = v & mask
+            if bits == 1:
+                val = np.float32(2 * code - 1)
+            else:
+                val = np.float32(code) - half
+            acc[e] += val * step[e // cols]
+    @numba.njit(cache=True, nogil=True)
+    def _ulp_bf16_nb(out, w0, raw, bits):  # type: ignore[no-untyped-def]
+        n = w0.size
+        half = 1 << (bits - 1)
+        mask = (1 << bits) - 1
+        pos = ((n + 7) >> 3) * 8  # bit position of the first code
+        for e in range(n):
+            if (raw[e >> 3] >> (e & 7)) & 1:
+                byte = pos >> 3
+                sh = pos & 7
+                v = np.int32(raw[byte]) >> sh
+                if sh + bits > 8:
+                    v |= np.int32(raw[byte + 1]) << (8 - sh)
+                code = v & mask
+                move = code - half + (1 if code >= half else 0)
+                b16 = np.int32(w0[e] >> 16) + move
+                out[e] = np.uint32(b16 & 0xFFFF) << 16
+                pos += bits
+except ImportError:
+    _quant_add_nb = None
+    _ulp_bf16_nb = None
+
+
+def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
+                shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
+                cols: int) -> np.ndarray:
+    """``W_hat`` (float32, flat) of one row block from its levels ``levels`` (a prefix).
+
+    ``w0`` is the base block (float32, flat). The low-rank levels are one float32 product
+    ``[U_1 .. U_j] [V_1; ..; V_j]``, quantised levels are added in level order, then
+    ``W_hat = w0 + acc`` (float32), and ``ulp`` and ``sparse`` levels overwrite exact values.
+    The publisher computes every residual norm with this function, prefix by prefix, so they
+    are exact for this decoder (with a float32 BLAS that rounds the product as the publisher's
+    did; another may differ by about 1e-7 of the low-rank contribution).
+    """
+    us, vs = [], []
+    acc: np.ndarray | None = None
+    for level, block, sh in zip(levels, blocks, shared):
+        if level.kind == "lowrank":
+            assert sh is not None
+            us.append(_u(level, rows_b, block, sh[0]))
+            vs.append(sh[1])
+    if us:
+        acc = np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]
+    for level, block in zip(levels, blocks):
+        if level.kind == "quant":
+            acc = _add_quant(acc, level, rows_b, cols, block)
+    w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
+    for level, block in zip(levels, blocks):
+        if level.kind == "ulp" and level.k == 1 and _ulp_bf16_nb is not None:
+            _ulp_bf16_nb(w_hat.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
+                         np.frombuffer(block, dtype=np.uint8), level.bits)
+        elif level.kind == "ulp":
+            n = w0.size
+            mask = unpack_bits(block, 1, n).astype(bool)
+            half = 1 << (level.bits - 1)
+            codes = unpack_bits(block[packed_size(n, 1):], level.bits, int(mask.sum()))
+            moves = codes.astype(np.int32) - half + (codes >= half)
+            w_hat[mask] = from_bits16(bits16(w0[mask], level.k) + moves, level.k)
+    for level, block in zip(levels, blocks):
+        if level.kind == "sparse":
+            n = len(block) // 8
+            idx = np.frombuffer(block, dtype="<u4", count=n)
+            w_hat[idx] = np.frombuffer(block, dtype="<f4", count=n, offset=4 * n)
+    return w_hat
+
+
+class OneBlasThread:
+    """While any thread is inside, numpy's BLAS runs single-threaded (threadpoolctl, optional).
+
+    Decoding runs in the engine's worker threads, which already use the cores; a BLAS that
+    also spawns threads per product makes them spin against each other (measured: a 512 x 512
+    product 16x slower on a busy 2-core machine). Nested and concurrent users share one limit,
+    restored when the last leaves.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._ctx: Any = None
+        try:
+            from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+            self._controller: Any = ThreadpoolController()
+        except ImportError:
+            self._controller = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0 and self._controller is not None:
+                self._ctx = self._controller.limit(limits=1, user_api="blas")
+            self._users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._ctx is not None:
+                self._ctx.restore_original_limits()
+                self._ctx = None
+
+
+_ONE_BLAS: OneBlasThread | None = None
+
+
+def one_blas_thread() -> OneBlasThread:
+    global _ONE_BLAS
+    if _ONE_BLAS is None:
+        _ONE_BLAS = OneBlasThread()
+    return _ONE_BLAS
+
+
+# -- the file -----------------------------------------------------------------------------------
+
+
+def delta_name(sidecar_name: str) -> str:
+    """The delta sidecar's name from the index sidecar's (``mergefs-index`` -> ``mergefs-delta``)."""
+    return sidecar_name.replace("mergefs-index.", "mergefs-delta.")
+
+
+@dataclass(eq=False)
+class DeltaSidecar:
+    """One expert's delta sidecar, opened: the range table in memory, payloads read on demand.
+
+    ``bytes_read`` counts payload bytes returned by pread (the range table and header are read
+    once at open and counted in ``header_bytes``). Shared ranges are cached after the first read
+    (a few KiB per tensor), so each is read and counted once. Thread-safe.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, TensorLevels]  # by tensor name
+    data_offset: int  # absolute offset of ``data`` in the file
+    range_start: np.ndarray
+    range_end: np.ndarray
+    range_xxh3: np.ndarray
+    range_resid: np.ndarray
+    header_bytes: int
+    bytes_read: int = 0
+    reads: int = 0
+    #: called as ``recorder(tensor, start, end, buf)`` for every payload pread (absolute
+    #: file offsets): the engine's manifest hook
+    recorder: Any = None
+    _fd: int = -1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    _shared_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def range_bytes(self) -> np.ndarray:
+        return self.range_end - self.range_start
+
+    def read(self, r0: int, r1: int, tensor: str = "") -> memoryview:
+        """Bytes of the adjacent ranges ``r0 .. r1 - 1`` (one pread), checksums verified."""
+        start, end = int(self.range_start[r0]), int(self.range_end[r1 - 1])
+        if end == start:
+            return memoryview(b"")
+        with self._lock:
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            fd = self._fd
+        buf = os.pread(fd, end - start, self.data_offset + start)
+        if len(buf) != end - start:
+            raise SourceChanged(f"{self.path}: truncated (delta sidecar changed while open)")
+        with self._lock:
+            self.bytes_read += len(buf)
+            self.reads += 1
+        view = memoryview(buf)
+        for r in range(r0, r1):
+            lo, hi = int(self.range_start[r]) - start, int(self.range_end[r]) - start
+            if xxhash.xxh3_64_intdigest(view[lo:hi]) != int(self.range_xxh3[r]):
+                raise SourceChanged(f"{self.path}: checksum of range {r} differs (delta sidecar "
+                                    "corrupt or changed since it was published)")
+        if self.recorder is not None:
+            self.recorder(tensor, self.data_offset + start, self.data_offset + end, view)
+        return view
+
+    def read_runs(self, first: int, js: Sequence[int], tensor: str = "") -> dict[int, memoryview]:
+        """Block ranges ``first + j`` for ``j`` in ``js`` (ascending), one pread per adjacent
+        run; returns {j: bytes}."""
+        out: dict[int, memoryview] = {}
+        k = 0
+        while k < len(js):
+            e = k
+            while e + 1 < len(js) and js[e + 1] == js[e] + 1:
+                e += 1
+            buf = self.read(first + js[k], first + js[e] + 1, tensor)
+            base = int(self.range_start[first + js[k]])
+            for j in js[k:e + 1]:
+                r = first + j
+                out[j] = buf[int(self.range_start[r]) - base:int(self.range_end[r]) - base]
+            k = e + 1
+        return out
+
+    def abs_range(self, r0: int, r1: int) -> tuple[int, int]:
+        """Absolute file offsets ``[start, end)`` of ranges ``r0 .. r1 - 1``."""
+        return (self.data_offset + int(self.range_start[r0]),
+                self.data_offset + int(self.range_end[r1 - 1]))
+
+    def shared(self, level: Level, cols: int, tensor: str = ""
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+        if level.shared < 0:
+            return None
+        with self._shared_lock:  # read (and counted, and recorded) once
+            got = self._shared.get(level.shared)
+            if got is None:
+                got = _lowrank_v(self.read(level.shared, level.shared + 1, tensor), level.k,
+                                 cols, level.bits)
+                self._shared[level.shared] = got
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def open_sidecar(path: Path) -> DeltaSidecar:
+    """Parse a delta sidecar's header and range table (payloads stay on disk)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise DeltaError(f"{path}: not a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > fmt.HEADER_SIZE_CAP:
+            raise DeltaError(f"{path}: header too large")
+        try:
+            hdr = json.loads(f.read(n))
+        except ValueError:
+            raise DeltaError(f"{path}: header is not JSON") from None
+        meta = json.loads(hdr.get("__metadata__", {}).get(META_KEY, "null") or "null")
+        if not isinstance(meta, dict) or meta.get("version") != DELTA_VERSION:
+            raise DeltaError(f"{path}: not a mergefs delta sidecar of version {DELTA_VERSION}")
+        table: dict[str, np.ndarray] = {}
+        kinds = {"range_start": "<i8", "range_end": "<i8", "range_xxh3": "<u8",
+                 "range_resid": "<f8"}
+        for key, dt in kinds.items():
+            s, e = hdr[key]["data_offsets"]
+            f.seek(8 + n + s)
+            table[key] = np.frombuffer(f.read(e - s), dtype=dt).copy()
+        data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
+    tensors = {}
+    for tj in meta["tensors"]:
+        levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
+                       for lv in tj["levels"])
+        tensors[tj["name"]] = TensorLevels(tj["name"], tj["t"], tj["rows"], tj["cols"], levels)
+    table_bytes = sum(a.nbytes for a in table.values())
+    return DeltaSidecar(path, meta, tensors, data_offset, table["range_start"],
+                        table["range_end"], table["range_xxh3"], table["range_resid"],
+                        8 + n + table_bytes)
+
+
+def _digest(arr: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr, dtype="<u8").tobytes())
+
+
+def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSidecar]:
+    """Delta sidecars beside the (local) experts that match this base, layout and expert bytes.
+
+    A sidecar matches when its base key, block size, layout hash and expert identity match and
+    the content hashes of the base blocks and of the expert's blocks equal the index's (so it
+    was computed from exactly these bytes). Anything else is ignored with a log line saying why.
+    """
+    from . import sidecar
+
+    key = sidecar.base_key(base)
+    lay = index.layout
+    found: dict[int, DeltaSidecar] = {}
+    from .lora import LoraCheckpoint
+
+    for i, e in enumerate(experts):
+        if e.is_remote or isinstance(e, LoraCheckpoint):
+            continue  # remote delta sidecars: not yet; adapters are read as exact factors
+        name = delta_name(sidecar.sidecar_name(e, key, lay.block_size))
+        path = sidecar._local_path(e, name)
+        if not path.is_file():
+            continue
+        try:
+            sc = open_sidecar(path)
+        except (DeltaError, OSError, KeyError, ValueError) as exc:
+            log.warning("ignoring delta sidecar %s: unreadable: %s", path, exc)
+            continue
+        m = sc.meta
+        why = None
+        if m.get("base_key") != key or m.get("block_size") != lay.block_size:
+            why = "published for another base or block size"
+        elif m.get("layout_xxh3") != sidecar.layout_hash(lay):
+            why = "block layout differs"
+        elif [r[:3] for r in m.get("expert", [])] != [r[:3] for r in sidecar.expert_identity(e)]:
+            why = "the expert changed since it was published"
+        elif m.get("base_content") != _digest(index.base_hash):
+            why = "published against a base whose bytes differ"
+        elif m.get("expert_content") != _digest(index.expert_hash[i]):
+            why = "published from expert bytes that differ from the indexed ones"
+        elif any(tl.t >= len(lay.tensors) or lay.tensors[tl.t] != tl.name
+                 for tl in sc.tensors.values()):
+            why = "tensor table does not match the layout"
+        if why is not None:
+            log.warning("ignoring delta sidecar %s: %s", path, why)
+            continue
+        found[i] = sc
+    return found

@@ -1,0 +1,198 @@
+"""Planning with delta sidecars: per (expert, row block) skip, sidecar levels 1..k, or exact.
+
+Every non-zero ``(i, b)`` has options: skip (0 bytes, residual ``||D_ib||``), the first ``k`` levels
+of its sidecar (the bytes of those block ranges, residual ``r_ibk`` as published) and exact (the
+expert's block bytes, residual 0). The energy an option removes is
+``c_i^2 (||D_ib||^2 - r^2)``. Per pair, the options on the upper convex hull of (bytes, energy
+removed) give upgrades of decreasing energy per byte; all upgrades of all pairs are taken
+greedily by energy per byte (ties: tensor, block, expert), each only if its pair is in the
+upgrade's starting option and its bytes still fit. A level's *shared* range (the right factors
+of a low-rank level, once per tensor) is amortised over the tensor's non-zero blocks for the
+ranking and charged in full by the first block that needs it, so the running total, and the
+plan, never exceed the budget.
+
+For additive methods the bound is ``||E|| <= sqrt(sum_b (sum_i |c_i| r_ib)^2)`` with ``r_ib``
+the residual of the option taken (design.md, with ``D_ib`` replaced by the residual
+``D_ib - D_hat_ib``, which is what a reconstructed block leaves out). Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .deltas import DeltaSidecar
+from .index import BlockIndex
+
+EXACT = -1
+
+
+@dataclass(frozen=True, eq=False)
+class LevelChoice:
+    """The outcome: ``selected`` (exact reads), ``levels`` (sidecar prefix per pair, 0 none)."""
+
+    selected: np.ndarray  # (N, B) bool
+    levels: np.ndarray  # (N, B) int16
+    resid: np.ndarray  # (N, B) float64, residual norm of the option taken
+    exact_bytes: int
+    sidecar_bytes: int  # block ranges and shared ranges the plan reads
+
+
+@dataclass
+class _Options:
+    """Per (i, b) of an expert with a sidecar: prefix bytes, shared bytes per prefix, residuals."""
+
+    block_cost: list[np.ndarray]  # per level: (B,) bytes of that level's block range
+    shared_id: list[int]  # per level: range id of the shared part or -1
+    resid: list[np.ndarray]  # per level: (B,) residual after levels 0..l (NaN: not available)
+
+
+def _options(sc: DeltaSidecar, index: BlockIndex, i: int) -> tuple[np.ndarray, list]:
+    """(n_levels (B,), per block the list of (level bytes, shared id, residual)) of expert i."""
+    lay = index.layout
+    n_levels = np.zeros(lay.n_blocks, dtype=np.int16)
+    per_block: list = [None] * lay.n_blocks
+    sizes = sc.range_bytes()
+    for tl in sc.tensors.values():
+        blocks = lay.blocks_of(tl.t)
+        for j, b in enumerate(blocks):
+            if index.zero[i, b]:
+                continue
+            per_block[b] = [(int(sizes[lv.first_range + j]), lv.shared,
+                             float(sc.range_resid[lv.first_range + j])) for lv in tl.levels]
+            n_levels[b] = len(tl.levels)
+    return n_levels, per_block
+
+
+def _hull(points: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """Upper concave hull from (0, 0) of (cost, gain, option) points, increasing in both."""
+    hull = [(0.0, 0.0, 0)]
+    for c, g, o in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
+        c = max(c, 1e-9)  # an empty range still comes after skipping
+        if g <= hull[-1][1]:  # costs more and removes no more energy: dominated
+            continue
+        while len(hull) >= 2:
+            (c1, g1, _), (c2, g2, _) = hull[-2], hull[-1]
+            if (g2 - g1) * (c - c1) <= (g - g1) * (c2 - c1):  # hull[-1] on or under the chord
+                hull.pop()
+            else:
+                break
+        hull.append((c, g, o))
+    return hull
+
+
+def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
+           sidecars: Mapping[int, DeltaSidecar]) -> LevelChoice:
+    lay = index.layout
+    n, nb = index.norms.shape
+    raw = index.expert_block_bytes()
+    c2 = coeffs.astype(np.float64) ** 2
+    opts: dict[int, tuple[np.ndarray, list]] = {i: _options(sc, index, i)
+                                                 for i, sc in sidecars.items()}
+    shared_bytes = {i: sc.range_bytes() for i, sc in sidecars.items()}
+    # amortise shared ranges over the non-zero blocks of their tensor
+    share_of: dict[tuple[int, int], float] = {}
+    for i, sc in sidecars.items():
+        for tl in sc.tensors.values():
+            blocks = lay.blocks_of(tl.t)
+            live = max(1, int((~index.zero[i, blocks.start:blocks.stop]).sum()))
+            for lv in tl.levels:
+                if lv.shared >= 0:
+                    share_of[(i, lv.shared)] = float(shared_bytes[i][lv.shared]) / live
+    segments = []  # (-slope, tensor, block, expert, from, to)
+    block_cost: dict[tuple[int, int], list[int]] = {}
+    for i in range(n):
+        if c2[i] == 0:
+            continue
+        per_block = opts[i][1] if i in opts else None
+        for bb in np.flatnonzero(~index.zero[i]):
+            b = int(bb)
+            full = c2[i] * float(index.norms[i, b]) ** 2
+            points = [(float(raw[i, b]), full, EXACT)]
+            levels = per_block[b] if per_block is not None else None
+            if levels:
+                cum, amort = 0, 0.0
+                costs = []
+                for k, (size, sid, r) in enumerate(levels, start=1):
+                    cum += size
+                    amort += share_of.get((i, sid), 0.0)
+                    costs.append(cum)
+                    points.append((cum + amort, full - c2[i] * r * r, k))
+                block_cost[(i, b)] = costs
+            hull = _hull(points)
+            for (ca, ga, oa), (cb, gb, ob) in itertools.pairwise(hull):
+                slope = (gb - ga) / max(cb - ca, 1e-12)
+                segments.append((-slope, int(lay.tensor_of[b]), b, i, oa, ob))
+    segments.sort()
+    state = np.zeros((n, nb), dtype=np.int16)  # 0 skip, k levels, EXACT
+    paid: set[tuple[int, int]] = set()
+    used = 0
+
+    def cost_of(i: int, b: int, o: int) -> tuple[int, list[tuple[int, int]]]:
+        """Block bytes of option o and the shared ranges it needs that are not paid yet."""
+        if o == 0:
+            return 0, []
+        if o == EXACT:
+            return int(raw[i, b]), []
+        need = [(i, sid) for _, sid, _ in opts[i][1][b][:o] if sid >= 0 and (i, sid) not in paid]
+        return block_cost[(i, b)][o - 1], need
+
+    for _, _, b, i, oa, ob in segments:
+        if state[i, b] != oa:
+            continue
+        before, _ = cost_of(i, b, oa)
+        after, need = cost_of(i, b, ob)
+        inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
+        if used + inc <= budget_bytes:
+            used += inc
+            state[i, b] = ob
+            paid.update(need)
+    return _outcome(index, state, opts, shared_bytes, raw)
+
+
+def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dict,
+             raw: np.ndarray) -> LevelChoice:
+    selected = state == EXACT
+    levels = np.where(state > 0, state, 0).astype(np.int16)
+    resid = np.where(selected | index.zero, 0.0, index.norms)
+    sidecar = 0
+    needed: set[tuple[int, int]] = set()
+    for i, b in zip(*np.nonzero(levels)):
+        lv = opts[int(i)][1][int(b)][: int(levels[i, b])]
+        sidecar += sum(size for size, _, _ in lv)
+        needed.update((int(i), sid) for _, sid, _ in lv if sid >= 0)
+        resid[i, b] = lv[-1][2]
+    sidecar += sum(int(shared_bytes[i][sid]) for i, sid in needed)
+    return LevelChoice(selected, levels, resid, int((raw * selected).sum()), sidecar)
+
+
+def bounds(coeffs: np.ndarray, resid: np.ndarray) -> tuple[float, float]:
+    """(tight, loose) bounds on ``||E||`` from per-pair residual norms."""
+    per_pair = np.abs(coeffs)[:, None] * resid
+    return float(np.sqrt((per_pair.sum(axis=0) ** 2).sum())), float(per_pair.sum())
+
+
+def level_runs(levels: np.ndarray) -> list[list[list[int]]]:
+    """Per expert, runs ``[b0, b1, k]`` of equal non-zero level counts (manifest form)."""
+    out = []
+    for row in levels:
+        runs: list[list[int]] = []
+        for b in np.flatnonzero(row):
+            k = int(row[b])
+            if runs and runs[-1][1] == b and runs[-1][2] == k:
+                runs[-1][1] += 1
+            else:
+                runs.append([int(b), int(b) + 1, k])
+        out.append(runs)
+    return out
+
+
+def levels_from_runs(runs: list[list[list[int]]], n_blocks: int) -> np.ndarray:
+    out = np.zeros((len(runs), n_blocks), dtype=np.int16)
+    for i, expert_runs in enumerate(runs):
+        for b0, b1, k in expert_runs:
+            out[i, b0:b1] = k
+    return out

@@ -1,0 +1,191 @@
+"""Planning and merging with delta sidecars (issue 14 steps 2-3).
+
+Expected merges come from the independent reference (tests/reference.py), never from mergefs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+from families import Family, make_family, write_spec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_merge_dir
+from safetensors.numpy import load_file
+
+from mergefs import compress
+from mergefs.engine import Session, open_family
+from mergefs.index import load_or_build
+from mergefs.levelplan import _hull, level_runs, levels_from_runs
+from mergefs.manifest import ManifestWriter
+from mergefs.replayer import replay
+from mergefs.spec import load_spec
+
+BLOCK = 512
+WEIGHTS = [0.5, -0.3, 0.8]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Family, Path]:
+    """A float32 family with delta sidecars beside its experts, and its spec."""
+    root = tmp_path_factory.mktemp("levels")
+    fam = make_family(root / "fam", dtype="float32", seed=11)
+    spec_path = write_spec(root / "spec.yaml", fam, weights=WEIGHTS,
+                           extra={"block_size": BLOCK, "index_dir": str(root / "idx")})
+    spec = load_spec(str(spec_path))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    compress.publish(base, experts, index)
+    return fam, spec_path
+
+
+def _merge(spec_path: Path, out: Path, budget: int | None, sidecars: bool = True,
+           manifest: Path | None = None) -> tuple[Session, dict[str, np.ndarray]]:
+    spec = load_spec(str(spec_path))
+    writer = ManifestWriter(manifest) if manifest is not None else None
+    s = Session(spec, budget_bytes=budget, sidecars=sidecars, manifest=writer)
+    shutil.rmtree(out, ignore_errors=True)
+    s.engine.materialise(out)
+    s.finish()
+    s.close()
+    return s, load_file(str(out / "model.safetensors"))
+
+
+def test_hull_keeps_only_concave_upgrades() -> None:
+    pts = [(10.0, 5.0, 1), (20.0, 6.0, 2), (30.0, 9.0, 3), (40.0, 9.0, -1), (5.0, 1.0, 4)]
+    hull = _hull(pts)
+    assert [o for _, _, o in hull] == [0, 1, 3]  # 4 and 2 under the chord, -1 no gain
+    slopes = [(g2 - g1) / (c2 - c1) for (c1, g1, _), (c2, g2, _) in itertools.pairwise(hull)]
+    assert slopes == sorted(slopes, reverse=True)
+
+
+def test_level_runs_round_trip() -> None:
+    lv = np.asarray([[0, 2, 2, 3, 0, 1], [1, 1, 0, 0, 0, 4]], dtype=np.int16)
+    assert np.array_equal(levels_from_runs(level_runs(lv), 6), lv)
+
+
+@given(frac=st.floats(0.0, 0.8))
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_budget_never_exceeded_and_bound_never_below_error(
+        published: tuple[Family, Path], tmp_path_factory: pytest.TempPathFactory,
+        frac: float) -> None:
+    _, spec_path = published
+    out = tmp_path_factory.mktemp("out")
+    want = reference_merge_dir(spec_path)
+    spec = load_spec(str(spec_path))
+    probe = Session(spec, budget_bytes=0)
+    budget = int(frac * probe.plan.total_expert_bytes)
+    probe.close()
+    s, got = _merge(spec_path, out, budget)
+    p = s.plan
+    assert p.planned_bytes <= budget
+    read = s.totals_record()
+    assert read["expert_bytes_read"] <= budget
+    assert sum(s.sidecar_bytes().values()) == p.sidecar_bytes
+    err = np.sqrt(sum(float(((got[k].astype(np.float64) - want[k].astype(np.float64)) ** 2
+                             ).sum()) for k in want if want[k].dtype.kind == "f"))
+    assert p.bound_tight is not None and p.bound_loose is not None
+    assert err <= p.bound_tight * (1 + 1e-6) + 1e-7
+    assert p.bound_tight <= p.bound_loose * (1 + 1e-12) + 1e-15
+
+
+def test_levels_beat_exact_blocks_at_small_budgets(published: tuple[Family, Path],
+                                                   tmp_path: Path) -> None:
+    fam, spec_path = published
+    want = reference_merge_dir(spec_path)
+    base = {k: v for k, v in load_file(str(fam.base / "model.safetensors")).items()}
+    upd = sum(float(((want[k].astype(np.float64) - base[k]) ** 2).sum())
+              for k in want if want[k].dtype.kind == "f")
+    spec = load_spec(str(spec_path))
+    probe = Session(spec, budget_bytes=0)
+    budget = probe.plan.total_expert_bytes // 10
+    probe.close()
+    kept = {}
+    for sidecars in (False, True):
+        s, got = _merge(spec_path, tmp_path / str(sidecars), budget, sidecars=sidecars)
+        err = sum(float(((got[k].astype(np.float64) - want[k]) ** 2).sum())
+                  for k in want if want[k].dtype.kind == "f")
+        kept[sidecars] = 1 - err / upd
+        assert (s.plan.levels is not None) == sidecars
+    assert kept[True] > kept[False] + 0.1
+
+
+def test_full_budget_reads_exact_blocks_bit_identical(published: tuple[Family, Path],
+                                                      tmp_path: Path) -> None:
+    _, spec_path = published
+    s, got = _merge(spec_path, tmp_path / "a", None)
+    assert s.plan.levels is None and s.sidecar_bytes() in ({}, {"expert-0": 0, "expert-1": 0,
+                                                              "expert-2": 0})
+    want = reference_merge_dir(spec_path)
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+
+
+def test_manifest_records_sidecar_reads_and_replay_verifies(published: tuple[Family, Path],
+                                                            tmp_path: Path) -> None:
+    _, spec_path = published
+    man = tmp_path / "m.jsonl"
+    spec = load_spec(str(spec_path))
+    probe = Session(spec, budget_bytes=0)
+    budget = probe.plan.total_expert_bytes // 20
+    probe.close()
+    s, _ = _merge(spec_path, tmp_path / "out", budget, manifest=man)
+    records = [json.loads(line) for line in man.read_text().splitlines()]
+    header = records[0]
+    assert "levels" in header and set(header["sidecars"]) == {"expert-0", "expert-1",
+                                                               "expert-2"}
+    side = [r for r in records if r["type"] == "read" and "mergefs-delta" in r["file"]]
+    assert sum(r["end"] - r["start"] for r in side) == s.plan.sidecar_bytes
+    for r in side:
+        path = Path(header["sidecars"][r["source"]])
+        with open(path, "rb") as f:
+            f.seek(r["start"])
+            assert xxhash.xxh3_64_hexdigest(f.read(r["end"] - r["start"])) == r["xxh3"]
+    result = replay(str(man))
+    assert result.reads_verified >= len(side) and result.outputs_verified > 0
+
+
+def test_cli_compress_then_plan_reports_sidecar_bytes(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from mergefs import cli
+
+    fam = make_family(tmp_path / "fam", seed=12)
+    spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
+                           extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
+    assert cli.main(["compress", str(spec_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("published ") == 3 and "mergefs-delta." in out
+    assert cli.main(["plan", str(spec_path), "--json", "--budget", "5%"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert 0 < rep["sidecar_bytes"] <= rep["planned_expert_bytes"] <= rep["budget_bytes"]
+    assert rep["blocks_from_sidecar"] > 0
+
+
+def test_mount_serves_the_same_reconstructed_merge(tmp_path: Path, mounts: Any) -> None:
+    import os
+
+    from test_mount import merge, sha256, tree
+
+    fam = make_family(tmp_path / "fam", seed=13, dtype="bfloat16")
+    spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
+                           extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx"),
+                                  "budget": "8%"})
+    from mergefs import cli
+
+    assert cli.main(["compress", str(spec_path)]) == 0
+    out = merge(spec_path, tmp_path / "out")
+    header = json.loads(Path(str(out) + ".manifest.jsonl").read_text().splitlines()[0])
+    assert "levels" in header  # the merge did reconstruct blocks
+    m = mounts.start(spec_path)
+    want = {rel: sha256(p) for rel, p in tree(out).items()}
+    got = {rel: sha256(p) for rel, p in tree(m.path).items()}
+    assert got == want
+    assert "manifest.jsonl" in os.listdir(m.path / ".mergefs")
