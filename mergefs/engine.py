@@ -362,15 +362,19 @@ class Engine:
         permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
                                       u.models[0] if self.spec.has_base else None,
                                       {m: loaded[m] for m in order})
-        ref = permuted[u.models[0]]
-        inputs = tuple(ref if k == REFERENCE else permuted[u.models[k + 1]]
+        # the methods take numpy arrays (and use torch themselves where they need it)
+        arrays = {m: np.ascontiguousarray(t.numpy(), dtype=np.float32)
+                  for m, t in permuted.items()}
+        ref = arrays[u.models[0]]
+        inputs = tuple(ref if k == REFERENCE else arrays[u.models[k + 1]]
                        for k in self.spec.input_order)
         unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
                     base=ref if self.spec.has_base else None, inputs=inputs, params=u.params,
                     input_params=u.input_params, expert_ids=tuple(range(len(inputs))))
-        with torch.no_grad():
-            out = self.method.merge(unit)
-        merged = np.ascontiguousarray(out.reshape(-1).numpy(), dtype=np.float32)
+        out = self.method.merge(unit)
+        if not isinstance(out, np.ndarray):
+            out = out.detach().numpy()
+        merged = np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
         size = self.out_tensors[name].end - self.out_tensors[name].start
         data = encode(merged, self.out_tensors[name].dtype)
         assert len(data) == size

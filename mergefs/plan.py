@@ -229,7 +229,8 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
             upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
             update = float(np.sqrt(max(upd_sq, 0.0)))
             if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
-                exact = _bounds(index, coeffs, ~index.zero & ~got.selected)[2]
+                per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
+                exact = _bounds(index, per_block, ~index.zero & ~got.selected)[2]
     n, nb = got.selected.shape
     return Plan(
         selected=got.selected,
