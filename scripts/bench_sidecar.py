@@ -122,6 +122,39 @@ def merge(spec: Any, out: Path, sources: list[Path], *, budget: int | None, side
     return s, wall
 
 
+class Embedder:
+    """Sentence embeddings (mean-pooled, normalised) of held-out passages, for MiniLM merges:
+    the task metric is the mean cosine between a budgeted merge's embeddings and the full
+    merge's (all-MiniLM-L6-v2 ships without a masked-LM head, so no masked-LM loss)."""
+
+    def __init__(self, tokenizer_dir: Path, n: int = 64) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import make_family  # the experts' corpora: docstrings, licences; man pages held out
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        self.texts = make_family.corpus_manpages(200_000)[:n]
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def __call__(self, model_dir: Path) -> np.ndarray:
+        import torch
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(model_dir).eval()
+        enc = self.tok(self.texts, padding=True, truncation=True, max_length=128,
+                       return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float64)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a * b).sum(axis=1).mean())
+
+
 def layers_only_plan(spec: Any, pct: float, sidecars: bool) -> tuple[Any, int]:
     """A plan whose budget is pct of the layers' bf16 bytes and that reads only layer blocks."""
     base, experts = open_family(spec)
@@ -150,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers-only", action="store_true")
     p.add_argument("--no-compress", action="store_true", help="reuse published sidecars")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--embed-metric", action="store_true",
+                   help="MiniLM: mean cosine of sentence embeddings to the full merge's")
     args = p.parse_args(argv)
     from mergefs.engine import Engine
 
@@ -178,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         s_full, wall_full = merge(spec, tmp / "full", sources, budget=None, sidecars=False)
         full = load_f64(tmp / "full")
         w0 = load_f64(base_dir)
+        embed = Embedder(base_dir) if args.embed_metric else None
+        e_full = embed(tmp / "full") if embed else None
+        if embed is not None:
+            rows.append({"row": "embed", "what": "base (no expert read) vs full merge",
+                         "cosine": cosine(embed(base_dir), e_full)})
+            print(json.dumps(rows[-1]))
         names = sorted(full)
         layer_names = [k for k in names if LAYER.search(k)]
         rows.append({"row": "full", "wall_s": round(wall_full, 2),
@@ -202,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,
                        "wall_s": round(wall, 2), "decode_s": round(DECODE["seconds"], 3),
                        "blocks_decoded": DECODE["blocks"]}
+                if embed is not None:
+                    row["cosine_to_full"] = cosine(embed(tmp / "b"), e_full)
                 if sidecars and pct is not None:
                     secs, nbytes = replaced_read_seconds(s, sources)
                     row["replaced_exact_bytes"] = nbytes
