@@ -27,10 +27,21 @@ def _done(outdir: Path, plan_hash: str) -> bool:
     return isinstance(marker, dict) and marker.get("plan_hash") == plan_hash
 
 
+def _sources_of(spec: Spec, outdir: str) -> list[str]:
+    """Every model the spec's merges read, but the intermediate ``outdir`` itself (a later
+    merge reads it)."""
+    return [p for p in spec.model_paths if p != outdir]
+
+
 def ensure_intermediates(spec: Spec) -> None:
     from .engine import Session
 
+    from .outdir import check_writes
+
     for name, sub, outdir in spec.intermediates:
+        # an intermediate is an output: never inside a source of any merge of the spec
+        check_writes(_sources_of(spec, outdir), outdir=outdir,
+                     manifest=sub.manifest, index_dir=sub.index_dir)
         probe = Session(sub)  # the index is built (or reused) here; the plan hash is cheap
         try:
             done = _done(Path(outdir), probe.plan.plan_hash)

@@ -386,3 +386,22 @@ def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path
     spec = spec_file(cfg, tmp_path / "spec.yaml")
     assert cli.main(["merge", str(spec), str(fam.experts[1] / "merged")]) == 1
     assert not (fam.experts[1] / "merged").exists()
+
+
+def test_intermediate_dir_inside_a_source_is_refused(fam: Family, tmp_path: Path) -> None:
+    """An intermediate merge is an output too: never written into a source (issue 10's rule)."""
+    from mergefs import cli
+
+    docs = [
+        {"name": "stack", "merge_method": "passthrough", "dtype": "float32",
+         "slices": [{"sources": [all_layers(fam.experts[0], 3)]}]},
+        {"merge_method": "task_arithmetic", "base_model": str(fam.base), "dtype": "float32",
+         "models": [{"model": "stack", "parameters": {"weight": 0.5}}],
+         "index_dir": str(tmp_path / "index"),
+         "intermediate_dir": str(fam.base / "inter")},
+    ]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump_all(docs))
+    assert cli.main(["merge", str(spec), str(tmp_path / "out")]) == 1
+    assert not (fam.base / "inter").exists()
+    assert not (tmp_path / "out").exists()
