@@ -66,18 +66,23 @@ def _session(spec: Spec, manifest: Any = None, quiet: bool = False,
         return Session(spec, manifest=manifest, on_index_bytes=tick, family=(base, experts))
 
 
+def _indexed(spec: Spec, base: Any, experts: Any, **options: Any) -> tuple[Any, bool]:
+    """Build or reuse the block index with a progress bar (``options``: load_or_build's)."""
+    from .index import build_layout, index_bytes_total, load_or_build
+
+    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
+    with byte_progress("indexing", total) as tick:
+        return load_or_build(base, experts, spec.block_size, spec.index_dir, tick, **options)
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from .engine import open_family
-    from .index import build_layout, index_bytes_total, load_or_build
 
     spec = _load(args)
     base, experts = open_family(spec)
-    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-    with byte_progress("indexing", total) as tick:
-        # --rebuild and --publish read every source: sidecars are never built from sidecars.
-        index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
-                                     rebuild=args.rebuild,
-                                     sidecars=not (args.rebuild or args.publish))
+    # --rebuild and --publish read every source: sidecars are never built from sidecars.
+    index, built = _indexed(spec, base, experts, rebuild=args.rebuild,
+                            sidecars=not (args.rebuild or args.publish))
     n_zero = int(index.zero.sum())
     print(f"{'built' if built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
           f"{len(experts)} experts x {index.layout.n_blocks} blocks of ~{human_bytes(spec.block_size)}"
@@ -96,14 +101,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
     """Publish delta sidecars (issue 14): refinement levels of every expert's delta."""
     from .compress import publish
     from .engine import open_family
-    from .index import build_layout, index_bytes_total, load_or_build
 
     spec = _load(args)
     base, experts = open_family(spec)
-    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-    with byte_progress("indexing", total) as tick:
-        index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
-                                 sidecars=False)
+    index, _ = _indexed(spec, base, experts, sidecars=False)
     for where in publish(base, experts, index):
         print(f"published {where}")
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,13 +347,7 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
         with dl.one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
         path = sidecar_path(base, e, index.layout.block_size)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise SourceError(f"{path}: cannot write the delta sidecar: {exc.strerror}") from None
+        sidecar.write_beside(path, data, "delta sidecar")
         log.info("delta sidecar %s: %d bytes", path, len(data))
         written.append(str(path))
     return written

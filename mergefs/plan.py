@@ -197,20 +197,31 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
         tight, loose, exact, update = _bounds(index, coeffs, nonzero & ~selected)
         if not index.has_gram:  # statistics from sidecars: no cross terms, so no exact norms
             exact = update = None
+    return _assemble(index, selected, int(budget_bytes), planned, total, nonzero_bytes,
+                     (tight, loose, exact, update), plan_hash(spec, index, selected))
+
+
+def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planned: int,
+              total: int, nonzero_bytes: int,
+              bounds4: tuple[float | None, float | None, float | None, float | None],
+              digest: str, **levels: Any) -> Plan:
+    """The Plan of a selection: its block counts, bounds and hash (``levels``: sidecar fields)."""
+    tight, loose, exact, update = bounds4
     return Plan(
         selected=selected,
-        budget_bytes=int(budget_bytes),
+        budget_bytes=budget_bytes,
         planned_bytes=planned,
         total_expert_bytes=total,
         nonzero_expert_bytes=nonzero_bytes,
         blocks_read=int(selected.sum()),
-        blocks_total=n * nb,
+        blocks_total=int(selected.size),
         blocks_zero=int(index.zero.sum()),
         bound_tight=tight,
         bound_loose=loose,
         error_exact=exact,
         update_norm=update,
-        plan_hash=plan_hash(spec, index, selected),
+        plan_hash=digest,
+        **levels,
     )
 
 
@@ -231,21 +242,7 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
             if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
                 per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
                 exact = _bounds(index, per_block, ~index.zero & ~got.selected)[2]
-    n, nb = got.selected.shape
-    return Plan(
-        selected=got.selected,
-        budget_bytes=budget_bytes,
-        planned_bytes=planned,
-        total_expert_bytes=total,
-        nonzero_expert_bytes=nonzero_bytes,
-        blocks_read=int(got.selected.sum()),
-        blocks_total=n * nb,
-        blocks_zero=int(index.zero.sum()),
-        bound_tight=tight,
-        bound_loose=loose,
-        error_exact=exact,
-        update_norm=update,
-        plan_hash=plan_hash(spec, index, got.selected, got.levels, sidecars),
-        levels=got.levels,
-        sidecar_bytes=got.sidecar_bytes,
-    )
+    return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
+                     (tight, loose, exact, update),
+                     plan_hash(spec, index, got.selected, got.levels, sidecars),
+                     levels=got.levels, sidecar_bytes=got.sidecar_bytes)

@@ -82,6 +82,17 @@ def sidecar_name(expert: Checkpoint, key: str, block_size: int) -> str:
     return f"{stem}.{name}"
 
 
+def write_beside(path: Path, data: bytes, what: str) -> None:
+    """Write a file beside an expert atomically (a temporary name, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{path}: cannot write the {what}: {exc.strerror}") from None
+
+
 def _local_path(expert: Checkpoint, name: str) -> Path:
     return Path(expert.root) / name if expert.is_dir else Path(expert.root).parent / name
 
@@ -115,14 +126,7 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: Any) -> list
             written.append(e.write_aux(name, data))  # type: ignore[attr-defined]
         else:
             path = _local_path(e, name)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            try:
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                raise SourceError(f"{path}: cannot write the index sidecar: {exc.strerror}"
-                                  ) from None
+            write_beside(path, data, "index sidecar")
             written.append(str(path))
     return written
 
