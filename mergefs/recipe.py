@@ -372,6 +372,11 @@ class _SumCounters(Counters):
     def reads(self, value: int) -> None:
         pass
 
+    @property
+    def requests(self) -> int:
+        """Requests sent (remote parts) or preads (local parts), as ``source_requests`` counts."""
+        return sum(getattr(p, "requests", p.reads) for p in self._parts)
+
     def reset(self) -> None:
         for p in self._parts:
             p.reset()
@@ -380,9 +385,9 @@ class _SumCounters(Counters):
 class RoleSource:
     """One role's source tensors under the recipe's unit keys: reads go to the models the role
     takes each unit from. Files are the models' own (``k:name`` when the role spans several
-    models); non-weight files are the first model's."""
-
-    is_remote = False
+    models); non-weight files are the first model's. Remote models (HTTP, S3, uncached Hub
+    ids) are read by ranges as anywhere else; a role with any remote model is remote (no file
+    descriptors, no page-cache advice)."""
 
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
@@ -392,8 +397,7 @@ class RoleSource:
             if u.models[role] not in members:
                 members.append(u.models[role])
         self.members = [sources[p] for p in members]
-        if any(c.is_remote for c in self.members):
-            raise SpecError("slices over remote sources are not supported yet")
+        self.is_remote = any(c.is_remote for c in self.members)
         self._multi = len(self.members) > 1
         rank = {p: k for k, p in enumerate(members)}
 
@@ -405,7 +409,7 @@ class RoleSource:
         self.headers = {qf: c.headers[f] for qf, (c, f) in self._where.items()}
         self.identities = {qf: c.identities[f] for qf, (c, f) in self._where.items()}
         first = self.members[0]
-        self.root: Path = first.root
+        self.root: Path = first.root  # a remote model's root is its URL (a str)
         self.extra_files = first.extra_files
         self.index_json = None
         self.tensors: dict[str, TensorLoc] = {}
@@ -446,6 +450,10 @@ class RoleSource:
 
     def copy_extra(self, rel: str, dst: Path) -> None:
         self.members[0].copy_extra(rel, dst)
+
+    def read_aux(self, name: str) -> bytes | None:
+        """No index sidecar: one is published per model, and a role may span several."""
+        return None
 
     def read_itemsize(self, name: str) -> int:
         k, src = self._role_sources[name]

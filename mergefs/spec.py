@@ -978,7 +978,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     remote_sources = {
         p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
                          **remote_settings)
-        for p in [base, *(e.path for e in experts)] if "://" in p
+        for p in dict.fromkeys([base, *(e.path for e in experts),
+                                *(r.path for sl in slice_defs for r in (sl.ref, *sl.experts))])
+        if "://" in p
     }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
