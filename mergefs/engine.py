@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -282,7 +283,17 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
     if spec.tokenizer is None:
         return None, frozenset()
     configs = {p: _config_of(c) for p, c in opened.items()}
-    built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs)
+    with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
+        dirs: dict[str, str] = {}
+        for k, (path, c) in enumerate(opened.items()):
+            if c.is_remote:  # its tokenizer files, fetched for transformers to load
+                d = Path(tmp) / str(k)
+                for rel in c.extra_files:
+                    if PurePosixPath(rel).name in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
+                        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (d / rel).write_bytes(c.read_extra(rel))
+                dirs[path] = str(d)
+        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs)
     if spec.tokenizer.source is None:
         return built, frozenset()
     ref = opened[spec.slices[0].ref.path]
