@@ -623,3 +623,40 @@ def test_mount_with_remote_experts_serves_the_local_merge(
     assert SECRET.encode() not in state and KEY_ID.encode() not in state
     unmount()
     assert SECRET not in log.read_text()
+
+
+# -- recipes over remote sources ----------------------------------------------------------------
+@pytest.mark.parametrize("method", ["slerp", "passthrough"])
+def test_slices_over_http_equal_the_local_slices(tmp_path: Path, fam: Family,
+                                                 http: RangeHTTPServer, method: str) -> None:
+    """A slice merge and a self-stack whose models are HTTP URLs: the same bytes as the same
+    recipe over the local directories, every weight read by ranges."""
+    def doc(base: str, expert: str) -> dict[str, Any]:
+        if method == "slerp":
+            return {"merge_method": "slerp", "base_model": base, "parameters": {"t": [
+                {"filter": "mlp", "value": [0.2, 0.8]}, {"value": 0.4}]},
+                "slices": [{"sources": [{"model": base, "layer_range": [0, 1]},
+                                        {"model": expert, "layer_range": [0, 1]}]}]}
+        return {"merge_method": "passthrough", "slices": [
+            {"sources": [{"model": base, "layer_range": [0, 1]}]},
+            {"sources": [{"model": expert, "layer_range": [0, 1]}]}]}
+
+    url = f"{http.url}/fam"
+    paths = {}
+    for name, (b, e) in {"local": (str(fam.base), str(fam.experts[0])),
+                         "http": (f"{url}/base", f"{url}/{fam.experts[0].name}")}.items():
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(yaml.safe_dump({**doc(b, e), "block_size": BLOCK,
+                                        "index_dir": str(tmp_path / f"{name}-index")}))
+        paths[name] = spec
+    merge(paths["local"], tmp_path / "local-out")
+    http.log.reset()
+    session, totals = merge(paths["http"], tmp_path / "http-out")
+    assert_same_dir(tmp_path / "local-out", tmp_path / "http-out")
+    assert http.log.requests(method="GET"), "nothing was read over HTTP"
+    assert (tmp_path / "http-out" / "model.safetensors").stat().st_size > 0
+    if method == "passthrough":  # layer 1 is the expert's layer 0, renumbered
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "http-out" / "model.safetensors"), "np") as f:
+            assert "model.layers.1.mlp.up_proj.weight" in f.keys()
