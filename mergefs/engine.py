@@ -795,10 +795,10 @@ class Session:
         self.base, self.experts = family if family is not None else open_family(spec)
         self.index, self.index_built = load_or_build(
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
-        for c in [self.base, *self.experts]:  # count merge reads only, not indexing
-            c.counters.reset()
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
+        for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
+            c.counters.reset()  # looking for sidecars
         self.plan = plan if plan is not None else make_plan(
             spec, self.index, budget_bytes,
             coefficients=self.recipe.coefficients(spec, self.index.layout.tensors),
