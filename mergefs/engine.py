@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -288,8 +288,8 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
         for k, (path, c) in enumerate(opened.items()):
             if c.is_remote:  # its tokenizer files, fetched for transformers to load
                 d = Path(tmp) / str(k)
-                for rel in c.extra_files:
-                    if PurePosixPath(rel).name in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
+                for rel in c.extra_files:  # top level only: what transformers reads
+                    if "/" not in rel and rel in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
                         (d / rel).parent.mkdir(parents=True, exist_ok=True)
                         (d / rel).write_bytes(c.read_extra(rel))
                 dirs[path] = str(d)

@@ -11,7 +11,7 @@ would drift; only ``modules:`` specs need it. Pure but for that import; no I/O o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,13 @@ class Weight:
     name: str
     aliases: tuple[str, ...] = ()
     optional: bool = False
+    #: names of tensors this one is tied to (loaded in its place when it is absent)
+    tied: tuple[str, ...] = ()
 
-    def find(self, names: Any) -> str | None:
-        """The name this weight is stored under in a model with tensor ``names``, or None."""
-        for n in (self.name, *self.aliases):
+    def find(self, names: Any, tied: bool = False) -> str | None:
+        """The name this weight is stored under in a model with tensor ``names`` (``tied``:
+        or the name of a tensor it is tied to), or None."""
+        for n in (self.name, *self.aliases, *(self.tied if tied else ())):
             if n in names:
                 return n
         return None
@@ -52,7 +55,8 @@ class Module:
 
 def _weights(infos: Any, prefix: str | None) -> tuple[Weight, ...]:
     p = prefix or ""
-    return tuple(Weight(p + w.name, tuple(p + a for a in (w.aliases or ())), bool(w.optional))
+    return tuple(Weight(p + w.name, tuple(p + a for a in (w.aliases or ())), bool(w.optional),
+                        tuple(p + t for t in (w.tied_names or ())))
                  for w in infos)
 
 
@@ -71,9 +75,12 @@ def _mergekit_config(config: Mapping[str, Any], where: str) -> Any:
                         f"{model_type!r} ({exc})") from None
 
 
-def read_modules(config: Mapping[str, Any], where: str) -> dict[str, Module]:
+def read_modules(config: Mapping[str, Any], where: str,
+                 only: Collection[str] | None = None) -> dict[str, Module]:
     """The modules of the model whose ``config.json`` is ``config`` (``where`` names it in
-    errors), by mergekit's architecture definitions, in their order."""
+    errors), by mergekit's architecture definitions, in their order; the layer counts of the
+    modules in ``only`` (None: all) are read, the others' taken as 0 (as mergekit, which reads
+    only the modules a config lists)."""
     try:
         from mergekit.architecture import arch_info_for_config  # type: ignore[import-untyped]
         from mergekit.architecture.base import (  # type: ignore[import-untyped]
@@ -97,7 +104,7 @@ def read_modules(config: Mapping[str, Any], where: str) -> dict[str, Module]:
     for name, mdef in info.modules.items():
         mod = arch.get_module(name)
         try:
-            n = int(mod.num_layers())
+            n = int(mod.num_layers()) if only is None or name in only else 0
         except (RuntimeError, AttributeError, TypeError) as exc:
             raise SpecError(f"{where}: config.json: mergekit cannot read the layer count of "
                             f"module {name} ({str(exc).splitlines()[0][:200]})") from None

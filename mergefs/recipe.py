@@ -59,8 +59,8 @@ class Recipe:
     #: per output layer: (model path of the reference role, source layer); None: not sliced
     layers: tuple[tuple[str, int], ...] | None = None
     #: a ``modules:`` spec: per module with a layer-count key, (dotted config key, its
-    #: output layer count), written into config.json as mergekit writes it
-    layer_counts: tuple[tuple[str, int], ...] = ()
+    #: output layer count), written into config.json as mergekit writes it; None: no modules
+    layer_counts: tuple[tuple[str, int], ...] | None = None
 
     @property
     def units(self) -> dict[str, OutputTensor]:
@@ -151,7 +151,7 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
     res = _Resolver(spec)
     rows: list[_Row] = []
     layers: list[tuple[str, int]] | None = None
-    layer_counts: tuple[tuple[str, int], ...] = ()
+    layer_counts: tuple[tuple[str, int], ...] | None = None
     if spec.slices and spec.slices[0].module is not None:
         rows, layers, layer_counts = _module_rows(spec, names, configs or {})
     elif not spec.sliced:
@@ -227,19 +227,18 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
 
     cache: dict[str, dict[str, Module]] = {}
 
-    def modules_of(path: str, config: Mapping[str, Any] | None = None) -> dict[str, Module]:
-        if config is not None:
-            return read_modules(config, path)
+    def modules_of(path: str) -> dict[str, Module]:
         if path not in cache:
             if path not in configs:
                 raise SpecError(f"{spec.source}: modules: {path} has no config.json")
-            cache[path] = read_modules(configs[path], path)
+            cache[path] = read_modules(configs[path], path, used)
         return cache[path]
 
     groups: dict[str, list[SliceDef]] = {}
     for sl in spec.slices:
         assert sl.module is not None
         groups.setdefault(sl.module, []).append(sl)
+    used = set(groups)
     ref_modules = modules_of(spec.base)
     for name in groups:
         if name not in ref_modules:
@@ -266,7 +265,7 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
         if count_key is not None:
             counts.append((count_key, total))
             set_dotted(out_config, count_key, total)
-    out_modules = modules_of(spec.base, out_config) if counts else ref_modules
+    out_modules = read_modules(out_config, spec.base, used) if counts else ref_modules
 
     rows: list[_Row] = []
     layers: list[tuple[str, int]] = []
@@ -276,9 +275,14 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
         found = tuple(w.find(names[r.path]) for w, r in zip(ws, roles))
         if all(f is None for f in found) and out.optional:
             return None  # an optional weight no input has: skipped, as mergekit does
+        # a tied weight (lm_head of a tied model) is loaded as the tensor it is tied to
+        found = tuple(f if f is not None else w.find(names[r.path], tied=True)
+                      for f, w, r in zip(found, ws, roles))
         for f, w, r in zip(found, ws, roles):
             if f is None:
-                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}")
+                why = (" (mergekit merges an optional weight over the models that have it; "
+                       "mergefs needs it in every model)" if out.optional else "")
+                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}{why}")
         return found  # type: ignore[return-value]
 
     for name, sls in groups.items():
@@ -331,7 +335,7 @@ def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     if recipe.layers is None:
         return config
     out = dict(config)
-    if recipe.layer_counts:  # modules: each module's count, nothing else (as mergekit)
+    if recipe.layer_counts is not None:  # modules: each module's count, nothing else
         from .modules import set_dotted
 
         for dotted, n in recipe.layer_counts:

@@ -678,6 +678,23 @@ def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_module_roles(slices: list[_Slice], base_given: str | None, source: str) -> None:
+    """mergefs merges every slice of every module with the same roles: as many models, the
+    base in the same place. Refused otherwise, naming the first slice that differs."""
+    def shape(sl: _Slice) -> str:
+        paths = [x.path for x, _ in sl.sources]
+        b = sl.base if sl.base is not None else base_given
+        where = f"the base at {paths.index(b)}" if b in paths else "no base"
+        return f"{len(paths)} model(s), {where}"
+
+    first = shape(slices[0])
+    for sl in slices[1:]:
+        if shape(sl) != first:
+            raise _err(source, sl.key, f"{shape(sl)}, where {slices[0].key} has {first}: "
+                       "mergefs merges every module with the same models in the same order "
+                       "(a module that keeps only the base's tensors is not supported yet)")
+
+
 def _modules_raw(slices: list[_Slice], hub_records: dict[str, Any]) -> dict[str, Any]:
     """``modules:`` again as mergekit reads it (a ``models:`` module stays one)."""
     out: dict[str, Any] = {}
@@ -902,6 +919,14 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     models = [m for m, _ in slices[0].sources] if sliced else _models(
         data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
+    for sl in slices:  # a model's options given in any slice (module) of the spec
+        for x, _ in sl.sources:
+            if x.options is not None and model_options.setdefault(x.path, x.options) \
+                    != x.options:
+                raise _err(source, f"{x.key}.storage_options", f"{x.path} is given "
+                           "different storage_options elsewhere in the spec")
+    if slices and slices[0].module is not None:
+        _check_module_roles(slices, base_given, source)
     method_base = base_given
     if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
             x.path for x in models}:
@@ -920,6 +945,11 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
                                   lenient, scopes=None)
     tok = _tokenizer(data, base_dir, source, hub_config, hub_records)
+    if tok is not None and tok.source is not None and slices and slices[0].module is not None:
+        raise _err(source, "tokenizer" if data.get("tokenizer") is not None
+                   else "tokenizer_source", "a tokenizer merge of a modules: spec is not "
+                   "supported yet (its vocabulary tensors and size live in the text module's "
+                   "config); chat_template alone is")
     slice_defs = (_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
                   else (_models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]

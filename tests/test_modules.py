@@ -38,6 +38,7 @@ def mistral3_config() -> dict[str, Any]:
                      "intermediate_size": 32, "vocab_size": 64, "head_dim": 8})
     cfg.architectures = ["Mistral3ForConditionalGeneration"]
     out: dict[str, Any] = cfg.to_dict()
+    out["num_hidden_layers"] = TEXT_LAYERS  # a top-level count too, as some configs have
     return out
 
 
@@ -58,7 +59,7 @@ def write_model(path: Path, config: dict[str, Any], seed: int,
     rng = np.random.default_rng(seed)
     tensors: dict[str, Any] = {}
     for k, name in enumerate([*tensor_names(config), "unused_head.weight"]):
-        shape = (8, 16) if k % 3 else (16,)
+        shape = (16,) if "norm" in name else (8, 16)
         if base is None:
             w = rng.standard_normal(shape).astype(np.float32)
         else:
@@ -213,3 +214,87 @@ def test_replay_of_a_modules_merge(fam: dict[str, Path], tmp_path: Path) -> None
     assert cli.main(["replay", str(manifest), "--out", str(tmp_path / "replayed")]) == 0
     assert sha256(tmp_path / "out" / "model.safetensors") == \
         sha256(tmp_path / "replayed" / "model.safetensors")
+
+
+def test_a_module_without_a_layer_count_leaves_config_alone(fam: dict[str, Path],
+                                                            tmp_path: Path) -> None:
+    """The projector has no layer-count key: config.json keeps every count (review finding:
+    the slices rewrite set num_hidden_layers to the module's layer total)."""
+    cfg = {"merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16",
+           "modules": {"multi_modal_projector": {"models": [
+               {"model": str(fam["e1"]), "parameters": {"weight": 0.5}},
+               {"model": str(fam["e2"]), "parameters": {"weight": 0.5}}]}}}
+    mk = run_mergekit(cfg, tmp_path / "mk")
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)
+    src = json.loads((fam["e1"] / "config.json").read_text())
+    out = json.loads((tmp_path / "fs" / "config.json").read_text())
+    assert out["text_config"] == src["text_config"]
+    assert out["vision_config"] == src["vision_config"]
+    assert out["num_hidden_layers"] == src["num_hidden_layers"] == TEXT_LAYERS
+
+
+def test_modules_with_different_models_are_refused_naming_the_module(
+        fam: dict[str, Path], tmp_path: Path) -> None:
+    from mergefs.spec import parse_spec
+
+    cfg = {"merge_method": "task_arithmetic", "base_model": str(fam["base"]),
+           "modules": {"text_decoder": {"models": [{"model": str(fam["e1"])},
+                                                   {"model": str(fam["e2"])}]},
+                       "vision_tower": {"models": [{"model": str(fam["base"])}]}}}
+    with pytest.raises(SpecError, match=r"modules\.vision_tower\.models: 1 model\(s\), the "
+                                        r"base at 0, where modules\.text_decoder\.models has 3 "
+                                        r"model\(s\), the base at 2"):
+        parse_spec(cfg, tmp_path)
+
+
+def test_tokenizer_merge_of_a_modules_spec_is_refused(fam: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    from mergefs.spec import parse_spec
+
+    cfg = {**task_arithmetic(fam), "tokenizer_source": "union"}
+    with pytest.raises(SpecError, match="tokenizer_source: a tokenizer merge of a modules: "
+                                        "spec is not supported yet"):
+        parse_spec(cfg, tmp_path)
+
+
+def test_a_missing_tied_weight_is_loaded_as_the_one_it_is_tied_to(
+        fam: dict[str, Path], tmp_path: Path) -> None:
+    """An expert without lm_head (a tied model): lm_head is read as its embed_tokens, as
+    mergekit's loader does with the architecture's tied names."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    e3 = tmp_path / "e3"
+    shutil.copytree(fam["e2"], e3)
+    tensors = load_file(str(e3 / "model.safetensors"))
+    del tensors["language_model.lm_head.weight"]
+    save_file(tensors, str(e3 / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16",
+           "modules": {"text_decoder": {"models": [
+               {"model": str(fam["e1"]), "parameters": {"weight": 0.5}},
+               {"model": str(e3), "parameters": {"weight": 0.5}}]}}}
+    mk = run_mergekit(cfg, tmp_path / "mk")
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    assert "language_model.lm_head.weight" in fs
+    assert_identical(mk, fs)
+
+
+def test_output_refused_inside_any_model_of_a_role(fam: dict[str, Path], tmp_path: Path) -> None:
+    """A frankenmerge role spans two models: an output inside the second is refused too."""
+    from mergefs.engine import open_family
+    from mergefs.outdir import UnsafePath, check_source_files
+    from mergefs.spec import parse_spec
+
+    cfg = {"merge_method": "passthrough", "modules": {"text_decoder": {"slices": [
+        {"sources": [{"model": str(fam["e1"]), "layer_range": [0, 1]}]},
+        {"sources": [{"model": str(fam["e2"]), "layer_range": [1, 2]}]}]}}}
+    base, experts = open_family(parse_spec(cfg, tmp_path))
+    try:
+        for model in ("e1", "e2"):
+            with pytest.raises(UnsafePath, match="a file of the source"):
+                check_source_files(fam[model], [base, *experts])
+    finally:
+        base.close()
