@@ -461,21 +461,29 @@ class _Family:
         self.pieces: dict[int, ExpertPiece] = {}
         self.grams: dict[tuple[int, int], np.ndarray] = {}  # by unique expert, i < j
         self.fresh: set[int] = set()  # built now, from the bytes
+        self.changed: set[int] = set()  # stored pieces that no longer hold
         self.built = False
 
     def load(self, rebuild: bool, sidecars: bool) -> None:
+        """The stored pieces that hold; without the base's, none do (all are rebuilt)."""
         whys = []
         if rebuild:
             whys.append("rebuild requested")
         else:
             self.base_hash, why = self.store.load_base(self.bkey, self.base)
             whys += [why] if why else []
-            for i in self.uniq:
-                piece, why = self.store.load_expert(self.keys[i], self.experts[i], sidecars)
-                if piece is not None:
-                    self.pieces[i] = piece
-                elif why is not None:
-                    whys.append(why)
+        base_hash = self.base_hash
+        for i in self.uniq:
+            if base_hash is None:
+                break
+            got = self.store.load_expert(self.keys[i], self.experts[i], self.base, base_hash,
+                                         sidecars)
+            if got.piece is not None:
+                self.pieces[i] = got.piece
+            elif got.why is not None:
+                whys.append(got.why)
+                if got.may_be_same:
+                    self.changed.add(i)
         for why in dict.fromkeys(whys):
             log.info("building block index: %s", why)
 
@@ -487,8 +495,7 @@ class _Family:
             found = {missing[k]: s for k, s in got.items()}
         to_read = [i for i in missing if i not in found]
         if to_read or self.base_hash is None:
-            self._describe(to_read, first_time={
-                i for i in to_read if rebuild or not self.store.known(self.experts[i], "expert")})
+            self._describe(to_read, first_time=set(to_read) - self.changed)
         assert self.base_hash is not None
         stale = [i for i, s in found.items() if not np.array_equal(s.base_hash, self.base_hash)]
         for i in stale:
@@ -547,7 +554,9 @@ class _Family:
 
     def _save_expert(self, i: int, piece: ExpertPiece) -> None:
         self.pieces[i] = piece
-        self.store.save_expert(self.keys[i], self.experts[i], piece, self.ctimes[i])
+        assert self.base_hash is not None
+        self.store.save_expert(self.keys[i], self.experts[i], piece, self.base_hash,
+                               self.ctimes[i])
         self.report.experts_built.append(str(self.experts[i].root))
         self.built = True
 

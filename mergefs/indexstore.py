@@ -61,6 +61,17 @@ class ExpertPiece:
         return content_digest(self.expert_hash)
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """A stored expert piece, or why there is none usable. ``may_be_same``: the expert's bytes
+    may be those of its stored pairs (touched, rewritten, piece lost), so its Gram pairs wait
+    until its new block hashes show whether the stored ones still hold."""
+
+    piece: ExpertPiece | None
+    why: str | None = None
+    may_be_same: bool = False
+
+
 def content_digest(hashes: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(hashes, dtype="<u8").tobytes())
 
@@ -152,41 +163,42 @@ class PieceStore:
         moved = self._ctime_moved(got[1], base)
         return (None, moved) if moved else (got[0]["base_hash"], None)
 
-    def load_expert(self, key: str, expert: Checkpoint, accept_sidecar: bool
-                    ) -> tuple[ExpertPiece | None, str | None]:
+    def load_expert(self, key: str, expert: Checkpoint, base: Checkpoint,
+                    base_hash: np.ndarray, accept_sidecar: bool) -> ExpertLoad:
+        """The expert's piece, or why it must be built. A piece built against other base
+        bytes (the base rewritten in place) is stale."""
         got = self._read(self.folder / f"expert-{key}.safetensors",
                          ("expert_hash", "sq_norms", "norms", "zero"))
         if got is None:
-            return None, self.why_missing(expert, "expert")
+            why = self.why_missing(expert, "expert")
+            return ExpertLoad(None, why, may_be_same=not why.startswith("no index yet"))
         arrays, meta = got
         origin = meta.get("origin", "read")
         if origin != "read" and not accept_sidecar:
-            return None, f"{expert.root} is indexed from its published sidecar only"
+            return ExpertLoad(None, f"{expert.root} was indexed from its published sidecar only")
+        if meta.get("base_xxh3") != content_digest(base_hash):
+            return ExpertLoad(None, f"{base.root} changed since {expert.root} was indexed")
         moved = self._ctime_moved(meta, expert)
         if moved:
-            return None, moved
-        return ExpertPiece(arrays["expert_hash"].astype(np.uint64),
-                           arrays["sq_norms"].astype(np.float64),
-                           arrays["norms"].astype(np.float64), arrays["zero"].astype(bool),
-                           origin), None
+            return ExpertLoad(None, moved, may_be_same=True)
+        return ExpertLoad(ExpertPiece(arrays["expert_hash"].astype(np.uint64),
+                                      arrays["sq_norms"].astype(np.float64),
+                                      arrays["norms"].astype(np.float64),
+                                      arrays["zero"].astype(bool), origin))
 
     def load_pair(self, key: str) -> np.ndarray | None:
         got = self._read(self.folder / f"pair-{key}.safetensors", ("gram",))
         return None if got is None else got[0]["gram"].astype(np.float64)
-
-    def known(self, src: Checkpoint, role: str) -> bool:
-        """A piece of ``src`` in this role was built here before (whatever its identity)."""
-        return self._record_path(src, role).is_file()
 
     def why_missing(self, src: Checkpoint, role: str) -> str:
         """Why ``src`` has no usable piece: the log line names the source that changed."""
         try:
             before = json.loads(self._record_path(src, role).read_text())
         except (OSError, ValueError):
-            if list(self.root.glob("family-*.json")) and not self.folder.is_dir():
-                return (f"{self.root} holds an index of an earlier format (one file per family);"
-                        f" indexing {src.root} into per-source pieces")
-            return f"no index yet for {src.root} (block size {self.layout.block_size})"
+            old = list(self.root.glob("family-*.json")) and not self.folder.is_dir()
+            return f"no index yet for {src.root} (block size {self.layout.block_size})" + (
+                f"; {self.root} holds an index of an earlier format (one file per family), "
+                "which is not read" if old else "")
         if before != src.identity_json():
             return f"{src.root} changed since the last index (size, mtime or header differ)"
         return f"the index piece of {src.root} is missing"
@@ -214,12 +226,12 @@ class PieceStore:
         self._record(base, "base")
 
     def save_expert(self, key: str, expert: Checkpoint, piece: ExpertPiece,
-                    ctimes: dict[str, int]) -> None:
+                    base_hash: np.ndarray, ctimes: dict[str, int]) -> None:
         self._write(self.folder / f"expert-{key}.safetensors",
                     {"expert_hash": piece.expert_hash, "sq_norms": piece.sq_norms,
                      "norms": piece.norms, "zero": piece.zero},
                     {"kind": "expert", "origin": piece.origin, "root": str(expert.root),
-                     "ctime_ns": json.dumps(ctimes)})
+                     "base_xxh3": content_digest(base_hash), "ctime_ns": json.dumps(ctimes)})
         self._record(expert, "expert")
 
     def save_pair(self, key: str, gram: np.ndarray) -> None:

@@ -165,4 +165,30 @@ def test_index_of_the_earlier_format_is_rebuilt_saying_why(fam: Family, tmp_path
     (idx / "family-0123456789abcdef.json").write_text("{}")  # what format 1 left here
     caplog.set_level(logging.INFO, logger="mergefs")
     _, built, _ = index_of(fam, [0], idx)
-    assert built and "an index of an earlier format (one file per family)" in caplog.text
+    assert built and "holds an index of an earlier format (one file per family)" in caplog.text
+
+
+def test_base_rewritten_in_place_makes_every_expert_piece_stale(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture
+                                                                ) -> None:
+    """Same size, header and mtime: the base's pieces go stale by its ctime, and an expert
+    indexed by another spec against the old bytes is rebuilt too (its base digest differs)."""
+    fam = make_family(tmp_path / "fam", n_experts=2, dtype="float32", seed=8)
+    idx = tmp_path / "idx"
+    index_of(fam, [0], idx)
+    index_of(fam, [1], idx)
+    path = fam.base / "model.safetensors"
+    st = path.stat()
+    loc = open_checkpoint(fam.base).tensors["lm_head.weight"]
+    data = bytearray(path.read_bytes())
+    data[(loc.start + loc.end) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    caplog.set_level(logging.INFO, logger="mergefs")
+    _, _, first = index_of(fam, [0], idx)
+    assert first.base_built and first.experts_built == [str(fam.experts[0])]
+    assert f"{path} was modified since the last index" in caplog.text
+    index, _, second = index_of(fam, [1], idx)
+    assert not second.base_built and second.experts_built == [str(fam.experts[1])]
+    assert f"{fam.base} changed since {fam.experts[1]} was indexed" in caplog.text
+    assert_same(index, fresh(fam, [1]))
