@@ -6,8 +6,8 @@ per expert and range of blocks). ``spans`` are the blocks' element ranges ``[sta
 relative to the first element of the buffers they index. Nothing here runs on the trio thread.
 
 Every Gram term ``<D_ib, D_jb>`` is computed from the two deltas alone (float32 ``W - W0``
-widened to float64, GRAM_COLS columns at a time, one ``np.dot`` per slice, accumulated in
-float64 in slice order), so its value does not depend on which other experts are indexed with
+widened to float64, GRAM_COLS columns at a time, a product and numpy's pairwise sum per slice,
+accumulated in float64 in slice order), so its value does not depend on which other experts are indexed with
 it or in what order: an index assembled from pieces equals, bit for bit, one built at once.
 """
 
@@ -76,6 +76,7 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
         scratch = np.empty((len(rows), min(GRAM_COLS, n)), dtype=np.float64)
         values = {dtypes[r]: np.zeros(GRAM_COLS, dtype=np.float32) for r in rows}  # per dtype
         acc = np.zeros(len(want), dtype=np.float64)
+        prod = np.empty(min(GRAM_COLS, n), dtype=np.float64)
         for s0 in range(0, n, GRAM_COLS):
             s1 = min(n, s0 + GRAM_COLS)
             d = scratch[:, : s1 - s0]
@@ -84,9 +85,10 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
                 raw = memoryview(experts[r][b])[s0 * item:s1 * item]  # type: ignore[arg-type]
                 wi = _decode_into(raw, dtypes[r], values[dtypes[r]][: s1 - s0])
                 np.subtract(wi, w0[s0:s1], out=d[slot[r]])  # float32 difference, as float64
-            for a, p in enumerate(want):
-                r, s = pairs[p]
-                acc[a] += np.dot(d[slot[r]], d[slot[s]])
+            t = prod[: s1 - s0]
+            for a, p in enumerate(want):  # not BLAS: a dot's rounding must not depend on
+                r, s = pairs[p]           # which other rows are computed with it
+                acc[a] += np.multiply(d[slot[r]], d[slot[s]], out=t).sum()
         out[want, b] = acc
     return out
 
