@@ -434,7 +434,7 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                 on_bytes)
     try:
         b.load(rebuild, sidecars)
-        b.build(rebuild, sidecars)
+        b.build(sidecars)
         index = b.assemble()
     except OSError as exc:
         raise SourceError(f"{index_dir}: cannot write the index: {exc.strerror}") from None
@@ -487,7 +487,8 @@ class _Family:
         for why in dict.fromkeys(whys):
             log.info("building block index: %s", why)
 
-    def build(self, rebuild: bool, sidecars: bool) -> None:
+    def build(self, sidecars: bool) -> None:
+        """Build the missing pieces: from sidecars, by reading, then the missing pairs."""
         missing = [i for i in self.uniq if i not in self.pieces]
         found: dict[int, ExpertStats] = {}
         if sidecars and any(self.experts[i].is_remote for i in missing):
