@@ -14,6 +14,7 @@ it or in what order: an index assembled from pieces equals, bit for bit, one bui
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -104,3 +105,29 @@ def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
         return out
     np.copyto(out, np.frombuffer(raw, dtype=NUMPY_DTYPES[dtype]), casting="unsafe")
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class RangeStats:
+    """Statistics of one expert over one run of blocks of one tensor (n blocks)."""
+
+    base_hash: np.ndarray  # (n,) uint64
+    expert_hash: np.ndarray  # (n,) uint64
+    zero: np.ndarray  # (n,) bool
+    sq_norms: np.ndarray  # (n,) float64, ||D_b||^2
+
+
+def expert_range_stats(spans: Spans, base: Buffer, base_dtype: str, expert: Buffer,
+                       expert_dtype: str) -> RangeStats:
+    """One expert's piece over one run of blocks: the unit of work of a distributed build.
+
+    ``base`` and ``expert`` hold the run's bytes of one tensor (each in its own dtype); the
+    result equals the builder's for those blocks, bit for bit.
+    """
+    bh = hash_blocks(spans, base, base_dtype)
+    eh = hash_blocks(spans, expert, expert_dtype)
+    zero = zero_blocks(spans, base, base_dtype, bh, expert, expert_dtype, eh)
+    views = block_views(spans, expert, expert_dtype)
+    sq = gram_terms([e - s for s, e in spans], block_views(spans, base, base_dtype), base_dtype,
+                    [[None if z else v for z, v in zip(zero, views)]], [expert_dtype], [(0, 0)])
+    return RangeStats(bh, eh, zero, sq[0])

@@ -1,6 +1,6 @@
 """Adding an expert to an indexed family vs building the whole index again (cold reads).
 
-    PYTHONPATH=. python scripts/bench_pairindex.py [--dir /tmp/bench-pairindex] [--mib 96]
+    PYTHONPATH=. python scripts/bench_pairindex.py [--dir /tmp] [--mib 96]
 
 Two synthetic fp32 families of a base and 4 experts: "dense" (every tensor trained, 30% of each
 tensor's rows left equal to the base) and "sparse" (LoRA-like: 10 of 12 tensors bit-identical
@@ -32,6 +32,7 @@ def evict(fam: Family) -> None:
         for f in model.glob("*.safetensors"):
             fd = os.open(f, os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages (a family just written) cannot be dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -60,10 +61,10 @@ def row(label: str, seconds: float, report: BuildReport, fam: Family) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--dir", type=Path, default=None, help="where to make a fresh folder")
     ap.add_argument("--mib", type=int, default=96, help="size of each model, MiB")
     args = ap.parse_args()
-    root = args.dir or Path(tempfile.mkdtemp(prefix="bench-pairindex-"))
+    root = Path(tempfile.mkdtemp(prefix="bench-pairindex-", dir=args.dir))  # fresh every run
     n_tensors = 12
     rows = max(1, args.mib * 2**20 // (n_tensors * 2048 * 4))
     shapes = {f"model.layers.{k}.w.weight": (rows, 2048) for k in range(n_tensors)}
