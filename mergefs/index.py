@@ -45,7 +45,7 @@ from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "1"
+INDEX_VERSION = "1"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
 CHUNK_BYTES = 16 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
 
@@ -150,6 +150,7 @@ class BlockIndex:
 
 
 def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int) -> str:
+    """The family's name: base and experts' identities in spec order, and the block size."""
     blob = json.dumps(
         {
             "v": INDEX_VERSION,
@@ -160,11 +161,6 @@ def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int)
         sort_keys=True,
     ).encode()
     return xxhash.xxh3_128_hexdigest(blob)
-
-
-def _pointer_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int) -> str:
-    blob = json.dumps([str(base.root), [str(e.root) for e in experts], block_size]).encode()
-    return xxhash.xxh3_64_hexdigest(blob)
 
 
 def _source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
