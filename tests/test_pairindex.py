@@ -218,3 +218,37 @@ def test_range_statistics_of_one_expert_equal_the_builder(fam: Family) -> None:
     finally:
         for c in [base, *experts]:
             c.close()
+
+
+def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Remote experts with published sidecars are not read and have no Gram pairs; asking for
+    the full index later reads them and computes the pairs, equal to the index published."""
+    import shutil
+
+    from mergefs.sidecar import publish
+
+    copies = [tmp_path / f"e{i}" for i in range(2)]
+    for i, c in enumerate(copies):
+        shutil.copytree(fam.experts[i], c)
+    base = open_checkpoint(fam.base)
+    experts = [open_checkpoint(f"file://{c}") for c in copies]
+    try:
+        full, _ = load_or_build(base, experts, BLOCK, tmp_path / "pub", sidecars=False)
+        publish(base, experts, full)
+        caplog.set_level(logging.INFO, logger="mergefs")
+        first = BuildReport()
+        index, built = load_or_build(base, experts, BLOCK, tmp_path / "use", report=first)
+        assert built and not index.has_gram and set(first.bytes_read) == {str(base.root)}
+        assert "2 of 2 experts from published sidecars" in caplog.text
+        again = BuildReport()
+        index, built = load_or_build(base, experts, BLOCK, tmp_path / "use", sidecars=False,
+                                     report=again)
+        assert built and index.has_gram and again.pairs_built == 1
+        for e, src in zip(experts, fam.experts):  # each read once: pairs in the same pass
+            assert again.bytes_read[str(e.root)] == float_bytes(src)
+        assert "was indexed from its published sidecar only" in caplog.text
+        assert_same(index, full)
+    finally:
+        for c in [base, *experts]:
+            c.close()
