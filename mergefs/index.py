@@ -37,7 +37,6 @@ import xxhash
 from . import sidecar
 from .blockstats import block_views, gram_terms, hash_blocks, zero_blocks
 from .checkpoint import Checkpoint, ReadRange, read_many
-from .errors import SourceError
 from .format import DTYPES, FLOAT_DTYPES
 from .indexstore import ExpertPiece, PieceStore, base_key, ctimes_of, expert_key, pair_key
 from .memory import keep_freed_memory
@@ -428,13 +427,9 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     store = PieceStore(index_dir, layout)
     b = _Family(base, experts, layout, store, report if report is not None else BuildReport(),
                 on_bytes)
-    try:
-        b.load(rebuild, sidecars)
-        b.build(sidecars)
-        index = b.assemble()
-    except OSError as exc:
-        raise SourceError(f"{index_dir}: cannot write the index: {exc.strerror}") from None
-    return index, b.built
+    b.load(rebuild, sidecars)
+    b.build(sidecars)
+    return b.assemble(), b.built
 
 
 class _Family:

@@ -36,6 +36,7 @@ from safetensors.numpy import load, save
 
 from . import format as fmt
 from .checkpoint import Checkpoint
+from .errors import SourceError
 from .sidecar import layout_hash, write_beside
 
 if TYPE_CHECKING:
@@ -205,7 +206,10 @@ class PieceStore:
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, path: Path, arrays: dict[str, np.ndarray], meta: dict[str, str]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SourceError(f"{self.root}: cannot write the index: {exc.strerror}") from None
         meta = {"mergefs_index_version": PIECES_VERSION, "layout_xxh3": self.layout_xxh3,
                 "block_size": str(self.layout.block_size), **meta}
         write_beside(path, save(arrays, metadata=meta), "index")

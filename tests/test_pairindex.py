@@ -252,3 +252,13 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
     finally:
         for c in [base, *experts]:
             c.close()
+
+
+def test_an_index_dir_that_cannot_be_written_is_a_clear_error(fam: Family, tmp_path: Path
+                                                              ) -> None:
+    from mergefs.errors import SourceError
+
+    blocker = tmp_path / "idx"
+    blocker.write_text("a file where the index folder should be")
+    with pytest.raises(SourceError, match="cannot write the index"):
+        index_of(fam, [0], blocker)
