@@ -12,7 +12,7 @@ The index is stored as pieces (:mod:`mergefs.indexstore`): one per base, one per
 expert), one per pair of experts for the Gram cross terms. A family's :class:`BlockIndex` is
 assembled from them in spec order (:func:`assemble`), so adding an expert builds only its piece
 and its pairs, removing or reordering experts builds nothing, and specs sharing experts share
-pieces. Building reads files in order on two worker threads (:class:`_Pass`); the statistics
+pieces. Building reads files in order on two worker threads (:mod:`mergefs.indexbuild`); the statistics
 themselves are pure functions of bytes (:mod:`mergefs.blockstats`). A remote expert with a
 matching published sidecar (:mod:`mergefs.sidecar`) is not read at all: its piece comes from
 the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
@@ -24,29 +24,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from . import sidecar
-from .blockstats import block_views, gram_terms, hash_blocks, zero_blocks
-from .checkpoint import Checkpoint, ReadRange, read_many
+from .checkpoint import Checkpoint
 from .format import DTYPES, FLOAT_DTYPES
+from .indexbuild import BuildReport, Pass
 from .indexstore import ExpertPiece, PieceStore, base_key, ctimes_of, expert_key, pair_key
-from .memory import keep_freed_memory
 from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
 
 INDEX_VERSION = "1"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
-CHUNK_BYTES = 16 << 20  # read granularity while indexing, per source
-PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,179 +156,6 @@ def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int)
     return xxhash.xxh3_128_hexdigest(blob)
 
 
-def _source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
-    t = int(layout.tensor_of[b0])
-    loc = src.tensors[layout.tensors[t]]
-    item = DTYPES[loc.dtype][0]  # the source's own dtype: experts may differ from the base
-    return ReadRange(loc.file, loc.start + int(layout.elem_start[b0]) * item,
-                     loc.start + int(layout.elem_end[b1 - 1]) * item)
-
-
-def _chunks(layout: BlockLayout) -> list[tuple[int, int]]:
-    """Runs of consecutive blocks of one tensor, each at most about CHUNK_BYTES."""
-    out = []
-    sizes = layout.block_bytes()
-    for t in range(len(layout.tensors)):
-        blocks = layout.blocks_of(t)
-        b0 = blocks.start
-        acc = 0
-        for b in blocks:
-            if acc and acc + sizes[b] > CHUNK_BYTES:
-                out.append((b0, b))
-                b0, acc = b, 0
-            acc += int(sizes[b])
-        if blocks.stop > b0:
-            out.append((b0, blocks.stop))
-    return out
-
-
-@dataclass
-class BuildReport:
-    """What one :func:`load_or_build` did; each counter has one meaning.
-
-    ``bytes_read``: bytes read from each source (by root) while indexing; ``experts_built``: the
-    roots whose expert piece was built now (read, or taken from a published sidecar);
-    ``pairs_built``: Gram pair pieces computed now; ``base_built``: the base piece was built.
-    """
-
-    bytes_read: dict[str, int] = field(default_factory=dict)
-    experts_built: list[str] = field(default_factory=list)
-    pairs_built: int = 0
-    base_built: bool = False
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """Half-open runs [q0, q1) of True in a bool vector."""
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
-
-
-class _Pass:
-    """One pass over the layout's chunks, on worker threads.
-
-    ``own`` experts are read in full and described (block hashes, zero flags); the Gram terms
-    of ``pairs`` (``(i, i)``: expert i's squared norms) are computed. The base is read in full
-    with ``own`` experts or when ``describe_base``; otherwise, like experts outside ``own``
-    (whose zero flags ``zero_known`` holds), only the blocks where some pair has two non-zero
-    deltas are read.
-    """
-
-    def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                 own: Sequence[int], pairs: Sequence[tuple[int, int]],
-                 zero_known: dict[int, np.ndarray], describe_base: bool,
-                 on_bytes: Callable[[int], None] | None, report: BuildReport) -> None:
-        self.base, self.experts, self.layout = base, experts, layout
-        self.own, self.pairs, self.zero_known = list(own), list(pairs), zero_known
-        self.full = bool(own) or describe_base
-        self.others = sorted({x for p in pairs for x in p} - set(own))
-        self.rows = {i: r for r, i in enumerate([*self.own, *self.others])}
-        nb = layout.n_blocks
-        self.base_hash = np.zeros(nb, dtype=np.uint64)
-        self.expert_hash = np.zeros((len(own), nb), dtype=np.uint64)
-        self.zero = np.zeros((len(own), nb), dtype=bool)
-        self.gram = np.zeros((len(pairs), nb), dtype=np.float64)
-        self.on_bytes, self.report = on_bytes, report
-        self.lock = threading.Lock()
-
-    def run(self, threads: int) -> None:
-        """While a worker computes, the kernel already reads the chunks PREFETCH_CHUNKS ahead
-        (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU."""
-        keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
-        chunks = _chunks(self.layout)
-
-        def task(k: int) -> None:
-            if k + PREFETCH_CHUNKS < len(chunks):
-                self.prefetch(*chunks[k + PREFETCH_CHUNKS])
-            self.chunk(*chunks[k])
-
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mergefs-index") as pool:
-            for k in range(min(PREFETCH_CHUNKS, len(chunks))):
-                self.prefetch(*chunks[k])
-            for fut in [pool.submit(task, k) for k in range(len(chunks))]:
-                fut.result()
-
-    def prefetch(self, b0: int, b1: int) -> None:
-        """Ask the kernel to start reading blocks [b0, b1) of the sources read in full."""
-        if not self.full:
-            return
-        for src in [self.base, *(self.experts[i] for i in self.own)]:
-            if src.is_remote:
-                continue
-            r = _source_ranges(src, self.layout, b0, b1)
-            os.posix_fadvise(src.fds()[r.file], r.start, r.end - r.start,
-                             os.POSIX_FADV_WILLNEED)
-
-    def _read(self, requests: list[tuple[Checkpoint, list[ReadRange]]]
-              ) -> list[list[memoryview]]:
-        got = read_many(requests) if requests else []
-        n = 0
-        with self.lock:
-            for (src, _), views in zip(requests, got):
-                k = sum(len(v) for v in views)
-                self.report.bytes_read[str(src.root)] = \
-                    self.report.bytes_read.get(str(src.root), 0) + k
-                n += k
-            if self.on_bytes is not None and n:
-                self.on_bytes(n)
-        return got
-
-    def chunk(self, b0: int, b1: int) -> None:
-        lay = self.layout
-        name = lay.tensors[int(lay.tensor_of[b0])]
-        origin = int(lay.elem_start[b0])
-        spans = [(int(lay.elem_start[b]) - origin, int(lay.elem_end[b]) - origin)
-                 for b in range(b0, b1)]
-        nb = b1 - b0
-        bdt = self.base.tensors[name].dtype
-        dtypes = {i: self.experts[i].tensors[name].dtype for i in self.rows}
-        blocks: dict[int, list[memoryview | None]] = {}
-        zero = {i: z[b0:b1] for i, z in self.zero_known.items()}
-        base_blocks: list[memoryview | None] = [None] * nb
-        if self.full:
-            got = self._read([(src, [_source_ranges(src, lay, b0, b1)])
-                              for src in [self.base, *(self.experts[i] for i in self.own)]])
-            base_buf = got[0][0]
-            base_blocks = list(block_views(spans, base_buf, bdt))
-            bh = hash_blocks(spans, base_buf, bdt)
-            self.base_hash[b0:b1] = bh
-            for k, i in enumerate(self.own):
-                buf = got[1 + k][0]
-                h = hash_blocks(spans, buf, dtypes[i])
-                z = zero_blocks(spans, base_buf, bdt, bh, buf, dtypes[i], h)
-                self.expert_hash[k, b0:b1], self.zero[k, b0:b1], zero[i] = h, z, z
-                views = block_views(spans, buf, dtypes[i])
-                blocks[i] = [None if z[q] else views[q] for q in range(nb)]
-        need = {i: np.zeros(nb, dtype=bool) for i in self.others}
-        for r, s in self.pairs:
-            both = ~zero[r] & ~zero[s]
-            for x in (r, s):
-                if x in need:
-                    need[x] |= both
-        sparse = [(i, need[i]) for i in self.others]
-        if not self.full:
-            sparse.insert(0, (-1, np.logical_or.reduce([m for _, m in sparse] or
-                                                        [np.zeros(nb, dtype=bool)])))
-        runs = [(i, _runs(mask)) for i, mask in sparse]
-        srcs = [self.base if i < 0 else self.experts[i] for i, _ in runs]
-        got = self._read([(src, [_source_ranges(src, lay, b0 + q0, b0 + q1) for q0, q1 in rr])
-                          for src, (_, rr) in zip(srcs, runs) if rr])
-        views_of = iter(got)
-        for i, rr in runs:
-            out: list[memoryview | None] = [None] * nb
-            if rr:
-                for (q0, q1), buf in zip(rr, next(views_of)):
-                    local = [(s - spans[q0][0], e - spans[q0][0]) for s, e in spans[q0:q1]]
-                    out[q0:q1] = block_views(local, buf, bdt if i < 0 else dtypes[i])
-            if i < 0:
-                base_blocks = out
-            else:
-                blocks[i] = out
-        order = [*self.own, *self.others]
-        self.gram[:, b0:b1] = gram_terms(
-            [e - s for s, e in spans], base_blocks, bdt, [blocks[i] for i in order],
-            [dtypes[i] for i in order], [(self.rows[r], self.rows[s]) for r, s in self.pairs])
-
-
 def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                 on_bytes: Callable[[int], None] | None = None, threads: int = 2) -> BlockIndex:
     """Read every base and expert block once and compute the statistics (nothing stored)."""
@@ -342,7 +163,7 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
     first = [keys.index(k) for k in keys]  # the same expert twice is read once
     uniq = sorted(set(first))
     pairs = [(i, j) for a, i in enumerate(uniq) for j in uniq[a:]]
-    p = _Pass(base, experts, layout, uniq, pairs, {}, True, on_bytes, BuildReport())
+    p = Pass(base, experts, layout, uniq, pairs, {}, True, on_bytes, BuildReport())
     p.run(threads)
     pieces = {i: _piece(p, k, pairs) for k, i in enumerate(uniq)}
     grams = {(i, j): p.gram[k] for k, (i, j) in enumerate(pairs) if i != j}
@@ -351,7 +172,7 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
                     _expert_itemsize(experts, layout))
 
 
-def _piece(p: _Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
+def _piece(p: Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
     i = p.own[k]
     sq = p.gram[pairs.index((i, i))]
     return ExpertPiece(p.expert_hash[k], sq, np.sqrt(sq), p.zero[k])
@@ -531,7 +352,7 @@ class _Family:
         pairs += [tuple(sorted((i, j))) for i in own if i in first_time  # type: ignore[misc]
                   for j in old]
         pairs += [(i, j) for a, i in enumerate(old) for j in old[a + 1:] if self._wanted(i, j)]
-        p = _Pass(self.base, self.experts, self.layout, own, pairs,
+        p = Pass(self.base, self.experts, self.layout, own, pairs,
                   {j: self.pieces[j].zero for j in old}, self.base_hash is None,
                   self.on_bytes, self.report)
         p.run(2)
@@ -552,7 +373,7 @@ class _Family:
         self.report.experts_built.append(str(self.experts[i].root))
         self.built = True
 
-    def _save_pairs(self, p: _Pass, pairs: list[tuple[int, int]]) -> None:
+    def _save_pairs(self, p: Pass, pairs: list[tuple[int, int]]) -> None:
         for k, (i, j) in enumerate(pairs):
             if i != j:
                 self.grams[(i, j)] = p.gram[k]
@@ -572,7 +393,7 @@ class _Family:
         log.info("building block index: Gram terms of %d expert pairs %s", len(pairs),
                  f"of {', '.join(named)} with the others" if named
                  else "(experts indexed before, merged together for the first time)")
-        p = _Pass(self.base, self.experts, self.layout, [], pairs,
+        p = Pass(self.base, self.experts, self.layout, [], pairs,
                   {j: self.pieces[j].zero for j in {x for q in pairs for x in q}}, False,
                   self.on_bytes, self.report)
         p.run(2)

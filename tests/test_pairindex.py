@@ -197,17 +197,17 @@ def test_base_rewritten_in_place_makes_every_expert_piece_stale(tmp_path: Path,
 def test_range_statistics_of_one_expert_equal_the_builder(fam: Family) -> None:
     """The pure per-(expert, block range) function a distributed build would run per task."""
     from mergefs.blockstats import expert_range_stats
-    from mergefs.index import _chunks, _source_ranges
+    from mergefs.indexbuild import chunks, source_ranges
 
     index = fresh(fam, [0, 1])
     base, experts = opened(fam, [0, 1])
     lay = index.layout
     try:
-        for b0, b1 in _chunks(lay):
+        for b0, b1 in chunks(lay):
             name = lay.tensors[int(lay.tensor_of[b0])]
             o = int(lay.elem_start[b0])
             spans = [(int(lay.elem_start[b]) - o, int(lay.elem_end[b]) - o) for b in range(b0, b1)]
-            [bbuf], [ebuf] = (src.read_ranges([_source_ranges(src, lay, b0, b1)])
+            [bbuf], [ebuf] = (src.read_ranges([source_ranges(src, lay, b0, b1)])
                               for src in (base, experts[1]))
             got = expert_range_stats(spans, bbuf, base.tensors[name].dtype, ebuf,
                                      experts[1].tensors[name].dtype)
