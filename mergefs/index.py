@@ -12,8 +12,8 @@ The index is stored as pieces (:mod:`mergefs.indexstore`): one per base, one per
 expert), one per pair of experts for the Gram cross terms. A family's :class:`BlockIndex` is
 assembled from them in spec order (:func:`assemble`), so adding an expert builds only its piece
 and its pairs, removing or reordering experts builds nothing, and specs sharing experts share
-pieces. Building reads files in order on two worker threads (:mod:`mergefs.indexbuild`); the statistics
-themselves are pure functions of bytes (:mod:`mergefs.blockstats`). A remote expert with a
+pieces. Building reads files in order on two worker threads (:mod:`mergefs.indexbuild`); the
+statistics themselves are pure functions of bytes (:mod:`mergefs.blockstats`). A remote expert with a
 matching published sidecar (:mod:`mergefs.sidecar`) is not read at all: its piece comes from
 the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
 False). Nothing here runs on the trio thread.
