@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,10 +84,14 @@ def sidecar_name(expert: Checkpoint, key: str, block_size: int) -> str:
 
 
 def write_beside(path: Path, data: bytes, what: str) -> None:
-    """Write a file beside an expert atomically (a temporary name, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write a file beside an expert (or in the index) atomically and durably: a temporary
+    name, fsync, then rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
