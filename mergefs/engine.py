@@ -757,17 +757,22 @@ class Session:
                  on_index_bytes: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
-                 sidecars: bool = True) -> None:
+                 sidecars: bool = True, index: BlockIndex | None = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
-        sidecars when they have matching ones (:mod:`mergefs.deltas`)."""
+        sidecars when they have matching ones (:mod:`mergefs.deltas`). ``index``: the family's
+        index, loaded by the caller (a sweep's variants share one; counters are then left
+        alone, as other sessions may be counting on the same sources)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
-        self.index, self.index_built = load_or_build(
-            self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
-        for c in [self.base, *self.experts]:  # count merge reads only, not indexing
-            c.counters.reset()
+        if index is not None:
+            self.index, self.index_built = index, False
+        else:
+            self.index, self.index_built = load_or_build(
+                self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+            for c in [self.base, *self.experts]:  # count merge reads only, not indexing
+                c.counters.reset()
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
         self.plan = plan if plan is not None else make_plan(

@@ -293,11 +293,11 @@ async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -
         finally:
             # no store may run once the session is gone; one waiting for a read that will never
             # come is released by the unmount below, which we then wait for
-            drained = await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
+            drained = await trio.to_thread.run_sync(view.disable_pages, 5.0)
             if not drained:
                 log.warning("a page-cache store is still waiting; aborting the connection")
                 _abort_connection(cfg.mountpoint)
-                await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
+                await trio.to_thread.run_sync(view.disable_pages, 5.0)
             pyfuse3.close(unmount=True)
 
 

@@ -56,7 +56,7 @@ def parse_grid(items: Sequence[str]) -> list[tuple[str, list[Any]]]:
     return out
 
 
-def _set(doc: Any, key: str, value: Any, where: str) -> None:
+def set_key(doc: Any, key: str, value: Any, where: str) -> None:
     parts = key.split(".")
     node = doc
     for k, part in enumerate(parts):
@@ -80,7 +80,7 @@ def _set(doc: Any, key: str, value: Any, where: str) -> None:
             raise MergefsError(f"--grid {key}: {'.'.join(parts[:k])} is not a mapping or list")
 
 
-def _short(key: str) -> str:
+def short_key(key: str) -> str:
     """``models.0.parameters.weight`` -> ``models.0.weight``; ``parameters.lambda`` -> ``lambda``."""
     return ".".join(p for p in key.split(".") if p != "parameters")
 
@@ -140,9 +140,9 @@ def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, in
             variant_doc = copy.deepcopy(doc)
             variant_doc["merge_method"] = method
             for key, value in zip(keys, point):
-                _set(variant_doc, key, value, str(path))
+                set_key(variant_doc, key, value, str(path))
             label = " ".join([method] * bool(methods) +
-                             [f"{_short(k)}={v}" for k, v in zip(keys, point)]) or "spec"
+                             [f"{short_key(k)}={v}" for k, v in zip(keys, point)]) or "spec"
             spec = parse_spec(variant_doc, base_dir, f"{path} ({label})", strict=strict)
             if spec.block_size != first.block_size or [e.path for e in spec.experts] != \
                     [e.path for e in first.experts]:
