@@ -1,4 +1,4 @@
-"""The ``mergefs`` command line: index, plan, merge, replay, mount, umount, stats.
+"""The ``mergefs`` command line: index, plan, sweep, merge, replay, mount, reload, umount, stats.
 
 Maps domain errors (:class:`MergefsError`) to one clear line on stderr and exit code 1 (2 for
 usage errors); ``--debug`` shows tracebacks and debug logs.
@@ -34,6 +34,11 @@ typical session:
   mergefs merge spec.yaml out/ --budget 10%
   mergefs replay spec.manifest.jsonl       # re-read and verify every byte
   mergefs mount spec.yaml /mnt/merged      # lazy merged HF directory; from_pretrained works
+
+sweeps (see `mergefs mount --help`, `mergefs reload --help`):
+  mergefs sweep spec.yaml --budgets 1%,10%,full --plot s.png   # what budgets buy, no reads
+  mergefs mount sweep.yaml /mnt/sweep      # every variant of a sweep: spec, one mount
+  mergefs reload /mnt/sweep                # add the variants an edited sweep.yaml lists
 """
 
 
@@ -42,10 +47,28 @@ def _sources(spec: Spec) -> list[str]:
     return spec.model_paths
 
 
-def _load(args: argparse.Namespace) -> Spec:
+def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
+    """The spec; of a sweep spec, the ``--variant`` named (or, with ``any_variant``, the
+    first: every variant has the same family and index)."""
     from .outdir import check_writes
+    from .variants import is_sweep, load_variant, load_variants, read_doc
 
-    spec = load_spec(args.spec, strict=getattr(args, "strict", False))
+    strict = getattr(args, "strict", False)
+    variant = getattr(args, "variant", None)
+    if is_sweep(read_doc(args.spec)):
+        if variant is not None:
+            spec = load_variant(args.spec, variant, strict)
+        elif any_variant:
+            spec = load_variants(args.spec, strict)[0][1]
+        else:
+            names = [v.name for v, _ in load_variants(args.spec, strict)]
+            raise MergefsError(f"{args.spec} is a sweep of {len(names)} variants: choose one with "
+                               f"--variant NAME ({', '.join(names[:6])}"
+                               f"{', ...' if len(names) > 6 else ''}), or mount them all")
+    elif variant is not None:
+        raise MergefsError(f"--variant: {args.spec} has no sweep or variants")
+    else:
+        spec = load_spec(args.spec, strict=strict)
     check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
         try:
@@ -78,7 +101,7 @@ def _indexed(spec: Spec, base: Any, experts: Any, **options: Any) -> tuple[Any, 
 def cmd_index(args: argparse.Namespace) -> int:
     from .engine import open_family
 
-    spec = _load(args)
+    spec = _load(args, any_variant=True)
     base, experts = open_family(spec)
     # --rebuild and --publish read every source: sidecars are never built from sidecars.
     index, built = _indexed(spec, base, experts, rebuild=args.rebuild,
@@ -168,13 +191,13 @@ def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
     """What the bound means for this plan, in plain words (a few short lines)."""
     tight, exact, update = rep["bound_tight"], rep["error_exact"], rep["update_norm"]
     if tight is None:
-        return [f"{method} is not additive: no error bound; exact at the full budget, and "
-                "`mergefs merge` reports the measured deviation"]
+        return [(f"{method} is not additive: no error bound; exact at the full budget, and "
+                 "`mergefs merge` reports the measured deviation")]
     if rep["planned_expert_bytes"] >= rep["nonzero_expert_bytes"]:
         return ["every non-zero expert block is read: the merge is exact"]
     if not update:
-        return [f"the merged model differs from the full merge by at most {tight:.4g} "
-                "(Frobenius norm over all tensors)"]
+        return [(f"the merged model differs from the full merge by at most {tight:.4g} "
+                 "(Frobenius norm over all tensors)")]
     rel = tight / update
     lines = []
     if rel <= 1:
@@ -320,8 +343,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from .mount import run_mount
+    from .outdir import check_writes
+    from .variants import is_sweep, load_variants, read_doc
 
-    return run_mount(args, _load(args))
+    if not is_sweep(read_doc(args.spec)):
+        return run_mount(args, _load(args))
+    if args.budget is not None:
+        raise MergefsError("--budget: a sweep spec sets its budgets (sweep: budget: [...]); "
+                           "mount it without --budget")
+    found = load_variants(args.spec, strict=getattr(args, "strict", False))
+    check_writes(_sources(found[0][1]), index_dir=found[0][1].index_dir)
+    return run_mount(args, found[0][1], variants=found)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from .mount import run_reload
+
+    return run_reload(args)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -355,6 +393,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
+VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
+                "sweep mount is named (see MOUNTPOINT/variants.json)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N largest tensors with the bytes read, skipped and zero")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
     s.set_defaults(func=cmd_plan)
 
     s = add("sweep", help="what a range of budgets (and methods, coefficients) buys, from "
@@ -446,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
+    s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
     s.set_defaults(func=cmd_merge)
 
     s = add("replay", help="re-execute a manifest's plan and verify every byte",
@@ -457,11 +499,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an earlier merge output in --out")
     s.set_defaults(func=cmd_replay)
 
-    s = add("mount", help="mount the merge as a lazy read-only HF model directory",
+    s = add("mount", help="mount the merge (or every variant of a sweep) as lazy read-only HF "
+            "model directories",
             description="Expose a virtual merged model directory at MOUNTPOINT; "
             "tensor reads merge only the blocks they need (budgeted, cached). "
             "Returns once the mount is ready unless --foreground. Keep it mounted while a "
-            "model loaded from it lives: transformers maps the weight files.")
+            "model loaded from it lives: transformers maps the weight files.\n\n"
+            "A sweep spec (a `sweep:` grid and/or a `variants:` list, see `mergefs reload "
+            "--help`) mounts every variant as MOUNTPOINT/<variant>/, with "
+            "MOUNTPOINT/variants.json describing each (name, settings, full resolved spec, "
+            "plan). Variants share one index, one source-block cache (a block read for one "
+            "variant is not read again for another while cached) and one merged-unit cache "
+            "keyed by content (a unit identical across variants is merged once). Each "
+            "variant's files equal `mergefs merge --variant NAME`. .mergefs/stats.json reports "
+            "per variant and shared; the manifest records every variant for `mergefs replay`.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="a sweep spec (beside the usual keys):\n"
+            "  sweep:\n"
+            "    weight: [0.3, 0.5, 0.7]      # every model's weight (or a list per model)\n"
+            "    budget: [10%, 50%, full]\n"
+            "    merge_method: [task_arithmetic, ties]\n"
+            "    parameters.lambda: [0.5, 1.0]   # any key by dotted path\n"
+            "  variants:                      # named variants, listed first\n"
+            "    - {name: strong, parameters.lambda: 1.5}\n\n"
+            "  mergefs mount sweep.yaml /mnt/sweep\n"
+            "  ls /mnt/sweep                  # weight-0.3_budget-10pct/ ... variants.json\n"
+            "  mergefs reload /mnt/sweep      # after editing sweep.yaml: adds new variants")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("mountpoint", help="an existing empty directory")
     s.add_argument("--budget", help=budget_help)
@@ -474,7 +537,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm", action="store_true",
                    help="merge the whole model (up to the cache size) at mount time and push it "
                         "into the kernel page cache")
+    s.add_argument("--source-cache-size", metavar="SIZE",
+                   help="sweep mounts: memory for source blocks shared by the variants "
+                   "(default: the --cache-size; 0 turns sharing of reads off)")
     s.set_defaults(func=cmd_mount)
+
+    s = add("reload", help="re-read a sweep mount's spec and add its new variants",
+            description="Re-read the spec file a sweep mount was started with (the server does "
+            "it; SIGHUP to the server is the same) and add every variant it now lists as a new "
+            "directory, without unmounting: readers of the other variants keep reading. All or "
+            "nothing: a spec that fails to parse, changes the family (base, experts, block "
+            "size) or changes a variant under the same name leaves the mount as it was; the "
+            "error is printed here (exit 1) and logged by the mount. A variant the spec no "
+            "longer lists keeps being served, flagged \"removed\" in variants.json, until "
+            "unmounted (so nobody reading it is cut off); to change a variant, add it under a "
+            "new name.",
+            epilog="example: echo '  - {name: w09, weight: 0.9}' >> sweep.yaml  # under variants:"
+            "\n         mergefs reload /mnt/sweep",
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("mountpoint", help="where a sweep spec is mounted")
+    s.set_defaults(func=cmd_reload)
 
     s = add("methods", help="list the merge methods, their parameters and defaults",
             description="Every merge method (mergekit's 20), from the registry the engine "

@@ -99,9 +99,11 @@ class _Handle:
     stream: Stream = field(default_factory=Stream)
 
 
-def model_entries(engine: Engine, weights_mtime_ns: int) -> Entries:
+def model_entries(engine: Engine, weights_mtime_ns: int,
+                  key_of: Callable[[str, int, int], str] | None = None) -> Entries:
     """The files of a merged model directory by relative path: the base's non-weight files
-    (passed through, or rewritten by the merge), the merge's weight files and shard index."""
+    (passed through, or rewritten by the merge), the merge's weight files and shard index;
+    ``key_of``: the cache keys of merge units (:func:`~mergefs.units.weight_file`)."""
     base = engine.base
     entries: Entries = {}
     for rel, data in engine.extra_overrides.items():  # files the merge adds (tokenizer)
@@ -130,7 +132,7 @@ def model_entries(engine: Engine, weights_mtime_ns: int) -> Entries:
         if f.name in entries:
             log.warning("base file %s is shadowed by the merged weight file", f.name)
         entries[f.name] = ("weights", {"size_bytes": f.size_bytes, "mtime_ns": weights_mtime_ns,
-                                       "weights": weight_file(engine, f)})
+                                       "weights": weight_file(engine, f, key_of)})
     if engine.index_json is not None:
         entries[INDEX_NAME] = ("static", {"size_bytes": len(engine.index_json),
                                           "mtime_ns": weights_mtime_ns,
@@ -188,8 +190,10 @@ class View:
                 reader: UnitReader | None = None, variant: str = "") -> None:
         """Add ``entries`` (paths relative to ``prefix``) to the tree, in path order (inode
         numbers are stable across mounts); parents first. A new node becomes visible to
-        lookups only once it is complete (the caller serialises inserts)."""
+        lookups only once it is complete: entries of the root are linked last (the caller
+        serialises inserts)."""
         by_path = self._by_path
+        at_root: list[tuple[str, int]] = []
         full = {(f"{prefix}/{p}" if prefix else p): v for p, v in entries.items()}
         if prefix and prefix not in by_path:
             full[prefix] = ("dir", {})
@@ -202,7 +206,7 @@ class View:
                     ino = next(self._next_inode)
                     self._nodes[ino] = _Node(ino, parts[depth - 1], dpath, parent, "dir",
                                              mtime_ns=dir_mtime_ns, variant=variant)
-                    self._nodes[parent].children[parts[depth - 1]] = ino
+                    self._link(parent, parts[depth - 1], ino, at_root)
                     by_path[dpath] = ino
                 parent = by_path[dpath]
             if path in by_path:
@@ -215,7 +219,15 @@ class View:
                          reader=reader if kind == "weights" else None, **extra)
             self._nodes[ino] = node
             by_path[path] = ino
-            self._nodes[parent].children[parts[-1]] = ino
+            self._link(parent, parts[-1], ino, at_root)
+        for name, ino in at_root:
+            self._nodes[ROOT_INODE].children[name] = ino
+
+    def _link(self, parent: int, name: str, ino: int, at_root: list[tuple[str, int]]) -> None:
+        if parent == ROOT_INODE:
+            at_root.append((name, ino))
+        else:
+            self._nodes[parent].children[name] = ino
 
     def _warn_large_units(self) -> None:
         largest = max((s.end - s.start for n in self._nodes.values() if n.weights
