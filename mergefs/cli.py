@@ -336,6 +336,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     res = replay(args.manifest, args.out, overwrite=args.force)
     torn = f"; ignored {res.torn_lines} torn line(s)" if res.torn_lines else ""
+    if res.variants:  # a sweep mount's manifest
+        for name, r in res.variants:
+            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {r.reads_verified} source "
+                  f"ranges, {r.outputs_verified} outputs verified")
+        unread = f"; nothing was read from {', '.join(res.unread_variants)}" \
+            if res.unread_variants else ""
+        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} outputs "
+              f"verified{unread}{torn}")
+        return 0
     print(f"replay OK (plan {res.plan_hash[:16]}): {res.reads_verified} source ranges, "
           f"{res.outputs_verified} outputs, {res.tensors_verified} tensors verified{torn}")
     return 0
