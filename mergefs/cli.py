@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -357,6 +358,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     if not is_sweep(read_doc(args.spec)):
         return run_mount(args, _load(args))
+    args.spec = os.path.abspath(args.spec)  # the daemon re-reads it at a reload, from /
     if args.budget is not None:
         raise MergefsError("--budget: a sweep spec sets its budgets (sweep: budget: [...]); "
                            "mount it without --budget")

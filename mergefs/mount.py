@@ -639,22 +639,28 @@ def _sweep_stats_table(args: argparse.Namespace, data: dict[str, Any]) -> Any:
 
     shared = data["shared"]
     read = shared["physical_bytes_read"]
-    table = Table(title=f"mergefs sweep {args.mountpoint}  ({len(data['variants'])} variants; "
-                        f"source bytes read, all variants: {human_bytes(sum(read.values()))})")
-    for col in ("variant", "method", "served", "units merged", "units shared",
-                "source bytes its merges asked for", "planned expert bytes"):
-        table.add_column(col, justify="left" if col in ("variant", "method") else "right")
+    methods = {v["method"] for v in data["variants"].values()}
+    table = Table(title=f"mergefs sweep {args.mountpoint}: {len(data['variants'])} variants "
+                        f"({', '.join(sorted(methods))}); source bytes read for all: "
+                        f"{human_bytes(sum(read.values()))}")
+    for col in ("variant", "served", "units merged", "units shared", "its merges read",
+                "planned expert bytes"):
+        table.add_column(col, justify="left" if col == "variant" else "right",
+                         overflow="fold")
     for name, v in sorted(data["variants"].items()):
-        table.add_row(name + (" (removed)" if v["removed"] else ""), v["method"],
+        label = name if len(methods) == 1 else f"{name} ({v['method']})"
+        table.add_row(label + (" (removed)" if v["removed"] else ""),
                       human_bytes(v["served_bytes"]), str(v["units_merged"]),
-                      str(v["units_shared"]), human_bytes(sum(v["requested_bytes_read"].values())),
+                      str(v["units_shared"]),
+                      human_bytes(sum(v["requested_bytes_read"].values())),
                       human_bytes(v["planned_expert_bytes"]))
     sc = shared["source_cache"]
+    caption = [(f"merged units: {shared['units_merged']} merged, {shared['units_shared']} "
+                "served from another variant's merge"), f"read errors: {data['read_errors']}"]
     if sc:
-        table.caption = (f"shared source cache: {human_bytes(sc['hit_bytes'])} served from memory, "
-                         f"{human_bytes(sc['miss_bytes'])} read; merged-unit cache "
-                         f"{shared['cache']['hits']} hits / {shared['cache']['misses']} misses; "
-                         f"read errors {data['read_errors']}")
+        caption.insert(0, f"shared source cache: {human_bytes(sc['hit_bytes'])} served from "
+                          f"memory, {human_bytes(sc['miss_bytes'])} read from disk")
+    table.caption = "; ".join(caption)
     return table
 
 
