@@ -343,7 +343,7 @@ class Checkpoint:
         """Read each range, in order; adjacent or overlapping ranges of a file share one pread.
 
         Returns one zero-copy view per requested range, in the order given. With a
-        ``range_cache``, ranges it holds are not read again (:class:`mergefs.cache.RangeCache`).
+        ``range_cache``, ranges it holds are not read again (:class:`mergefs.sourcecache.SourceBlockCache`).
         """
         ranges = list(ranges)
         if self.range_cache is not None:

@@ -368,7 +368,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from .mount import run_reload
+    from .sweepctl import run_reload
 
     return run_reload(args)
 

@@ -1,7 +1,7 @@
 """A sweep's variants opened together: one family, one index, one source read path, one cache.
 
 :class:`SweepSession` opens the base and experts once, loads (or builds) the block index once,
-and installs one :class:`~mergefs.cache.SourceBlockCache` as the ``range_cache`` of every local
+and installs one :class:`~mergefs.sourcecache.SourceBlockCache` as the ``range_cache`` of every local
 safetensors source, cut at the index's block boundaries: a source block read for one variant is
 served from memory to every other variant while it stays cached. Each variant is an ordinary
 :class:`~mergefs.engine.Session` over those shared sources with its own plan and engine, so each
@@ -40,13 +40,13 @@ import numpy as np
 import xxhash
 
 from . import __version__
-from .cache import SourceBlockCache
 from .checkpoint import Checkpoint
 from .engine import Session, open_family
 from .errors import MergefsError, SpecError
 from .format import DTYPES
 from .index import BlockIndex, load_or_build
 from .manifest import ManifestWriter
+from .sourcecache import SourceBlockCache
 from .spec import Spec
 from .variants import Variant, load_variants
 

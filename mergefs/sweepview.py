@@ -157,10 +157,11 @@ class SweepView(View):
             for st in opened:
                 self._add(st)
                 st.recorder.publish()
-        except MergefsError as exc:
+        except Exception as exc:  # a reload must never take the mount down (logged)
+            why = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
             log.error("reload of %s failed, the mount is unchanged: %s", self.sweep.spec_path,
-                      exc)
-            last: dict[str, Any] = {"ok": False, "error": str(exc), "added": [], "removed": []}
+                      why, exc_info=not isinstance(exc, MergefsError))
+            last: dict[str, Any] = {"ok": False, "error": why, "added": [], "removed": []}
         else:
             added = [st.name for st in opened]
             log.info("reloaded %s: %d variants added (%s), %d no longer listed (still served "
@@ -210,7 +211,7 @@ class SweepView(View):
           ``total_expert_bytes``), ``removed``;
         - ``shared``: ``physical_bytes_read[source]`` (bytes pread from each source for all
           variants together; index building not counted), ``expert_bytes_read`` (their sum over
-          experts), ``source_cache`` (:class:`~mergefs.cache.SourceBlockCache` counters; null
+          experts), ``source_cache`` (:class:`~mergefs.sourcecache.SourceBlockCache` counters; null
           when disabled), ``cache`` (the merged-unit cache), ``units_merged``, ``units_shared``;
         - the mount's ``served_bytes``, ``read_calls``, ``read_errors``, ``last_errors``,
           ``open_handles``, ``reload`` (``generation`` and the ``last`` outcome).
