@@ -15,7 +15,8 @@ Each variant is the spec without ``sweep``/``variants`` plus its settings; it mu
 family (base, experts, block size, index): a sweep varies coefficients, methods and budgets over
 one index. Names are stable (the same spec file gives the same names), readable and safe as
 directory names: grid variants are named by the settings that vary across the grid
-(``weight-0.3_budget-10pct``), listed variants by their ``name``.
+(``weight-0.3_budget-10pct``: ``_`` separates settings, so a value's own ``_`` reads ``-``,
+``%`` reads ``pct``, a list ``0.2+0.8``), listed variants by their ``name``.
 
 Pure: parsing and expanding; ``load_variants`` reads the spec file. Runs in the main thread (or a
 worker thread for a reload), never on the trio thread.
