@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -403,6 +404,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paragraphs(*texts: str) -> str:
+    """Descriptions for the raw formatter (kept for the examples in epilogs): wrapped here."""
+    return "\n\n".join(textwrap.fill(t, 79) for t in texts)
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
@@ -512,10 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("mount", help="mount the merge (or every variant of a sweep) as lazy read-only HF "
             "model directories",
-            description="Expose a virtual merged model directory at MOUNTPOINT; "
+            description=_paragraphs("Expose a virtual merged model directory at MOUNTPOINT; "
             "tensor reads merge only the blocks they need (budgeted, cached). "
             "Returns once the mount is ready unless --foreground. Keep it mounted while a "
-            "model loaded from it lives: transformers maps the weight files.\n\n"
+            "model loaded from it lives: transformers maps the weight files.",
             "A sweep spec (a `sweep:` grid and/or a `variants:` list, see `mergefs reload "
             "--help`) mounts every variant as MOUNTPOINT/<variant>/, with "
             "MOUNTPOINT/variants.json describing each (name, settings, full resolved spec, "
@@ -523,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
             "variant is not read again for another while cached) and one merged-unit cache "
             "keyed by content (a unit identical across variants is merged once). Each "
             "variant's files equal `mergefs merge --variant NAME`. .mergefs/stats.json reports "
-            "per variant and shared; the manifest records every variant for `mergefs replay`.",
+            "per variant and shared; the manifest records every variant for `mergefs replay`."),
             formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog="a sweep spec (beside the usual keys):\n"
             "  sweep:\n"
@@ -554,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_mount)
 
     s = add("reload", help="re-read a sweep mount's spec and add its new variants",
-            description="Re-read the spec file a sweep mount was started with (the server does "
+            description=_paragraphs("Re-read the spec file a sweep mount was started with (the server does "
             "it; SIGHUP to the server is the same) and add every variant it now lists as a new "
             "directory, without unmounting: readers of the other variants keep reading. All or "
             "nothing: a spec that fails to parse, changes the family (base, experts, block "
@@ -562,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
             "error is printed here (exit 1) and logged by the mount. A variant the spec no "
             "longer lists keeps being served, flagged \"removed\" in variants.json, until "
             "unmounted (so nobody reading it is cut off); to change a variant, add it under a "
-            "new name.",
+            "new name."),
             epilog="example: echo '  - {name: w09, weight: 0.9}' >> sweep.yaml  # under variants:"
             "\n         mergefs reload /mnt/sweep",
             formatter_class=argparse.RawDescriptionHelpFormatter)
