@@ -364,4 +364,3 @@ def _decode(blob: bytes, key: str) -> tuple[bytes | None, str]:
     if version != __version__.encode():
         return None, "version"
     return value, ""
-
