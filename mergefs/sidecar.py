@@ -113,9 +113,10 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: Any) -> list
     if not index.has_gram:
         raise MergefsError("refusing to publish an index assembled from sidecars; rebuild it")
     for e in experts:  # fail before writing anything
-        if e.is_remote and not e.store.writable:  # type: ignore[attr-defined]
+        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
             raise SourceError(f"{e.root}: cannot publish an index sidecar here: HTTP sources are "
-                              "read-only (publish from a local, file:// or s3:// copy)")
+                              "read-only, and so are slices over remote models (publish from a "
+                              "local, file:// or s3:// copy of the model)")
     key = base_key(base)
     written = []
     for i, e in enumerate(experts):

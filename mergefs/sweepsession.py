@@ -187,12 +187,12 @@ class SweepSession:
         try:
             self.index, self.index_built = load_or_build(
                 self.base, self.experts, first.block_size, first.index_dir)
-            for c in [self.base, *self.experts]:  # count serving reads only, not indexing
-                c.counters.reset()
             self.source_cache = self._install_cache(source_cache_bytes)
             manifest.write(self._header())
             for v, spec in found:
                 self._open(v, spec).recorder.publish()
+            for c in [self.base, *self.experts]:  # count serving reads only, not indexing or
+                c.counters.reset()  # looking for delta sidecars
         except BaseException:
             self.close()
             raise
