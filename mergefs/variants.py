@@ -41,9 +41,9 @@ from .sweep import set_key, short_key
 SWEEP_KEY = "sweep"
 VARIANTS_KEY = "variants"
 #: keys a variant may not change: they define the family, the index or the mount itself
-FIXED_KEYS = frozenset({"base_model", "models", "slices", "modules", "block_size", "index_dir", "manifest",
-                        "cache", "storage_options", "remote", "tokenizer_source", "tokenizer",
-                        "name", SWEEP_KEY, VARIANTS_KEY})
+FIXED_KEYS = frozenset({"base_model", "models", "slices", "modules", "block_size", "index_dir",
+                        "manifest", "cache", "storage_options", "remote", "tokenizer_source",
+                        "tokenizer", "name", SWEEP_KEY, VARIANTS_KEY})
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 RESERVED_NAMES = frozenset({"variants.json"})
 
