@@ -268,8 +268,8 @@ class SweepSession:
                         sc.close()
                 raise
             removed = [n for n, st in self.variants.items() if n not in names and not st.removed]
-            for n in removed:
-                self.variants[n].removed = True
+            for n, st in self.variants.items():
+                st.removed = n not in names  # listed again: no longer flagged
             return opened, removed
 
     # -- counters --------------------------------------------------------------------------
