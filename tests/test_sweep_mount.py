@@ -169,6 +169,14 @@ def test_reload_adds_variants_while_reading_and_survives_a_broken_spec(
     assert after["variants"] == json.loads(before)["variants"]
     assert sha256(m.path / "a" / "model.safetensors") == sha256(out_a / "model.safetensors")
     assert "reload of" in m.log.read_text() and "mount is unchanged" in m.log.read_text()
+    # a variant the spec no longer lists is still served (flagged), until unmounted
+    sweep_spec(spec, fam, variants=variants[1:])
+    res = run_cli("reload", str(m.path))
+    assert res.returncode == 0 and "still served until unmounted: a" in res.stdout, res.stderr
+    flags = {v["name"]: v["removed"] for v in
+             json.loads((m.path / "variants.json").read_text())["variants"]}
+    assert flags == {"a": True, "b": False}
+    assert sha256(m.path / "a" / "model.safetensors") == sha256(out_a / "model.safetensors")
 
 
 def spec_for(spec: Path, name: str, tmp: Path) -> Path:
