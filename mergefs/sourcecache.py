@@ -13,6 +13,17 @@ from typing import Any
 import numpy as np
 
 
+class _Flight:
+    """One piece being read; waiters block on ``done``."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: bytes | None = None
+        self.error: BaseException | None = None
+
+
 class SourceBlockCache:
     """Source bytes shared by the variants of a sweep mount: a byte-bounded LRU of source blocks.
 
@@ -25,11 +36,12 @@ class SourceBlockCache:
 
     Memory bound: the bytes held (``bytes_cached``, copies, never views of larger buffers) never
     exceed ``capacity_bytes``; least recently used pieces go first; a piece larger than the
-    capacity is served and not kept. Counters, each with one meaning: ``requested_bytes`` (bytes
-    asked for), ``hit_bytes`` (served from memory), ``miss_bytes`` (read from the files through
-    this cache; equal to the physical bytes read for these requests), ``evictions``. Two threads
-    missing the same piece at once may both read it (no single flight; both count as misses).
-    Thread-safe; blocks on disk: worker threads only.
+    capacity is served and not kept. Single flight: a piece another call is reading right now is
+    waited for, not read again (a call first reads its own pieces, then waits, so waits never
+    form a cycle). Counters, each with one meaning: ``requested_bytes`` (bytes asked for),
+    ``miss_bytes`` (read from the files through this cache: the physical bytes read for these
+    requests), ``hit_bytes`` (``requested - miss``: served from memory or from another call's
+    read), ``evictions``. Thread-safe; blocks on disk: worker threads only.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -40,7 +52,8 @@ class SourceBlockCache:
         self._lru: OrderedDict[tuple[str, str, int, int], bytes] = OrderedDict()
         self._bounds: dict[tuple[str, str], Any] = {}
         self._bytes = 0
-        self.requested_bytes = self.hit_bytes = self.miss_bytes = self.evictions = 0
+        self._flights: dict[tuple[str, str, int, int], _Flight] = {}
+        self.requested_bytes = self.miss_bytes = self.evictions = 0
 
     def add_boundaries(self, source: str, file: str, offsets: Any) -> None:
         """Register block boundaries (absolute byte offsets) of ``file`` of ``source``."""
@@ -58,54 +71,80 @@ class SourceBlockCache:
         return list(itertools.pairwise(cuts))
 
     def read(self, src: Any, ranges: Any) -> list[memoryview]:
+        """One view per range, in order (as ``Checkpoint.read_ranges``)."""
+        out: list[memoryview] = []
+        for r in ranges:
+            data = self._read_one(src, r)
+            if len(data) != r.end - r.start:  # never serve a short or long range
+                raise RuntimeError(f"source cache assembled {len(data)} bytes for "
+                                   f"[{r.start}, {r.end})")
+            out.append(data)
+        return out
+
+    def _read_one(self, src: Any, r: Any) -> memoryview:
         from .checkpoint import ReadRange
 
         source = src.name
-        out: list[memoryview] = []
-        for r in ranges:
-            pieces = self._pieces(source, r.file, r.start, r.end)
-            with self._lock:
-                got: list[bytes | None] = []
-                for a, b in pieces:
-                    value = self._lru.get((source, r.file, a, b))
-                    if value is not None:
-                        self._lru.move_to_end((source, r.file, a, b))
-                    got.append(value)
-                self.requested_bytes += r.end - r.start
-            runs: list[list[int]] = []  # runs of adjacent missing pieces (indices)
-            for k, value in enumerate(got):
-                if value is None:
-                    if runs and runs[-1][-1] == k - 1:
-                        runs[-1].append(k)
-                    else:
-                        runs.append([k])
+        pieces = self._pieces(source, r.file, r.start, r.end)
+        keys = [(source, r.file, a, b) for a, b in pieces]
+        got: list[bytes | None] = [None] * len(pieces)
+        mine: list[int] = []  # pieces this call reads (it leads their flights)
+        waiting: list[tuple[int, _Flight]] = []  # pieces another call is reading now
+        with self._lock:
+            self.requested_bytes += r.end - r.start
+            for k, key in enumerate(keys):
+                value = self._lru.get(key)
+                if value is not None:
+                    self._lru.move_to_end(key)
+                    got[k] = value
+                elif key in self._flights:
+                    waiting.append((k, self._flights[key]))
+                else:
+                    self._flights[key] = _Flight()
+                    mine.append(k)
+        runs: list[list[int]] = []  # runs of adjacent pieces of ours (indices)
+        for k in mine:
+            if runs and runs[-1][-1] == k - 1:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        try:
             if runs:
-                bufs = src.read_physical([ReadRange(r.file, pieces[run[0]][0], pieces[run[-1]][1])
-                                          for run in runs])
+                bufs = src.read_physical([ReadRange(r.file, pieces[run[0]][0],
+                                                    pieces[run[-1]][1]) for run in runs])
                 for run, buf in zip(runs, bufs):
                     origin = pieces[run[0]][0]
                     for k in run:
                         a, b = pieces[k]
                         got[k] = bytes(buf[a - origin:b - origin])
-            missed = sum(pieces[k][1] - pieces[k][0] for run in runs for k in run)
-            with self._lock:
-                self.miss_bytes += missed
-                self.hit_bytes += r.end - r.start - missed
-                for run in runs:
-                    for k in run:
-                        a, b = pieces[k]
-                        value = got[k]
-                        assert value is not None
-                        self._insert((source, r.file, a, b), value)
-            if len(got) == 1:
-                assert got[0] is not None
-                out.append(memoryview(got[0]))
-            else:
-                out.append(memoryview(b"".join(g for g in got if g is not None)))
-            if len(out[-1]) != r.end - r.start:
-                raise RuntimeError(f"source cache assembled {len(out[-1])} bytes for "
-                                   f"[{r.start}, {r.end})")
-        return out
+        except BaseException as exc:
+            self._land(keys, mine, got, exc)
+            raise
+        self._land(keys, mine, got, None)
+        for k, flight in waiting:  # only after our own flights landed: no cycle of waits
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            got[k] = flight.value
+        if len(got) == 1 and got[0] is not None:
+            return memoryview(got[0])
+        return memoryview(b"".join(g for g in got if g is not None))
+
+    def _land(self, keys: list[tuple[str, str, int, int]], mine: list[int],
+              got: list[bytes | None], error: BaseException | None) -> None:
+        """Cache what this call read, count it, and release the calls waiting for it."""
+        with self._lock:
+            if error is None:
+                self.miss_bytes += sum(keys[k][3] - keys[k][2] for k in mine)
+            for k in mine:
+                flight = self._flights.pop(keys[k])
+                value = got[k]
+                if error is None and value is not None:
+                    self._insert(keys[k], value)
+                    flight.value = value
+                else:
+                    flight.error = error or RuntimeError("source read failed")
+                flight.done.set()
 
     def _insert(self, key: tuple[str, str, int, int], value: bytes) -> None:
         """Caller holds the lock."""
@@ -122,5 +161,6 @@ class SourceBlockCache:
         with self._lock:
             return {"capacity_bytes": self.capacity_bytes, "bytes_cached": self._bytes,
                     "entries": len(self._lru), "requested_bytes": self.requested_bytes,
-                    "hit_bytes": self.hit_bytes, "miss_bytes": self.miss_bytes,
+                    "hit_bytes": self.requested_bytes - self.miss_bytes,
+                    "miss_bytes": self.miss_bytes,
                     "evictions": self.evictions}
