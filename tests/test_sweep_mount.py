@@ -186,3 +186,44 @@ def spec_for(spec: Path, name: str, tmp: Path) -> Path:
     path = tmp / f"plain-{name}.yaml"
     path.write_text(yaml.safe_dump(v.doc, sort_keys=False))
     return path
+
+
+def test_threads_reading_every_variant_with_tiny_caches(tmp_path: Path, fam: Family,
+                                                        mounts: Any) -> None:
+    import random
+    import threading
+
+    spec = sweep_spec(tmp_path / "sweep.yaml", fam,
+                      {"merge_method": ["task_arithmetic", "ties"], "budget": ["30%", "full"]})
+    names = [v.name for v in expand(yaml.safe_load(spec.read_text()), str(spec))]
+    want = {}
+    for name in names:
+        merge_variant(spec, name, tmp_path / f"out-{name}")
+        want[name] = (tmp_path / f"out-{name}" / "model.safetensors").read_bytes()
+    # caches far below the sweep: evictions in both, units and source blocks shared and dropped
+    m = mounts.start(spec, "--cache-size", "16KiB", "--source-cache-size", "16KiB")
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        fds = {n: os.open(m.path / n / "model.safetensors", os.O_RDONLY) for n in names}
+        try:
+            for _ in range(150):
+                name = rng.choice(names)
+                blob = want[name]
+                off = rng.randrange(len(blob))
+                size = rng.randrange(1, 30000)
+                if os.pread(fds[name], size, off) != blob[off:off + size]:
+                    errors.append(f"{name} [{off}, +{size})")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stats = m.stats()
+    assert stats["read_errors"] == 0 and stats["shared"]["source_cache"]["evictions"] > 0
