@@ -299,9 +299,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import parse_grid, plot, run_sweep
 
-    _load(args)  # validates the spec and the index dir first
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    for b in budgets:
+    _load(args, any_variant=True)  # validates the spec and the index dir first
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()] if args.budgets \
+        else None  # a sweep spec: each variant at its own budget; else the default list
+    for b in budgets or []:
         try:
             parse_budget(b)
         except MergefsError as exc:
@@ -478,12 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
             description="Plan the spec at every budget (and method and --grid point) from the "
             "block index, reading no expert bytes once the index exists, and print bytes read, "
             "the error bound and the exact error as shares of the merge update, and the share "
-            "of the update's energy kept. --plot writes a PNG.",
+            "of the update's energy kept. --plot writes a PNG. A sweep spec (sweep: / "
+            "variants:, see `mergefs mount --help`) without --methods or --grid: one row per "
+            "variant (named as in the sweep mount) at its own budget, or at each --budgets.",
             epilog="example: mergefs sweep spec.yaml --budgets 1%,5%,10%,20%,50%,full "
             "--grid parameters.lambda=0.5,1.0 --plot sweep.png")
     s.add_argument("spec", help=SPEC_HELP)
-    s.add_argument("--budgets", default="1%,2%,5%,10%,20%,50%,full",
-                   help="comma-separated budgets (default: %(default)s)")
+    s.add_argument("--budgets", help="comma-separated budgets (default: 1%%,2%%,5%%,10%%,20%%,"
+                   "50%%,full; for a sweep spec, each variant's own budget)")
     s.add_argument("--methods", help="comma-separated merge methods to compare (default: the "
                    "spec's)")
     s.add_argument("--grid", action="append", metavar="KEY=V1,V2",

@@ -70,3 +70,24 @@ def test_a_variant_may_not_change_the_family(tmp_path: Path, fam: Family) -> Non
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
     with pytest.raises(SpecError, match="cannot change 'models'"):
         load_variants(spec)
+
+
+def test_sweep_table_of_a_sweep_spec_equals_plan_per_variant(tmp_path: Path, fam: Family,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    import json
+
+    spec = write_spec(tmp_path / "sweep.yaml", fam, "task_arithmetic",
+                      extra={"block_size": 512, "index_dir": str(tmp_path / "index")})
+    doc = yaml.safe_load(spec.read_text())
+    doc["sweep"] = {"weight": [0.3, 0.6], "budget": ["10%", "40%"]}
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert cli.main(["sweep", str(spec), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["variant"] for r in rows] == [v.name for v, _ in load_variants(spec)]
+    for r in rows:
+        assert cli.main(["plan", str(spec), "--variant", r["variant"], "--json"]) == 0
+        want = json.loads(capsys.readouterr().out)
+        assert r["planned_bytes"] == want["planned_expert_bytes"]
+        assert r["bound_tight"] == pytest.approx(want["bound_tight"], rel=1e-12)
+    assert rows[0]["budget"] == "10%" and rows[1]["budget"] == "40%"
