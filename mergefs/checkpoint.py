@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from .remote import RemoteOptions
 
 log = logging.getLogger(__name__)
+
+
+class RangeCache(Protocol):
+    def read(self, src: Checkpoint, ranges: Sequence[ReadRange]) -> list[memoryview]: ...
+
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -234,6 +239,9 @@ class Checkpoint:
         self.extra_files = tuple(extra_files)
         self.index_json = index_json
         self.counters = Counters()
+        #: a shared cache of source byte ranges (a sweep mount's variants read through it);
+        #: None reads every range from the file
+        self.range_cache: RangeCache | None = None
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
 
@@ -337,9 +345,16 @@ class Checkpoint:
     def read_ranges(self, ranges: Iterable[ReadRange]) -> list[memoryview]:
         """Read each range, in order; adjacent or overlapping ranges of a file share one pread.
 
-        Returns one zero-copy view per requested range, in the order given.
+        Returns one zero-copy view per requested range, in the order given. With a
+        ``range_cache``, ranges it holds are not read again (:class:`mergefs.sourcecache.SourceBlockCache`).
         """
         ranges = list(ranges)
+        if self.range_cache is not None:
+            return self.range_cache.read(self, ranges)
+        return self.read_physical(ranges)
+
+    def read_physical(self, ranges: Sequence[ReadRange]) -> list[memoryview]:
+        """``read_ranges`` from the files, bypassing any range cache (counted)."""
         runs = coalesce(ranges)
         bufs = [memoryview(self._pread(run.file, run.start, run.end)) for run in runs]
         return slice_runs(ranges, runs, bufs)

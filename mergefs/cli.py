@@ -1,4 +1,4 @@
-"""The ``mergefs`` command line: index, plan, merge, replay, mount, umount, stats.
+"""The ``mergefs`` command line: index, plan, sweep, merge, replay, mount, reload, umount, stats.
 
 Maps domain errors (:class:`MergefsError`) to one clear line on stderr and exit code 1 (2 for
 usage errors); ``--debug`` shows tracebacks and debug logs.
@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,11 @@ typical session:
   mergefs merge spec.yaml out/ --budget 10%
   mergefs replay spec.manifest.jsonl       # re-read and verify every byte
   mergefs mount spec.yaml /mnt/merged      # lazy merged HF directory; from_pretrained works
+
+sweeps (see `mergefs mount --help`, `mergefs reload --help`):
+  mergefs sweep spec.yaml --budgets 1%,10%,full --plot s.png   # what budgets buy, no reads
+  mergefs mount sweep.yaml /mnt/sweep      # every variant of a sweep: spec, one mount
+  mergefs reload /mnt/sweep                # add the variants an edited sweep.yaml lists
 """
 
 
@@ -42,10 +49,28 @@ def _sources(spec: Spec) -> list[str]:
     return spec.model_paths
 
 
-def _load(args: argparse.Namespace) -> Spec:
+def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
+    """The spec; of a sweep spec, the ``--variant`` named (or, with ``any_variant``, the
+    first: every variant has the same family and index)."""
     from .outdir import check_writes
+    from .variants import is_sweep, load_variant, load_variants, read_doc
 
-    spec = load_spec(args.spec, strict=getattr(args, "strict", False))
+    strict = getattr(args, "strict", False)
+    variant = getattr(args, "variant", None)
+    if is_sweep(read_doc(args.spec)):
+        if variant is not None:
+            spec = load_variant(args.spec, variant, strict)
+        elif any_variant:
+            spec = load_variants(args.spec, strict)[0][1]
+        else:
+            names = [v.name for v, _ in load_variants(args.spec, strict)]
+            raise MergefsError(f"{args.spec} is a sweep of {len(names)} variants: choose one with "
+                               f"--variant NAME ({', '.join(names[:6])}"
+                               f"{', ...' if len(names) > 6 else ''}), or mount them all")
+    elif variant is not None:
+        raise MergefsError(f"--variant: {args.spec} has no sweep or variants")
+    else:
+        spec = load_spec(args.spec, strict=strict)
     check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
         try:
@@ -78,7 +103,7 @@ def _indexed(spec: Spec, base: Any, experts: Any, **options: Any) -> tuple[Any, 
 def cmd_index(args: argparse.Namespace) -> int:
     from .engine import open_family
 
-    spec = _load(args)
+    spec = _load(args, any_variant=True)
     base, experts = open_family(spec)
     # --rebuild and --publish read every source: sidecars are never built from sidecars.
     index, built = _indexed(spec, base, experts, rebuild=args.rebuild,
@@ -168,13 +193,13 @@ def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
     """What the bound means for this plan, in plain words (a few short lines)."""
     tight, exact, update = rep["bound_tight"], rep["error_exact"], rep["update_norm"]
     if tight is None:
-        return [f"{method} is not additive: no error bound; exact at the full budget, and "
-                "`mergefs merge` reports the measured deviation"]
+        return [(f"{method} is not additive: no error bound; exact at the full budget, and "
+                 "`mergefs merge` reports the measured deviation")]
     if rep["planned_expert_bytes"] >= rep["nonzero_expert_bytes"]:
         return ["every non-zero expert block is read: the merge is exact"]
     if not update:
-        return [f"the merged model differs from the full merge by at most {tight:.4g} "
-                "(Frobenius norm over all tensors)"]
+        return [(f"the merged model differs from the full merge by at most {tight:.4g} "
+                 "(Frobenius norm over all tensors)")]
     rel = tight / update
     lines = []
     if rel <= 1:
@@ -274,9 +299,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import parse_grid, plot, run_sweep
 
-    _load(args)  # validates the spec and the index dir first
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    for b in budgets:
+    _load(args, any_variant=True)  # validates the spec and the index dir first
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()] if args.budgets \
+        else None  # a sweep spec: each variant at its own budget; else the default list
+    for b in budgets or []:
         try:
             parse_budget(b)
         except MergefsError as exc:
@@ -313,6 +339,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     res = replay(args.manifest, args.out, overwrite=args.force)
     torn = f"; ignored {res.torn_lines} torn line(s)" if res.torn_lines else ""
+    if res.variants:  # a sweep mount's manifest
+        for name, r in res.variants:
+            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {r.reads_verified} source "
+                  f"ranges, {r.outputs_verified} outputs verified")
+        unread = f"; nothing was read from {', '.join(res.unread_variants)}" \
+            if res.unread_variants else ""
+        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} outputs "
+              f"verified{unread}{torn}")
+        return 0
     print(f"replay OK (plan {res.plan_hash[:16]}): {res.reads_verified} source ranges, "
           f"{res.outputs_verified} outputs, {res.tensors_verified} tensors verified{torn}")
     return 0
@@ -320,8 +355,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from .mount import run_mount
+    from .outdir import check_writes
+    from .variants import is_sweep, load_variants, read_doc
 
-    return run_mount(args, _load(args))
+    if not is_sweep(read_doc(args.spec)):
+        return run_mount(args, _load(args))
+    args.spec = os.path.abspath(args.spec)  # the daemon re-reads it at a reload, from /
+    if args.budget is not None:
+        raise MergefsError("--budget: a sweep spec sets its budgets (sweep: budget: [...]); "
+                           "mount it without --budget")
+    found = load_variants(args.spec, strict=getattr(args, "strict", False))
+    check_writes(_sources(found[0][1]), index_dir=found[0][1].index_dir)
+    return run_mount(args, found[0][1], variants=found)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from .sweepctl import run_reload
+
+    return run_reload(args)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -354,7 +405,14 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paragraphs(*texts: str) -> str:
+    """Descriptions for the raw formatter (kept for the examples in epilogs): wrapped here."""
+    return "\n\n".join(textwrap.fill(t, 79) for t in texts)
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
+VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
+                "sweep mount is named (see MOUNTPOINT/variants.json)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N largest tensors with the bytes read, skipped and zero")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
     s.set_defaults(func=cmd_plan)
 
     s = add("sweep", help="what a range of budgets (and methods, coefficients) buys, from "
@@ -420,12 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
             description="Plan the spec at every budget (and method and --grid point) from the "
             "block index, reading no expert bytes once the index exists, and print bytes read, "
             "the error bound and the exact error as shares of the merge update, and the share "
-            "of the update's energy kept. --plot writes a PNG.",
+            "of the update's energy kept. --plot writes a PNG. A sweep spec (sweep: / "
+            "variants:, see `mergefs mount --help`) without --methods or --grid: one row per "
+            "variant (named as in the sweep mount) at its own budget, or at each --budgets.",
             epilog="example: mergefs sweep spec.yaml --budgets 1%,5%,10%,20%,50%,full "
             "--grid parameters.lambda=0.5,1.0 --plot sweep.png")
     s.add_argument("spec", help=SPEC_HELP)
-    s.add_argument("--budgets", default="1%,2%,5%,10%,20%,50%,full",
-                   help="comma-separated budgets (default: %(default)s)")
+    s.add_argument("--budgets", help="comma-separated budgets (default: 1%%,2%%,5%%,10%%,20%%,"
+                   "50%%,full; for a sweep spec, each variant's own budget)")
     s.add_argument("--methods", help="comma-separated merge methods to compare (default: the "
                    "spec's)")
     s.add_argument("--grid", action="append", metavar="KEY=V1,V2",
@@ -446,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
+    s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
     s.set_defaults(func=cmd_merge)
 
     s = add("replay", help="re-execute a manifest's plan and verify every byte",
@@ -457,11 +519,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an earlier merge output in --out")
     s.set_defaults(func=cmd_replay)
 
-    s = add("mount", help="mount the merge as a lazy read-only HF model directory",
-            description="Expose a virtual merged model directory at MOUNTPOINT; "
+    s = add("mount", help="mount the merge (or every variant of a sweep) as lazy read-only HF "
+            "model directories",
+            description=_paragraphs("Expose a virtual merged model directory at MOUNTPOINT; "
             "tensor reads merge only the blocks they need (budgeted, cached). "
             "Returns once the mount is ready unless --foreground. Keep it mounted while a "
-            "model loaded from it lives: transformers maps the weight files.")
+            "model loaded from it lives: transformers maps the weight files.",
+            "A sweep spec (a `sweep:` grid and/or a `variants:` list, see `mergefs reload "
+            "--help`) mounts every variant as MOUNTPOINT/<variant>/, with "
+            "MOUNTPOINT/variants.json describing each (name, settings, full resolved spec, "
+            "plan). Variants share one index, one source-block cache (a block read for one "
+            "variant is not read again for another while cached) and one merged-unit cache "
+            "keyed by content (a unit identical across variants is merged once). Each "
+            "variant's files equal `mergefs merge --variant NAME`. .mergefs/stats.json reports "
+            "per variant and shared; the manifest records every variant for `mergefs replay`."),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="a sweep spec (beside the usual keys):\n"
+            "  sweep:\n"
+            "    weight: [0.3, 0.5, 0.7]      # every model's weight (or a list per model)\n"
+            "    budget: [10%, 50%, full]\n"
+            "    merge_method: [task_arithmetic, ties]\n"
+            "    parameters.lambda: [0.5, 1.0]   # any key by dotted path\n"
+            "  variants:                      # named variants, listed first\n"
+            "    - {name: strong, parameters.lambda: 1.5}\n\n"
+            "  mergefs mount sweep.yaml /mnt/sweep\n"
+            "  ls /mnt/sweep                  # weight-0.3_budget-10pct/ ... variants.json\n"
+            "  mergefs reload /mnt/sweep      # after editing sweep.yaml: adds new variants")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("mountpoint", help="an existing empty directory")
     s.add_argument("--budget", help=budget_help)
@@ -474,7 +557,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm", action="store_true",
                    help="merge the whole model (up to the cache size) at mount time and push it "
                         "into the kernel page cache")
+    s.add_argument("--source-cache-size", metavar="SIZE",
+                   help="sweep mounts: memory for source blocks shared by the variants "
+                   "(default: the --cache-size; 0 turns sharing of reads off)")
     s.set_defaults(func=cmd_mount)
+
+    s = add("reload", help="re-read a sweep mount's spec and add its new variants",
+            description=_paragraphs("Re-read the spec file a sweep mount was started with (the server does "
+            "it; SIGHUP to the server is the same) and add every variant it now lists as a new "
+            "directory, without unmounting: readers of the other variants keep reading. All or "
+            "nothing: a spec that fails to parse, changes the family (base, experts, block "
+            "size) or changes a variant under the same name leaves the mount as it was; the "
+            "error is printed here (exit 1) and logged by the mount. A variant the spec no "
+            "longer lists keeps being served, flagged \"removed\" in variants.json, until "
+            "unmounted (so nobody reading it is cut off); to change a variant, add it under a "
+            "new name."),
+            epilog="example: echo '  - {name: w09, weight: 0.9}' >> sweep.yaml  # under variants:"
+            "\n         mergefs reload /mnt/sweep",
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("mountpoint", help="where a sweep spec is mounted")
+    s.set_defaults(func=cmd_reload)
 
     s = add("methods", help="list the merge methods, their parameters and defaults",
             description="Every merge method (mergekit's 20), from the registry the engine "

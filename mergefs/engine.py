@@ -786,19 +786,25 @@ class Session:
                  on_index_bytes: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
-                 sidecars: bool = True) -> None:
+                 sidecars: bool = True, index: BlockIndex | None = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
-        sidecars when they have matching ones (:mod:`mergefs.deltas`)."""
+        sidecars when they have matching ones (:mod:`mergefs.deltas`). ``index``: the family's
+        index, loaded by the caller (a sweep's variants share one; counters are then left
+        alone, as other sessions may be counting on the same sources)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
-        self.index, self.index_built = load_or_build(
-            self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+        if index is not None:
+            self.index, self.index_built = index, False
+        else:
+            self.index, self.index_built = load_or_build(
+                self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
-        for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
-            c.counters.reset()  # looking for sidecars
+        if index is None:  # (with a caller's index, other sessions may be counting on them)
+            for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
+                c.counters.reset()  # looking for sidecars
         self.plan = plan if plan is not None else make_plan(
             spec, self.index, budget_bytes,
             coefficients=self.recipe.coefficients(spec, self.index.layout.tensors),

@@ -24,6 +24,8 @@ from .errors import ManifestError
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+#: a sweep mount's manifest: a ``sweep`` header, then every variant's records tagged "variant"
+SWEEP_SCHEMA_VERSION = 2
 
 
 class ManifestWriter:
@@ -249,6 +251,9 @@ def read_manifest(path: str | Path) -> ManifestContents:
         if k == 0:
             if kind != "header":
                 raise ManifestError(f"{path}: first record is {kind!r}, expected 'header'")
+            if rec.get("schema") == SWEEP_SCHEMA_VERSION:
+                raise ManifestError(f"{path}: a sweep manifest (schema 2): read it with "
+                                    "read_sweep_manifest")
             if rec.get("schema") != SCHEMA_VERSION:
                 raise ManifestError(f"{path}: unsupported manifest schema {rec.get('schema')!r}")
             header = rec
@@ -263,3 +268,63 @@ def read_manifest(path: str | Path) -> ManifestContents:
     if header is None:
         raise ManifestError(f"{path}: empty manifest (no header record)")
     return ManifestContents(header, reads, outputs, tensors, totals, torn)
+
+
+def manifest_schema(path: str | Path) -> int | None:
+    """The schema of a manifest's header (None if its first line is not a header)."""
+    for rec in iter_records(path):
+        if rec is None or rec.get("type") != "header":
+            return None
+        schema = rec.get("schema")
+        return schema if isinstance(schema, int) else None
+    return None
+
+
+@dataclass(frozen=True)
+class SweepContents:
+    """A sweep manifest: its header, each variant's records (as a schema-1 manifest's), the
+    sweep's own totals (None if the mount did not finish) and the torn lines."""
+
+    header: dict[str, Any]
+    variants: dict[str, ManifestContents]
+    totals: dict[str, Any] | None
+    torn_lines: int
+
+
+def read_sweep_manifest(path: str | Path) -> SweepContents:
+    header = None
+    parts: dict[str, dict[str, Any]] = {}
+    totals = None
+    torn = 0
+    for k, rec in enumerate(iter_records(path)):
+        if rec is None:
+            torn += 1
+            continue
+        kind = rec.get("type")
+        if k == 0:
+            if kind != "header" or rec.get("schema") != SWEEP_SCHEMA_VERSION:
+                raise ManifestError(f"{path}: not a sweep manifest (schema 2 header)")
+            header = rec
+            continue
+        name = rec.get("variant")
+        if name is None:
+            if kind == "totals":
+                totals = rec
+            continue
+        if not isinstance(name, str):
+            raise ManifestError(f"{path}: a record names the variant {name!r}")
+        part = parts.setdefault(name, {"header": None, "read": [], "output": [], "tensor": [],
+                                       "totals": None})
+        if kind in ("header", "totals"):
+            part[kind] = rec
+        elif kind in ("read", "output", "tensor"):
+            part[kind].append(rec)
+    if header is None:
+        raise ManifestError(f"{path}: empty manifest (no header record)")
+    variants = {}
+    for name, part in parts.items():
+        if part["header"] is None:
+            raise ManifestError(f"{path}: variant {name!r} has records but no header")
+        variants[name] = ManifestContents(part["header"], part["read"], part["output"],
+                                          part["tensor"], part["totals"], 0)
+    return SweepContents(header, variants, totals, torn)

@@ -5,9 +5,11 @@ then serves in the foreground or forks a daemon and returns once the mount answe
 (:func:`serve`) opens the session (its manifest is written live to the spec's ``manifest`` path,
 one flushed line per record, so even a killed process leaves whole lines), builds the cache and
 the view, then runs trio: ``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM ->
-``pyfuse3.terminate()``), a readiness probe, ``await pyfuse3.main()``, and ``pyfuse3.close()`` in
-a ``finally``. When the main loop ends (signal or external unmount) the manifest gets its totals
-record and is closed.
+``pyfuse3.terminate()``; SIGHUP -> a sweep mount's reload, in a worker thread), a readiness
+probe, ``await pyfuse3.main()``, and ``pyfuse3.close()`` in a ``finally``. When the main loop
+ends (signal or external unmount) the manifest gets its totals record and is closed. A sweep
+spec is served the same way by :func:`serve_sweep` (:mod:`mergefs.sweepsession`,
+:mod:`mergefs.sweepview`); its client side (``mergefs reload``) is :mod:`mergefs.sweepctl`.
 
 Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
 before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
@@ -25,13 +27,14 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
+import xxhash
 
 from .cache import UnitCache
 from .engine import Session, open_family
@@ -43,6 +46,9 @@ from .outdir import check_writes, pid_alive
 from .progress import byte_progress
 from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
+
+if TYPE_CHECKING:
+    from .variants import Variant
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class MountConfig:
     warm: bool = False  # merge and push the whole model (up to the cache size) at mount time
     read_ahead_kb: int = READ_AHEAD_KB  # the mount's bdi readahead window; 0 leaves it alone
     readahead_units: int = 8  # units merged ahead of a sequential reader
+    source_cache_bytes: int = 0  # a sweep mount's shared source-block cache; 0 disables it
+    strict: bool = False  # spec keys mergekit ignores are errors (reloads too)
 
 
 def default_cache_bytes() -> int:
@@ -87,6 +95,12 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
     else:
         cache_bytes = default_cache_bytes()
     cache_dir = getattr(args, "cache_dir", None) or spec.cache_dir
+    source_cache_bytes = cache_bytes
+    if getattr(args, "source_cache_size", None):
+        try:
+            source_cache_bytes = parse_size(args.source_cache_size, "--source-cache-size")
+        except ValueError as exc:
+            raise MergefsError(str(exc)) from None
     return MountConfig(
         mountpoint=Path(os.path.abspath(args.mountpoint)),
         cache_bytes=cache_bytes,
@@ -95,6 +109,8 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
         threads=max(4, 2 * (os.cpu_count() or 1)),
         log_file=Path(spec.manifest).with_suffix(".log"),
         warm=bool(getattr(args, "warm", False)),
+        source_cache_bytes=source_cache_bytes,
+        strict=bool(getattr(args, "strict", False)),
     )
 
 
@@ -166,7 +182,10 @@ def ensure_index(spec: Spec, progress: bool = True) -> None:
             c.close()
 
 
-def run_mount(args: argparse.Namespace, spec: Spec) -> int:
+def run_mount(args: argparse.Namespace, spec: Spec,
+              variants: Sequence[tuple[Variant, Spec]] | None = None) -> int:
+    """Mount ``spec``; with ``variants`` (a sweep spec's, ``spec`` the first one's), mount
+    every variant as a directory of one sweep mount (:mod:`mergefs.sweepview`)."""
     cfg = make_config(args, spec)
     explicit = getattr(args, "manifest", None)
     if explicit:
@@ -177,20 +196,28 @@ def run_mount(args: argparse.Namespace, spec: Spec) -> int:
     # Validated now, created by the server at its first record (never truncating anything).
     manifest = ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
     ensure_index(spec)
+
+    def serve_it(ready: Callable[[], None]) -> dict[str, Any]:
+        if variants is not None:
+            return serve_sweep(spec.source, variants, cfg, ready, manifest)
+        return serve(spec, cfg, ready, manifest)
+
+    what = spec.source if variants is None else f"{spec.source} ({len(variants)} variants)"
     if args.foreground:
         def ready() -> None:
-            print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (Ctrl-C or `mergefs "
+            print(f"mergefs: {what} mounted at {cfg.mountpoint} (Ctrl-C or `mergefs "
                   f"umount {cfg.mountpoint}` unmounts); manifest {manifest.path}", flush=True)
 
-        totals = serve(spec, cfg, ready, manifest)
+        totals = serve_it(ready)
         print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
               f" of {human_bytes(totals['total_expert_bytes'])} expert bytes; manifest "
               f"{manifest.path}", flush=True)
         return 0
-    return _daemonize(spec, cfg, manifest)
+    return _daemonize(what, cfg, manifest, serve_it)
 
 
-def _daemonize(spec: Spec, cfg: MountConfig, manifest: ManifestWriter) -> int:
+def _daemonize(what: str, cfg: MountConfig, manifest: ManifestWriter,
+               serve_it: Callable[[Callable[[], None]], Any]) -> int:
     """Fork a detached server; return 0 once the mount answers, or raise its startup error."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -203,8 +230,7 @@ def _daemonize(spec: Spec, cfg: MountConfig, manifest: ManifestWriter) -> int:
             os.setsid()
             os.chdir("/")
             _redirect_output(cfg.log_file)
-            serve(spec, cfg, lambda: _tell(w, b"ok " + str(manifest.path).encode() + b"\n"),
-                  manifest)
+            serve_it(lambda: _tell(w, b"ok " + str(manifest.path).encode() + b"\n"))
             code = 0
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting parent
             msg = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
@@ -218,7 +244,7 @@ def _daemonize(spec: Spec, cfg: MountConfig, manifest: ManifestWriter) -> int:
         answer = pipe.readline()
     if answer.startswith(b"ok"):
         where = answer[3:].decode(errors="replace").strip()
-        print(f"mergefs: {spec.source} mounted at {cfg.mountpoint} (pid {pid}, log "
+        print(f"mergefs: {what} mounted at {cfg.mountpoint} (pid {pid}, log "
               f"{cfg.log_file}, manifest {where}); `mergefs umount {cfg.mountpoint}` unmounts")
         return 0
     os.waitpid(pid, 0)
@@ -277,32 +303,71 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
     return totals
 
 
+def serve_sweep(spec_path: str, variants: Sequence[tuple[Variant, Spec]], cfg: MountConfig,
+                ready: Callable[[], None], manifest: ManifestWriter) -> dict[str, Any]:
+    """Serve every variant of a sweep spec from one mount; SIGHUP (``mergefs reload``) adds
+    the variants the changed spec file lists. Returns the sweep's totals."""
+    from .sweepsession import SweepSession
+    from .sweepview import SweepView
+
+    try:
+        sweep = SweepSession(spec_path, manifest, cfg.source_cache_bytes, strict=cfg.strict,
+                             found=variants)
+        try:
+            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir,
+                              xxhash.xxh3_64_hexdigest(f"sweep\x00{sweep.index.key}".encode()))
+            view = SweepView(sweep, cache, readahead_units=cfg.readahead_units)
+            try:
+                trio.run(_serve_fuse, view, cfg, ready)
+            finally:
+                view.close()
+            totals = sweep.finish()
+        finally:
+            sweep.close()
+    finally:
+        manifest.close()
+    log.info("unmounted %s: %d variants; read %d source bytes (%d expert bytes)",
+             cfg.mountpoint, len(totals["variants"]), sum(totals["physical_bytes_read"].values()),
+             totals["expert_bytes_read"])
+    return totals
+
+
 async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
     ops = Operations(view, trio.CapacityLimiter(cfg.threads))
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         try:
             pyfuse3.init(ops, str(cfg.mountpoint), mount_options(cfg.allow_other))
         except RuntimeError as exc:
             raise MergefsError(f"{cfg.mountpoint}: cannot mount: {exc}") from None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals, signals)
+                nursery.start_soon(_watch_signals, signals, view)
                 nursery.start_soon(_announce_when_ready, view, cfg, ready)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         finally:
             # no store may run once the session is gone; one waiting for a read that will never
             # come is released by the unmount below, which we then wait for
-            drained = await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
+            drained = await trio.to_thread.run_sync(view.disable_pages, 5.0)
             if not drained:
                 log.warning("a page-cache store is still waiting; aborting the connection")
                 _abort_connection(cfg.mountpoint)
-                await trio.to_thread.run_sync(view.units.pages.disable, 5.0)
+                await trio.to_thread.run_sync(view.disable_pages, 5.0)
             pyfuse3.close(unmount=True)
 
 
-async def _watch_signals(signals: Any) -> None:
+async def _watch_signals(signals: Any, view: View) -> None:
+    """SIGINT/SIGTERM unmount; SIGHUP reloads a sweep mount's spec (in a worker thread: it
+    opens and plans the new variants) and is ignored, logged, by any other mount."""
     async for signum in signals:
+        if signum == signal.SIGHUP:
+            reload = getattr(view, "reload", None)
+            if reload is None:
+                log.warning("received SIGHUP: not a sweep mount, nothing to reload")
+                continue
+            log.info("received SIGHUP: reloading the spec")
+            await trio.to_thread.run_sync(reload)
+            continue
         log.info("received %s: unmounting", signal.Signals(signum).name)
         pyfuse3.terminate()
         return
@@ -525,6 +590,12 @@ def run_stats(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if data.get("kind") == "sweep":
+        from .sweepctl import sweep_stats_table
+
+        Console().print(sweep_stats_table(args, data))
+        return 0
+
     c = data["cache"]
     read = data["physical_bytes_read"]
     table = Table(title=f"mergefs {args.mountpoint}  ({data['method']}, plan "
@@ -565,3 +636,4 @@ def run_stats(args: argparse.Namespace) -> int:
     table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
     Console().print(table)
     return 0
+

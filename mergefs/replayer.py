@@ -23,7 +23,13 @@ from .checkpoint import Checkpoint
 from .engine import Engine, expert_labels, open_family
 from .errors import ManifestError, SourceChanged
 from .index import BlockIndex, build_layout
-from .manifest import read_manifest
+from .manifest import (
+    SWEEP_SCHEMA_VERSION,
+    ManifestContents,
+    manifest_schema,
+    read_manifest,
+    read_sweep_manifest,
+)
 from .outdir import check_writes
 from .plan import Plan, selected_from_runs
 from .spec import parse_spec
@@ -173,11 +179,58 @@ class ReplayResult:
     tensors_verified: int
     torn_lines: int
     plan_hash: str
+    #: a sweep manifest: each verified variant's result (the fields above are their sums)
+    variants: tuple[tuple[str, ReplayResult], ...] = ()
+    #: a sweep manifest: variants from which nothing was read (nothing to verify)
+    unread_variants: tuple[str, ...] = ()
 
 
 def replay(manifest_path: str | Path, out: str | Path | None = None,
            overwrite: bool = False) -> ReplayResult:
-    contents = read_manifest(manifest_path)
+    """Verify a manifest: a merge's or mount's (schema 1), or a sweep mount's (schema 2: every
+    variant from which something was read, each under its own recorded spec and plan)."""
+    if manifest_schema(manifest_path) == SWEEP_SCHEMA_VERSION:
+        if out is not None:
+            raise ManifestError(f"{manifest_path}: a sweep manifest records several variants; "
+                                "--out writes one merge (merge a variant with `mergefs merge "
+                                "--variant NAME`)")
+        return _replay_sweep(manifest_path)
+    return _replay(manifest_path, read_manifest(manifest_path), out, overwrite)
+
+
+def _replay_sweep(manifest_path: str | Path) -> ReplayResult:
+    sweep = read_sweep_manifest(manifest_path)
+    if sweep.totals is None:
+        raise ManifestError(f"{manifest_path}: has no sweep totals record: the mount that wrote "
+                            "it was interrupted (or is still serving); nothing to verify as a "
+                            "whole")
+    # a unit one variant served from another's merge was read under the other's records:
+    # source ranges are facts about the sources, so every variant checks against all of them
+    reads = [r for c in sweep.variants.values() for r in c.reads]
+    for rec in reads:
+        _check_fields(manifest_path, "read", rec)
+    done: list[tuple[str, ReplayResult]] = []
+    unread: list[str] = []
+    for name, contents in sorted(sweep.variants.items()):
+        if not contents.outputs:
+            unread.append(name)
+            continue
+        try:
+            res = _replay(manifest_path, contents, None, False, reads=reads)
+        except (ManifestError, SourceChanged) as exc:
+            raise type(exc)(f"variant {name}: {exc}") from None
+        done.append((name, res))
+    if not done:
+        raise ManifestError(f"{manifest_path}: no variant of the sweep was read; nothing to "
+                            "verify")
+    return ReplayResult(sum(r.reads_verified for _, r in done),
+                        sum(r.outputs_verified for _, r in done),
+                        sum(r.tensors_verified for _, r in done), sweep.torn_lines,
+                        str(sweep.header.get("index_key", "")), tuple(done), tuple(unread))
+
+
+def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Path | None,
+            overwrite: bool, reads: list[dict[str, Any]] | None = None) -> ReplayResult:
     h = contents.header
     _check_fields(manifest_path, "header", h)
     for kind, records in (("read", contents.reads), ("output", contents.outputs),
@@ -228,7 +281,8 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
                                             experts)
         plan = Plan(selected, h["budget_bytes"], 0, 0, 0, int(selected.sum()), selected.size, 0,
                     None, None, None, None, h["plan_hash"], levels=levels)
-        checker = _Checker(contents.reads, contents.outputs, contents.tensors, labelled)
+        checker = _Checker(contents.reads if reads is None else reads, contents.outputs,
+                           contents.tensors, labelled)
         engine = _ReplayEngine(spec, base, experts, index, plan,
                                manifest=checker,  # type: ignore[arg-type]
                                verify_index=False, recorded_units={}, deltas=sidecars)

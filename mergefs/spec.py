@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters",
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
-                 "storage_options", "remote", "strict")
+                 "storage_options", "remote", "strict", "sweep", "variants")
 _UNSUPPORTED_KEYS = (
     "architecture",
 )

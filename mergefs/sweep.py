@@ -56,7 +56,7 @@ def parse_grid(items: Sequence[str]) -> list[tuple[str, list[Any]]]:
     return out
 
 
-def _set(doc: Any, key: str, value: Any, where: str) -> None:
+def set_key(doc: Any, key: str, value: Any, where: str) -> None:
     parts = key.split(".")
     node = doc
     for k, part in enumerate(parts):
@@ -80,7 +80,7 @@ def _set(doc: Any, key: str, value: Any, where: str) -> None:
             raise MergefsError(f"--grid {key}: {'.'.join(parts[:k])} is not a mapping or list")
 
 
-def _short(key: str) -> str:
+def short_key(key: str) -> str:
     """``models.0.parameters.weight`` -> ``models.0.weight``; ``parameters.lambda`` -> ``lambda``."""
     return ".".join(p for p in key.split(".") if p != "parameters")
 
@@ -101,13 +101,21 @@ def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -
                     plan.update_norm, kept, share)
 
 
-def run_sweep(spec_path: str | Path, budgets: Sequence[str], methods: Sequence[str] = (),
+DEFAULT_BUDGETS = ("1%", "2%", "5%", "10%", "20%", "50%", "full")
+
+
+def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Sequence[str] = (),
               grid: Sequence[tuple[str, list[Any]]] = (), strict: bool = False,
               progress: bool = True) -> list[SweepRow]:
-    """Plan every (method, grid point, budget); the index is built once if missing."""
+    """Plan every (method, grid point, budget); the index is built once if missing.
+
+    A sweep spec (``sweep:``/``variants:``, :mod:`mergefs.variants`) without ``methods`` or
+    ``grid`` plans each of its variants, at ``budgets`` or, when None, at its own budget.
+    ``budgets`` None elsewhere: :data:`DEFAULT_BUDGETS`."""
     from .engine import open_family
     from .index import build_layout, index_bytes_total, load_or_build
     from .progress import byte_progress
+    from .variants import is_sweep
 
     path = Path(spec_path)
     try:
@@ -121,8 +129,10 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str], methods: Sequence[s
         total = index_bytes_total(base, experts, build_layout(base, first.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
             index, _ = load_or_build(base, experts, first.block_size, first.index_dir, tick)
-        return _sweep_rows(doc, base_dir, path, first, base, index, budgets, methods, grid,
-                           strict)
+        if is_sweep(doc) and not methods and not grid:
+            return _variant_rows(doc, base_dir, path, base, index, budgets, strict)
+        return _sweep_rows(doc, base_dir, path, first, base, index,
+                           DEFAULT_BUDGETS if budgets is None else budgets, methods, grid, strict)
     finally:
         for c in [base, *experts]:
             c.close()
@@ -140,9 +150,9 @@ def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, in
             variant_doc = copy.deepcopy(doc)
             variant_doc["merge_method"] = method
             for key, value in zip(keys, point):
-                _set(variant_doc, key, value, str(path))
+                set_key(variant_doc, key, value, str(path))
             label = " ".join([method] * bool(methods) +
-                             [f"{_short(k)}={v}" for k, v in zip(keys, point)]) or "spec"
+                             [f"{short_key(k)}={v}" for k, v in zip(keys, point)]) or "spec"
             spec = parse_spec(variant_doc, base_dir, f"{path} ({label})", strict=strict)
             if spec.block_size != first.block_size or [e.path for e in spec.experts] != \
                     [e.path for e in first.experts]:
@@ -151,6 +161,20 @@ def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, in
             # per-tensor coefficients (gradients, filters), as `mergefs plan` uses them
             coeffs = recipe_of(spec, base).coefficients(spec, index.layout.tensors)
             rows.extend(_row(spec, index, b, label, coeffs) for b in budgets)
+    return rows
+
+
+def _variant_rows(doc: Any, base_dir: Path, path: Path, base: Any, index: Any,
+                  budgets: Sequence[str] | None, strict: bool) -> list[SweepRow]:
+    """A sweep spec's variants, each named as its directory in a sweep mount."""
+    from .engine import recipe_of
+    from .variants import parse_variants
+
+    rows: list[SweepRow] = []
+    for v, spec in parse_variants(doc, base_dir, str(path), strict):
+        coeffs = recipe_of(spec, base).coefficients(spec, index.layout.tensors)
+        for b in [spec.budget.to_spec()] if budgets is None else budgets:
+            rows.append(_row(spec, index, b, v.name, coeffs))
     return rows
 
 

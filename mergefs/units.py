@@ -62,10 +62,14 @@ class Segment:
     b1: int
     tensor_start: int
     tensor_end: int
+    #: a key naming the unit's content (set by a sweep mount, whose variants share one cache)
+    content_key: str | None = None
 
     @functools.cached_property
     def key(self) -> str:
         """The unit's cache key (made once: the read path looks it up on every request)."""
+        if self.content_key is not None:
+            return self.content_key
         return f"unit\x00{self.tensor}\x00{self.b0}\x00{self.b1}"
 
     @functools.cached_property
@@ -88,8 +92,10 @@ class WeightFile:
         return bisect.bisect_right(self.starts, offset) - 1
 
 
-def weight_file(engine: Engine, f: OutFile) -> WeightFile:
-    """The header and every merge unit of an output file, in file order, tiling it exactly."""
+def weight_file(engine: Engine, f: OutFile,
+                key_of: Callable[[str, int, int], str] | None = None) -> WeightFile:
+    """The header and every merge unit of an output file, in file order, tiling it exactly;
+    ``key_of(tensor, b0, b1)``: the units' cache keys (default: by tensor and blocks)."""
     segs = [Segment(0, len(f.header), None, -1, -1, 0, len(f.header))]
     for t in f.tensors:
         if t.end == t.start:
@@ -101,7 +107,8 @@ def weight_file(engine: Engine, f: OutFile) -> WeightFile:
         for b0, b1 in engine.units(unit):
             u0, u1 = engine.unit_out_range(unit, b0, b1)
             if u1 > u0:
-                segs.append(Segment(t.start + u0, t.start + u1, unit, b0, b1, t.start, t.end))
+                segs.append(Segment(t.start + u0, t.start + u1, unit, b0, b1, t.start, t.end,
+                                    key_of(unit, b0, b1) if key_of is not None else None))
     pos = 0
     for s in segs:
         if s.start != pos:

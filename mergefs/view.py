@@ -42,7 +42,7 @@ from typing import Any, Literal
 from . import __version__
 from .cache import UnitCache
 from .checkpoint import INDEX_NAME
-from .engine import Session
+from .engine import Engine, Session
 from .errors import MergefsError, SourceChanged
 from .pages import StoreFn
 from .units import Stream, UnitReader, WeightFile, weight_file
@@ -56,7 +56,10 @@ MANIFEST_NAME = "manifest.jsonl"
 STATS_SCHEMA = 1
 LAST_ERRORS = 10  # read errors kept (newest last) for `mergefs stats`
 
-Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest"]
+Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest", "variants"]
+#: kinds whose content changes while mounted: snapshotted at open, size 0 (direct I/O)
+DYNAMIC_KINDS = frozenset({"stats", "manifest", "variants"})
+Entries = dict[str, tuple[Kind, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class _Node:
     weights: WeightFile | None = None
     static: bytes | None = None
     source: Path | None = None  # passthrough: the base's file
+    reader: UnitReader | None = None  # weights: the reader that serves it
+    variant: str = ""  # a sweep mount's variant the node belongs to ("" elsewhere)
 
 
 @dataclass
@@ -92,6 +97,47 @@ class _Handle:
     node: _Node
     snapshot: bytes | None  # dynamic files: the content when opened
     stream: Stream = field(default_factory=Stream)
+
+
+def model_entries(engine: Engine, weights_mtime_ns: int,
+                  key_of: Callable[[str, int, int], str] | None = None) -> Entries:
+    """The files of a merged model directory by relative path: the base's non-weight files
+    (passed through, or rewritten by the merge), the merge's weight files and shard index;
+    ``key_of``: the cache keys of merge units (:func:`~mergefs.units.weight_file`)."""
+    base = engine.base
+    entries: Entries = {}
+    for rel, data in engine.extra_overrides.items():  # files the merge adds (tokenizer)
+        if rel not in base.extra_files:
+            entries[PurePosixPath(rel).as_posix()] = (
+                "static", {"size_bytes": len(data), "mtime_ns": weights_mtime_ns, "static": data})
+    for rel in base.extra_files:
+        if rel in engine.extra_hidden and rel not in engine.extra_overrides:
+            continue
+        if base.is_remote:  # small files beside remote weights: fetched once, kept in memory
+            data = base.read_extra(rel)
+            entries[PurePosixPath(rel).as_posix()] = (
+                "static", {"size_bytes": len(data), "mtime_ns": weights_mtime_ns, "static": data})
+            continue
+        src = base.root / rel
+        st = os.stat(src)
+        rewritten = engine.extra_overrides.get(rel)
+        if rewritten is not None:  # e.g. config.json with the output dtype
+            entries[PurePosixPath(rel).as_posix()] = (
+                "static", {"size_bytes": len(rewritten), "mtime_ns": st.st_mtime_ns,
+                           "static": rewritten})
+            continue
+        entries[PurePosixPath(rel).as_posix()] = (
+            "passthrough", {"size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "source": src})
+    for f in engine.out_files:
+        if f.name in entries:
+            log.warning("base file %s is shadowed by the merged weight file", f.name)
+        entries[f.name] = ("weights", {"size_bytes": f.size_bytes, "mtime_ns": weights_mtime_ns,
+                                       "weights": weight_file(engine, f, key_of)})
+    if engine.index_json is not None:
+        entries[INDEX_NAME] = ("static", {"size_bytes": len(engine.index_json),
+                                          "mtime_ns": weights_mtime_ns,
+                                          "static": engine.index_json})
+    return entries
 
 
 class View:
@@ -127,69 +173,61 @@ class View:
 
     # -- building the tree ------------------------------------------------------------------
     def _build(self) -> None:
-        base = self.session.base
-        sources = [base, *self.session.experts]
+        sources = [self.session.base, *self.session.experts]
         weights_mtime = max((i.mtime_ns for c in sources for i in c.identities.values()),
                             default=0)
         mount_ns = int(self.started_unix * 1e9)
-        entries: dict[str, tuple[Kind, dict[str, Any]]] = {}
-        for rel, data in self.engine.extra_overrides.items():  # files the merge adds (tokenizer)
-            if rel not in base.extra_files:
-                entries[PurePosixPath(rel).as_posix()] = (
-                    "static", {"size_bytes": len(data), "mtime_ns": weights_mtime, "static": data})
-        for rel in base.extra_files:
-            if rel in self.engine.extra_hidden and rel not in self.engine.extra_overrides:
-                continue
-            if base.is_remote:  # small files beside remote weights: fetched once, kept in memory
-                data = base.read_extra(rel)
-                entries[PurePosixPath(rel).as_posix()] = (
-                    "static", {"size_bytes": len(data), "mtime_ns": weights_mtime, "static": data})
-                continue
-            src = base.root / rel
-            st = os.stat(src)
-            rewritten = self.engine.extra_overrides.get(rel)
-            if rewritten is not None:  # e.g. config.json with the output dtype
-                entries[PurePosixPath(rel).as_posix()] = (
-                    "static", {"size_bytes": len(rewritten), "mtime_ns": st.st_mtime_ns,
-                               "static": rewritten})
-                continue
-            entries[PurePosixPath(rel).as_posix()] = (
-                "passthrough", {"size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                "source": src})
-        for f in self.engine.out_files:
-            if f.name in entries:
-                log.warning("base file %s is shadowed by the merged weight file", f.name)
-            entries[f.name] = ("weights", {"size_bytes": f.size_bytes, "mtime_ns": weights_mtime,
-                                           "weights": weight_file(self.engine, f)})
-        if self.engine.index_json is not None:
-            entries[INDEX_NAME] = ("static", {"size_bytes": len(self.engine.index_json),
-                                              "mtime_ns": weights_mtime,
-                                              "static": self.engine.index_json})
+        entries = model_entries(self.engine, weights_mtime)
         entries[f"{STATE_DIR}/{STATS_NAME}"] = ("stats", {"mtime_ns": mount_ns})
         entries[f"{STATE_DIR}/{MANIFEST_NAME}"] = ("manifest", {"mtime_ns": mount_ns})
-
         self._nodes[ROOT_INODE] = _Node(ROOT_INODE, "", "", ROOT_INODE, "dir",
                                         mtime_ns=weights_mtime)
-        by_path = {"": ROOT_INODE}
-        next_inode = itertools.count(ROOT_INODE + 1)
-        for path in sorted(entries):  # sorted: inode numbers are stable across mounts
+        self._by_path = {"": ROOT_INODE}
+        self._next_inode = itertools.count(ROOT_INODE + 1)
+        self._insert(entries, weights_mtime, reader=self.units)
+
+    def _insert(self, entries: Entries, dir_mtime_ns: int, prefix: str = "",
+                reader: UnitReader | None = None, variant: str = "") -> None:
+        """Add ``entries`` (paths relative to ``prefix``) to the tree, in path order (inode
+        numbers are stable across mounts); parents first. A new node becomes visible to
+        lookups only once it is complete: entries of the root are linked last (the caller
+        serialises inserts)."""
+        by_path = self._by_path
+        at_root: list[tuple[str, int]] = []
+        full = {(f"{prefix}/{p}" if prefix else p): v for p, v in entries.items()}
+        if prefix and prefix not in by_path:
+            full[prefix] = ("dir", {})
+        for path in sorted(full):
             parts = path.split("/")
             parent = ROOT_INODE
             for depth in range(1, len(parts)):
                 dpath = "/".join(parts[:depth])
                 if dpath not in by_path:
-                    ino = next(next_inode)
+                    ino = next(self._next_inode)
                     self._nodes[ino] = _Node(ino, parts[depth - 1], dpath, parent, "dir",
-                                             mtime_ns=weights_mtime)
-                    self._nodes[parent].children[parts[depth - 1]] = ino
+                                             mtime_ns=dir_mtime_ns, variant=variant)
+                    self._link(parent, parts[depth - 1], ino, at_root)
                     by_path[dpath] = ino
                 parent = by_path[dpath]
-            kind, extra = entries[path]
-            ino = next(next_inode)
-            self._nodes[ino] = _Node(ino, parts[-1], path, parent, kind, **extra)
-            self._nodes[parent].children[parts[-1]] = ino
+            if path in by_path:
+                continue
+            kind, extra = full[path]
+            ino = next(self._next_inode)
+            if kind == "dir":
+                extra = {"mtime_ns": dir_mtime_ns, **extra}
+            node = _Node(ino, parts[-1], path, parent, kind, variant=variant,
+                         reader=reader if kind == "weights" else None, **extra)
+            self._nodes[ino] = node
             by_path[path] = ino
-        self._by_path = by_path
+            self._link(parent, parts[-1], ino, at_root)
+        for name, ino in at_root:
+            self._nodes[ROOT_INODE].children[name] = ino
+
+    def _link(self, parent: int, name: str, ino: int, at_root: list[tuple[str, int]]) -> None:
+        if parent == ROOT_INODE:
+            at_root.append((name, ino))
+        else:
+            self._nodes[parent].children[name] = ino
 
     def _warn_large_units(self) -> None:
         largest = max((s.end - s.start for n in self._nodes.values() if n.weights
@@ -216,7 +254,7 @@ class View:
         if n.kind == "dir":
             subdirs = sum(self._nodes[c].kind == "dir" for c in n.children.values())
             return Attr(inode, True, 0, stat.S_IFDIR | 0o555, 2 + subdirs, n.mtime_ns, False)
-        dynamic = n.kind in ("stats", "manifest")
+        dynamic = n.kind in DYNAMIC_KINDS
         return Attr(inode, False, n.size_bytes, stat.S_IFREG | 0o444, 1, n.mtime_ns, dynamic)
 
     def readdir(self, inode: int) -> list[tuple[str, Attr]]:
@@ -240,15 +278,17 @@ class View:
         n = self._nodes[inode]
         if n.kind == "dir":
             raise IsADirectoryError(n.path)
-        snapshot = None
-        if n.kind == "stats":
-            snapshot = (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
-        elif n.kind == "manifest":
-            snapshot = self._manifest_bytes()
+        snapshot = self._snapshot(n) if n.kind in DYNAMIC_KINDS else None
         fh = next(self._fh)
         with self._lock:
             self._handles[fh] = _Handle(n, snapshot)
         return fh
+
+    def _snapshot(self, n: _Node) -> bytes:
+        """The content of a dynamic file now (blocking)."""
+        if n.kind == "stats":
+            return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
+        return self._manifest_bytes()
 
     def release(self, fh: int) -> None:
         with self._lock:
@@ -270,8 +310,8 @@ class View:
         data: bytes | memoryview
         try:
             if n.kind == "weights":
-                assert n.weights is not None
-                data = self.units.read(n.weights, offset, offset + size, h.stream)
+                assert n.weights is not None and n.reader is not None
+                data = n.reader.read(n.weights, offset, offset + size, h.stream)
             elif n.kind == "passthrough":
                 data = self._read_passthrough(n, offset, size)
             else:
@@ -291,7 +331,11 @@ class View:
                 self.served_weight_bytes += len(data)
             else:
                 self.served_other_bytes += len(data)
+            self._served(n, len(data))
         return data
+
+    def _served(self, n: _Node, nbytes: int) -> None:
+        """Called with ``_lock`` held after each read of a node (per-variant counters)."""
 
     def read_cached(self, fh: int, offset: int, size: int) -> bytes | memoryview | None:
         """The bytes of a weight-file read if they are all in memory, else None; never blocks
@@ -300,12 +344,16 @@ class View:
         h = self._handles.get(fh)  # one atomic dict lookup
         if h is None or h.node.kind != "weights" or offset < 0 or size < 0:
             return None
-        assert h.node.weights is not None
-        data = self.units.read_cached(h.node.weights, offset, offset + size, h.stream)
+        assert h.node.weights is not None and h.node.reader is not None
+        data = h.node.reader.read_cached(h.node.weights, offset, offset + size, h.stream)
         if data is not None:
             self._fast_read_calls += 1
             self._fast_served_bytes += len(data)
+            self._fast_served(h.node, len(data))
         return data
+
+    def _fast_served(self, n: _Node, nbytes: int) -> None:
+        """Called on the trio thread only, after a read served from memory (no lock)."""
 
     def read_path(self, path: str, offset: int = 0, size: int | None = None) -> bytes:
         """Convenience for tests and tools: open, read, release."""
@@ -431,6 +479,10 @@ class View:
             [wf for _, _, wf in self.weight_files()],
             self.cache.capacity_bytes if budget_bytes is None else budget_bytes,
             lambda wf: lookup(names[id(wf)]))
+
+    def disable_pages(self, timeout_seconds: float = 5.0) -> bool:
+        """Stop pushing into the kernel page cache; False if a store is still waiting."""
+        return self.units.pages.disable(timeout_seconds)
 
     def close(self) -> None:
         """Stop background readahead (running merges finish; queued ones are dropped), then

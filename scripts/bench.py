@@ -15,6 +15,9 @@ Sections (each row says whether its sources were cold or warm in the page cache)
             the kernel's page cache, and warm in mergefs' own cache), vs the materialised file
 - memory    peak RSS of the mount process with a cache smaller than the model
 - real      the budget sweep on the real all-MiniLM-L6-v2 family (fine-tuned experts)
+- sweepmount a 9-variant sweep (weight x budget) through one mount vs nine separate mounts vs
+            nine mergekit-yaml runs: wall, source bytes read, bytes written (cold;
+            scripts/bench_sweepmount.py)
 - remote    experts served over HTTP Range and S3 (moto), base local, both on 127.0.0.1 in
             this process: bytes over the wire and requests counted at the server, wall time,
             full vs 10% budget, with and without published index sidecars; output sha256
@@ -1207,6 +1210,18 @@ class Bench:
                     os.environ[k] = v
             shutil.rmtree(served, ignore_errors=True)
 
+    # -- sweep mount (issue 15) -------------------------------------------------------------
+    def section_sweepmount(self) -> None:
+        """scripts/bench_sweepmount.py: one 9-variant sweep mount vs 9 mounts vs 9 mergekit."""
+        sys.modules.setdefault("bench", sys.modules[__name__])
+        import bench_sweepmount
+
+        params, layers = (5_000_000, 4) if self.quick else (60_000_000, 8)
+        root = (self.out / "families" / "sweep") if self.quick else \
+            Path(self.args.families).resolve() / "sweep"
+        fam = bench_sweepmount.make(root, params, layers, 3, self.log)
+        bench_sweepmount.section(self, fam, f"synthetic-{params / 1e6:.0f}M-x3")
+
     # -- driver ----------------------------------------------------------------------------
     def run(self) -> None:
         sections = set(self.args.sections.split(",")) if self.args.sections else None
@@ -1246,6 +1261,11 @@ class Bench:
             elif want("real"):
                 self.add(not_run("real", "MiniLM fine-tunes budget sweep", "minilm-real",
                                  "skipped in --quick (use --real)"))
+            if want("sweepmount") and (not self.quick or sections is not None):
+                self.section_sweepmount()
+            elif want("sweepmount"):
+                self.add(not_run("sweepmount", "9-variant sweep mount vs 9 mounts vs mergekit",
+                                 "-", "skipped in --quick (use --sections sweepmount)"))
             if want("remote") and (not self.quick or sections is not None):
                 self.section_remote()
             elif want("remote"):
@@ -1272,7 +1292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mergekit", action="store_true", help="run mergekit even with --quick")
     p.add_argument("--real", action="store_true", help="run the MiniLM family even with --quick")
     p.add_argument("--sections", help="comma-separated subset: index,sweep,mergekit,load,"
-                                      "serving,memory,real,remote")
+                                      "serving,memory,real,sweepmount,remote")
     p.add_argument("--keep-work", action="store_true", help="keep merged outputs")
     args = p.parse_args(argv)
     Bench(args).run()
