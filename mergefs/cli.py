@@ -245,6 +245,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .engine import open_family
     from .outdir import check_outdir, check_outside, check_source_files, check_writes
 
+    if args.ray is not None:
+        from .rayexec import require_ray
+
+        require_ray()  # before anything is opened or written
     spec = _load(args)
     out = Path(args.outdir)
     # Everything is validated before the manifest or any output exists.
@@ -259,7 +263,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     try:
         out_bytes = sum(f.size_bytes for f in session.engine.out_files)
         with byte_progress("merging", out_bytes) as tick:
-            session.engine.materialise(out, on_bytes=tick, overwrite=args.force)
+            if args.ray is not None:
+                from . import rayexec
+
+                rayexec.materialise(session, out, args.ray or None, on_bytes=tick,
+                                    overwrite=args.force)
+            else:
+                session.engine.materialise(out, on_bytes=tick, overwrite=args.force)
         totals = session.finish()
     finally:
         manifest.close()
@@ -354,6 +364,13 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help=f"run on a Ray cluster ({what}): ADDRESS like 10.0.0.1:6379; without "
+                   "it, RAY_ADDRESS or the cluster `ray start` runs here (else a local one). "
+                   "Sources must be URLs or paths every node sees. Needs mergefs[ray]")
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 
 
@@ -446,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
+    _add_ray(s, "one task per output shard; OUTDIR must lie on storage every node sees")
     s.set_defaults(func=cmd_merge)
 
     s = add("replay", help="re-execute a manifest's plan and verify every byte",
