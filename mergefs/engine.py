@@ -786,15 +786,17 @@ class Session:
                  on_index_bytes: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
-                 sidecars: bool = True) -> None:
+                 sidecars: bool = True, index_runner: Any = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
-        sidecars when they have matching ones (:mod:`mergefs.deltas`)."""
+        sidecars when they have matching ones (:mod:`mergefs.deltas`). ``index_runner``:
+        where an index build computes its chunks (:data:`mergefs.index.ChunkRunner`)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
         self.index, self.index_built = load_or_build(
-            self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+            self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
+            runner=index_runner)
         for c in [self.base, *self.experts]:  # count merge reads only, not indexing
             c.counters.reset()
         self.recipe = recipe_of(spec, self.base)

@@ -11,7 +11,8 @@ exact error of a plan).
 The index is stored under ``index_dir`` as a safetensors file keyed by every source's identity,
 so it is reused while sources are unchanged and rebuilt when one changed (or when a local
 weight file's status-change time moved: rewritten in place with size and mtime kept). Building
-reads each file once, in order, on two worker threads. A remote expert with a matching published
+reads each file once, in order, on two worker threads (or through a ``ChunkRunner``: Ray tasks
+that compute the same per-chunk statistics, :mod:`mergefs.rayexec`). A remote expert with a matching published
 sidecar (:mod:`mergefs.sidecar`) is not read at all: its statistics come from the sidecar, and
 the index then has only the Gram diagonal (``has_gram`` False). Nothing here runs on the trio
 thread.
@@ -24,7 +25,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -191,11 +192,35 @@ def _chunks(layout: BlockLayout) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class BlockStats:
+    """The statistics of blocks ``[lo, lo + len(base_hash))`` (one builder's arrays): what a
+    chunk runner hands back, and what :func:`build_index` assembles into the index."""
+
+    lo: int
+    base_hash: np.ndarray  # (b,) uint64
+    expert_hash: np.ndarray  # (N, b) uint64
+    norms: np.ndarray  # (N, b) float64
+    zero: np.ndarray  # (N, b) bool
+    gram: np.ndarray  # (b, N, N) float64
+    bytes_read: int = 0
+
+
+#: Runs the chunks of an index build elsewhere (e.g. as Ray tasks, :mod:`mergefs.rayexec`):
+#: given the family, its layout and every chunk ``(b0, b1)`` in order, yields BlockStats
+#: covering every chunk's blocks exactly once, in any order.
+ChunkRunner = Callable[[Checkpoint, Sequence[Checkpoint], BlockLayout, list[tuple[int, int]]],
+                       Iterable[BlockStats]]
+
+
 class _Builder:
     def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                 on_bytes: Callable[[int], None] | None) -> None:
+                 on_bytes: Callable[[int], None] | None, blocks: range | None = None) -> None:
+        """``blocks``: the blocks this builder holds (default: all)."""
         self.base, self.experts, self.layout = base, experts, layout
-        n, b = len(experts), layout.n_blocks
+        blocks = blocks if blocks is not None else range(layout.n_blocks)
+        self.lo = blocks.start
+        n, b = len(experts), len(blocks)
         self.base_hash = np.zeros(b, dtype=np.uint64)
         self.expert_hash = np.zeros((n, b), dtype=np.uint64)
         self.norms = np.zeros((n, b), dtype=np.float64)
@@ -203,6 +228,16 @@ class _Builder:
         self.gram = np.zeros((b, n, n), dtype=np.float64)
         self.on_bytes = on_bytes
         self.lock = threading.Lock()
+
+    def stats(self) -> BlockStats:
+        return BlockStats(self.lo, self.base_hash, self.expert_hash, self.norms, self.zero,
+                          self.gram)
+
+    def put(self, part: BlockStats) -> None:
+        """Take the statistics of blocks built elsewhere (a chunk runner's)."""
+        s = slice(part.lo - self.lo, part.lo - self.lo + part.base_hash.size)
+        self.base_hash[s], self.expert_hash[:, s] = part.base_hash, part.expert_hash
+        self.norms[:, s], self.zero[:, s], self.gram[s] = part.norms, part.zero, part.gram
 
     def prefetch(self, b0: int, b1: int) -> None:
         """Ask the kernel to start reading blocks [b0, b1) of every local source (no wait)."""
@@ -228,28 +263,30 @@ class _Builder:
             e0, e1 = int(lay.elem_start[b]) - origin, int(lay.elem_end[b]) - origin
             bb = base_buf[e0 * item:e1 * item]
             base_hash = xxhash.xxh3_64_intdigest(bb)
-            self.base_hash[b] = base_hash
+            k = b - self.lo  # where block b lives in this builder's arrays
+            self.base_hash[k] = base_hash
             base_u8 = np.frombuffer(bb, dtype=np.uint8)
             live: list[tuple[int, memoryview, str]] = []  # experts whose block differs
             for i, buf in enumerate(bufs):
                 ei = DTYPES[dtypes[i]][0]
                 eb = buf[e0 * ei:e1 * ei]
                 h = xxhash.xxh3_64_intdigest(eb)
-                self.expert_hash[i, b] = h
+                self.expert_hash[i, k] = h
                 if dtypes[i] == dtype and h == base_hash and np.array_equal(
                         np.frombuffer(eb, dtype=np.uint8), base_u8):
-                    self.zero[i, b] = True
+                    self.zero[i, k] = True
                 else:
                     live.append((i, eb, dtypes[i]))
             if live:
-                self._gram(b, live, decode_f32(bb, dtype), scratch)
+                self._gram(k, live, decode_f32(bb, dtype), scratch)
         if self.on_bytes is not None:
             with self.lock:
                 self.on_bytes(len(base_buf) + sum(len(x) for x in bufs))
 
-    def _gram(self, b: int, live: list[tuple[int, memoryview, str]], w0: np.ndarray,
+    def _gram(self, k: int, live: list[tuple[int, memoryview, str]], w0: np.ndarray,
               scratch: np.ndarray) -> None:
-        """Gram matrix and norms of block b's non-zero deltas (zero-delta rows stay 0).
+        """Gram matrix and norms of the non-zero deltas of the block at ``k`` of this
+        builder's arrays (zero-delta rows stay 0).
 
         Deltas are float32 ``W_i - W0`` widened to float64 and accumulated in float64, as
         always; they are made GRAM_COLS columns at a time so that they stay in the CPU cache.
@@ -265,8 +302,8 @@ class _Builder:
                 wi = _decode_into(eb[s * item : e * item], dt, values[dt][: e - s])
                 np.subtract(wi, w0[s:e], out=d[r])  # float32 difference, stored as float64
             g += d @ d.T
-        self.gram[b][np.ix_(rows, rows)] = g
-        self.norms[rows, b] = np.sqrt(np.diag(g))
+        self.gram[k][np.ix_(rows, rows)] = g
+        self.norms[rows, k] = np.sqrt(np.diag(g))
 
 
 def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
@@ -282,16 +319,44 @@ def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def chunk_stats(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
+                chunks: Sequence[tuple[int, int]]) -> BlockStats:
+    """The statistics of consecutive chunks (blocks ``chunks[0][0]`` to ``chunks[-1][1]``),
+    computed by the code of the local build: what a chunk runner's task returns."""
+    keep_freed_memory()
+    read = [0]
+
+    def count(n: int) -> None:
+        read[0] += n
+
+    builder = _Builder(base, experts, layout, count, range(chunks[0][0], chunks[-1][1]))
+    for k, (b0, b1) in enumerate(chunks):
+        if k + PREFETCH_CHUNKS < len(chunks):
+            builder.prefetch(*chunks[k + PREFETCH_CHUNKS])
+        builder.chunk(b0, b1)
+    return replace(builder.stats(), bytes_read=read[0])
+
+
 def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                on_bytes: Callable[[int], None] | None = None, threads: int = 2) -> BlockIndex:
+                on_bytes: Callable[[int], None] | None = None, threads: int = 2,
+                runner: ChunkRunner | None = None) -> BlockIndex:
     """Read every base and expert block once and compute the statistics.
 
     While a worker computes, the kernel is already reading the chunks PREFETCH_CHUNKS ahead
-    (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU.
+    (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU. ``runner``: compute the
+    chunks elsewhere (each part's bytes go to ``on_bytes`` when it arrives).
     """
     keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
     builder = _Builder(base, experts, layout, on_bytes)
     chunks = _chunks(layout)
+    if runner is not None:
+        for part in runner(base, experts, layout, chunks):
+            builder.put(part)
+            if on_bytes is not None:
+                on_bytes(part.bytes_read)
+        return BlockIndex(family_key(base, experts, layout.block_size), layout,
+                          builder.base_hash, builder.expert_hash, builder.norms, builder.zero,
+                          builder.gram)
 
     def task(k: int) -> None:
         if k + PREFETCH_CHUNKS < len(chunks):
@@ -415,13 +480,14 @@ def _ctime_moved(pointer: Path, key: str, ctimes: dict[str, int]) -> str | None:
 
 
 def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                         on_bytes: Callable[[int], None] | None) -> BlockIndex:
+                         on_bytes: Callable[[int], None] | None,
+                         runner: ChunkRunner | None = None) -> BlockIndex:
     """Read the base and the experts without a usable sidecar; take the rest from sidecars."""
     from . import sidecar
 
     found = sidecar.find(base, experts, layout)
     rest = [i for i in range(len(experts)) if i not in found]
-    index = build_index(base, [experts[i] for i in rest], layout, on_bytes)
+    index = build_index(base, [experts[i] for i in rest], layout, on_bytes, runner=runner)
     for i, stats in list(found.items()):
         if not np.array_equal(stats.base_hash, index.base_hash):
             log.warning("ignoring index sidecar of %s: published against a base whose bytes "
@@ -429,12 +495,13 @@ def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout
             del found[i]
     if not found:
         if rest != list(range(len(experts))):  # every sidecar was stale: read all
-            return build_index(base, experts, layout, on_bytes)
+            return build_index(base, experts, layout, on_bytes, runner=runner)
         return index
     log.info("block index: %d of %d experts from published sidecars (not read)", len(found),
              len(experts))
     late = [i for i in range(len(experts)) if i not in found and i not in rest]
-    extra = build_index(base, [experts[i] for i in late], layout, on_bytes) if late else None
+    extra = build_index(base, [experts[i] for i in late], layout, on_bytes,
+                        runner=runner) if late else None
     n, nb = len(experts), layout.n_blocks
     expert_hash = np.zeros((n, nb), np.uint64)
     norms = np.zeros((n, nb))
@@ -456,11 +523,13 @@ def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout
 
 def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
-                  rebuild: bool = False, sidecars: bool = True) -> tuple[BlockIndex, bool]:
+                  rebuild: bool = False, sidecars: bool = True,
+                  runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
     """Return (index, built_now). Reuses a stored index while every source is unchanged.
 
     With ``sidecars`` (the default), remote experts with a matching published sidecar are not
     read; without, only an index read from every source (with the full Gram) is accepted.
+    ``runner``: where a build computes its chunks (default: two local threads).
     """
     layout = build_layout(base, block_size)
     key = family_key(base, experts, block_size)
@@ -476,9 +545,9 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     log.info("building block index: %s", "rebuild requested" if rebuild
              else stale or _why_rebuilt(pointer, base, experts))
     if sidecars and any(e.is_remote for e in experts):
-        index = _build_with_sidecars(base, experts, layout, on_bytes)
+        index = _build_with_sidecars(base, experts, layout, on_bytes, runner)
     else:
-        index = build_index(base, experts, layout, on_bytes)
+        index = build_index(base, experts, layout, on_bytes, runner=runner)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _save(index, path, {"mergefs_index_version": INDEX_VERSION, "key": key,

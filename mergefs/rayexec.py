@@ -1,4 +1,11 @@
-"""Running merges (and index builds) as Ray tasks: the optional ``mergefs[ray]`` extra.
+"""Running merges and index builds as Ray tasks: the optional ``mergefs[ray]`` extra.
+
+``mergefs index SPEC --ray [ADDRESS]`` (also with ``--publish``, whose index sidecars are cut
+from the index built so) hands the build's chunks to :class:`RayChunkRunner`: each task takes a
+run of consecutive chunks (every expert of those blocks: the Gram cross terms need them
+together), opens the family itself, refuses sources that differ from the driver's, and returns
+:func:`mergefs.index.chunk_stats` (the local build's per-block code); the driver puts the parts
+into the arrays with the code of the local build, so the index file is the local one.
 
 ``mergefs merge SPEC OUT --ray [ADDRESS]`` plans on the driver as always, then runs one task per
 output shard. A task opens the spec's sources itself (local paths that every node sees, or
@@ -22,10 +29,12 @@ values. Blocking; never on the trio thread. The spec is sent to the tasks whole,
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,3 +265,98 @@ def _absorb(session: Any, res: ShardDone) -> None:
     for i, n in res.sidecar_bytes.items():
         session.deltas[i].bytes_read += n
     engine.add_merged(res.blocks_merged, res.units_merged)
+
+
+# -- index: one task per run of chunks ---------------------------------------------------------
+RANGE_BYTES = 1 << 30  # a task reads at most about this many source bytes
+TASKS_PER_CPU = 4  # enough tasks to even out unequal ones, few enough to keep overheads small
+
+
+@dataclass(frozen=True)
+class IndexJob:
+    spec: Any
+    identities: list[dict[str, object]]  # of the spec's base and every expert
+    positions: tuple[int, ...]  # the experts this build reads (spec order)
+    layout: Any
+    version: str
+
+
+@dataclass(frozen=True)
+class RangeDone:
+    stats: Any  # mergefs.index.BlockStats
+    worker: dict[str, Any]
+
+
+def index_range(job: IndexJob, chunks: list[tuple[int, int]]) -> RangeDone:
+    """Task body: the statistics of a run of consecutive chunks."""
+    from .engine import open_family
+    from .index import chunk_stats
+
+    if job.version != __version__:
+        raise MergefsError(f"worker runs mergefs {__version__}, the driver {job.version}: "
+                           "install the same version on every node")
+    base, experts = open_family(job.spec)
+    try:
+        check_same_sources(job.identities, base, experts)
+        stats = chunk_stats(base, [experts[i] for i in job.positions], job.layout, chunks)
+        return RangeDone(stats, worker_id())
+    finally:
+        for c in [base, *experts]:
+            c.close()
+
+
+def chunk_groups(chunks: Sequence[tuple[int, int]], block_bytes: Any, n_tasks: int
+                 ) -> list[list[tuple[int, int]]]:
+    """Split chunks (in order) into ``min(n_tasks, len(chunks))`` non-empty runs of about
+    equal bytes (``block_bytes``: what each block costs to read)."""
+    cum = list(itertools.accumulate(int(block_bytes[b0:b1].sum()) for b0, b1 in chunks))
+    n = max(1, min(n_tasks, len(chunks)))
+    cuts = [0]
+    for k in range(1, n):
+        want = cum[-1] * k / n
+        j = next((i + 1 for i in range(cuts[-1], len(chunks)) if cum[i] >= want), len(chunks))
+        cuts.append(min(max(j, cuts[-1] + 1), len(chunks) - (n - k)))
+    cuts.append(len(chunks))
+    return [list(chunks[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
+class RayChunkRunner:
+    """A :data:`mergefs.index.ChunkRunner` over Ray tasks for one opened spec.
+
+    ``parts`` records, per task, which worker read which blocks and how many bytes.
+    """
+
+    def __init__(self, spec: Any, base: Checkpoint, experts: Sequence[Checkpoint],
+                 address: str | None = None) -> None:
+        refuse_unsupported(spec)
+        self.spec, self.base, self.experts = spec, base, list(experts)
+        self.address = address
+        self.parts: list[dict[str, Any]] = []
+
+    def __call__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: Any,
+                 chunks: list[tuple[int, int]]) -> Iterator[Any]:
+        ray = connect(self.address)
+        positions = tuple(next(k for k, e in enumerate(self.experts) if e is x) for x in experts)
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        per_block = layout.block_bytes() * (1 + len(experts))
+        n_tasks = max(cpus * TASKS_PER_CPU, math.ceil(int(per_block.sum()) / RANGE_BYTES))
+        job = ray.put(IndexJob(self.spec, identities(self.base, self.experts), positions,
+                               layout, __version__))
+        task = ray.remote(index_range).options(max_retries=MAX_RETRIES, num_cpus=1,
+                                               scheduling_strategy="SPREAD")
+        groups = {task.remote(job, g): g for g in chunk_groups(chunks, per_block, n_tasks)}
+        pending = list(groups)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                g = groups[done[0]]
+                try:
+                    res: RangeDone = ray.get(done[0])
+                except (ray.exceptions.RayError, MergefsError, OSError) as exc:
+                    raise _cause(exc, f"index blocks [{g[0][0]}, {g[-1][1]})") from None
+                self.parts.append({"worker": res.worker, "blocks": [g[0][0], g[-1][1]],
+                                   "bytes_read": res.stats.bytes_read})
+                yield res.stats
+        finally:  # an error, or the consumer stopped early
+            for ref in pending:
+                ray.cancel(ref, force=True)

@@ -227,3 +227,83 @@ def test_source_rewritten_with_same_identity_fails_the_hash_check(
         session.close()
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+# -- index --------------------------------------------------------------------------------------
+def contents(data: bytes) -> tuple[dict[str, str], dict[str, bytes]]:
+    """A safetensors file's metadata and tensors (dtype, shape, bytes). Not its bytes: the
+    writer orders the metadata keys by a per-process hash, so two runs never match byte for
+    byte (two local runs neither)."""
+    from safetensors import deserialize
+    from safetensors.numpy import load
+
+    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__", {})
+    tensors = {name: t["data"] for name, t in deserialize(data)}
+    assert set(tensors) == set(load(data))
+    return meta, tensors
+
+
+def index_file(spec: Path) -> tuple[dict[str, str], dict[str, bytes]]:
+    folder = Path(load_spec(spec).index_dir)
+    (path,) = [p for p in folder.glob("*.safetensors")]
+    return contents(path.read_bytes())
+
+
+def sidecars(srv: CountingMotoServer) -> dict[str, Any]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=srv.endpoint, key="testing", secret="testing",
+                           skip_instance_cache=True)
+    return {p: contents(fs.cat_file(p)) for p in sorted(fs.find(f"{BUCKET}/fam"))
+            if "mergefs-index" in p}
+
+
+def test_s3_index_and_publish_on_two_nodes_equal_the_local_ones(
+        tmp_path: Path, cluster: LocalRayCluster, s3: CountingMotoServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    local = s3_spec(tmp_path, s3, "local", budget="30%")
+    dist = s3_spec(tmp_path, s3, "dist", budget="30%")  # another index_dir
+    assert cli.main(["index", str(local), "--publish"]) == 0
+    published = sidecars(s3)
+    assert len(published) == 2
+    capsys.readouterr()
+    assert cli.main(["index", str(dist), "--publish", "--ray", cluster.address]) == 0
+    out = capsys.readouterr().out
+    assert "indexed on Ray: " in out and "on 2 node(s)" in out
+    assert index_file(dist) == index_file(local)  # the same index: metadata, every array
+    assert sidecars(s3) == published  # rewritten from the Ray-built index: the same bytes
+    plans = []
+    for spec in (local, dist):
+        session = Session(load_spec(spec), sidecars=False)
+        try:
+            assert not session.index_built  # both reuse what `index` stored
+            plans.append(session.plan.plan_hash)
+        finally:
+            session.close()
+    assert plans[0] == plans[1]
+
+
+def test_merge_on_ray_builds_a_missing_index_on_ray(tmp_path: Path, cluster: LocalRayCluster,
+                                                    fam: Family) -> None:
+    experts = [str(e) for e in fam.experts]
+    local = write_spec(tmp_path / "local.yaml", str(fam.base), experts, budget="40%")
+    dist = write_spec(tmp_path / "dist.yaml", str(fam.base), experts, budget="40%")
+    _, local_totals = run_merge(local, tmp_path / "local", tmp_path / "local.jsonl", False)
+    assert cli.main(["merge", str(dist), str(tmp_path / "ray"), "--ray", cluster.address,
+                     "--manifest", str(tmp_path / "ray.jsonl")]) == 0
+    assert index_file(dist) == index_file(local)
+    assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")
+    same_totals(read_manifest(tmp_path / "ray.jsonl").totals or {}, local_totals)
+    assert read_manifest(tmp_path / "ray.jsonl").header["plan_hash"] == \
+        read_manifest(tmp_path / "local.jsonl").header["plan_hash"]
+
+
+@pytest.mark.parametrize("n_tasks", [1, 2, 3, 7, 50])
+def test_chunk_groups_cover_every_chunk_once_in_order(n_tasks: int) -> None:
+    import numpy as np
+
+    chunks = [(0, 2), (2, 3), (3, 7), (7, 8), (8, 12), (12, 13), (13, 20)]
+    sizes = np.arange(1, 21) * 10
+    groups = rayexec.chunk_groups(chunks, sizes, n_tasks)
+    assert [c for g in groups for c in g] == chunks
+    assert all(groups) and len(groups) == min(n_tasks, len(chunks))
