@@ -130,10 +130,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from .compress import publish
     from .engine import open_family
 
+    _require_ray(args)
     spec = _load(args)
     base, experts = open_family(spec)
-    index, _ = _indexed(spec, base, experts, sidecars=False)
-    for where in publish(base, experts, index):
+    index, _ = _indexed(spec, base, experts, args.ray, sidecars=False)
+    if args.ray is not None:
+        from .rayexec import publish_deltas
+
+        written = publish_deltas(spec, base, experts, index, args.ray or None)
+    else:
+        written = publish(base, experts, index)
+    for where in written:
         print(f"published {where}")
     return 0
 
@@ -445,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
             "sparse exact values) per row block, with exact residual norms, so that budgeted "
             "merges read a few bits per element instead of skipping blocks.")
     s.add_argument("spec", help=SPEC_HELP)
+    _add_ray(s, "one task per expert, and the index if it must be built")
     s.set_defaults(func=cmd_compress)
 
     s = add("plan", help="show which expert blocks a budget reads and its error bound",

@@ -42,7 +42,7 @@ from typing import Any
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .errors import MergefsError, SourceChanged
+from .errors import MergefsError, SourceChanged, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -360,3 +360,71 @@ class RayChunkRunner:
         finally:  # an error, or the consumer stopped early
             for ref in pending:
                 ray.cancel(ref, force=True)
+
+
+# -- compress: one task per expert ------------------------------------------------------------
+@dataclass(frozen=True)
+class CompressJob:
+    spec: Any
+    index: Any
+    identities: list[dict[str, object]]
+    version: str
+
+
+def compress_expert(job: CompressJob, i: int) -> tuple[bytes, dict[str, Any]]:
+    """Task body: the delta sidecar of expert ``i`` (bytes; the driver writes it)."""
+    from . import deltas
+    from .compress import encode_sidecar
+    from .engine import open_family
+
+    if job.version != __version__:
+        raise MergefsError(f"worker runs mergefs {__version__}, the driver {job.version}: "
+                           "install the same version on every node")
+    base, experts = open_family(job.spec)
+    try:
+        check_same_sources(job.identities, base, experts)
+        with deltas.one_blas_thread():
+            return encode_sidecar(base, experts[i], job.index, i), worker_id()
+    finally:
+        for c in [base, *experts]:
+            c.close()
+
+
+def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], index: Any,
+                   address: str | None = None) -> list[str]:
+    """``compress.publish`` with one Ray task per expert: each task reads its expert and the
+    base and encodes the sidecar; the driver writes each file beside its expert."""
+    from . import sidecar
+    from .compress import sidecar_path
+    from .lora import LoraCheckpoint
+
+    refuse_unsupported(spec)
+    for e in experts:  # as compress.publish: refused before anything is read
+        if e.is_remote:
+            raise SourceError(f"{e.root}: publishing delta sidecars to remote experts is not "
+                               "supported yet (compress a local copy, then upload the file)")
+    ray = connect(address)
+    job = ray.put(CompressJob(spec, index, identities(base, experts), __version__))
+    task = ray.remote(compress_expert).options(max_retries=MAX_RETRIES, num_cpus=1,
+                                               scheduling_strategy="SPREAD")
+    todo = {task.remote(job, i): i for i, e in enumerate(experts)
+            if not isinstance(e, LoraCheckpoint)}
+    written: dict[int, str] = {}
+    pending = list(todo)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i = todo[done[0]]
+            try:
+                data, who = ray.get(done[0])
+            except (ray.exceptions.RayError, MergefsError, OSError) as exc:
+                raise _cause(exc, f"the delta sidecar of {experts[i].root}") from None
+            path = sidecar_path(base, experts[i], index.layout.block_size)
+            sidecar.write_beside(path, data, "delta sidecar")
+            log.info("delta sidecar %s: %d bytes (node %s, pid %s)", path, len(data),
+                     who["node"], who["pid"])
+            written[i] = str(path)
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+    return [written[i] for i in sorted(written)]

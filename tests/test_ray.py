@@ -307,3 +307,23 @@ def test_chunk_groups_cover_every_chunk_once_in_order(n_tasks: int) -> None:
     groups = rayexec.chunk_groups(chunks, sizes, n_tasks)
     assert [c for g in groups for c in g] == chunks
     assert all(groups) and len(groups) == min(n_tasks, len(chunks))
+
+
+def test_compress_on_ray_writes_the_local_delta_sidecars(tmp_path: Path, cluster: LocalRayCluster,
+                                                         fam: Family) -> None:
+    copy = tmp_path / "fam"
+    shutil.copytree(fam.root, copy)
+    spec = write_spec(tmp_path / "s.yaml", str(copy / "base"),
+                      [str(copy / f"expert-{i}") for i in range(2)])
+
+    def written() -> dict[str, Any]:
+        return {str(p.relative_to(copy)): contents(p.read_bytes())
+                for p in sorted(copy.rglob("*mergefs-delta*"))}
+
+    assert cli.main(["compress", str(spec)]) == 0
+    local = written()
+    assert len(local) == 2
+    for p in copy.rglob("*mergefs-delta*"):
+        p.unlink()
+    assert cli.main(["compress", str(spec), "--ray", cluster.address]) == 0
+    assert written() == local
