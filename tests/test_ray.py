@@ -37,6 +37,8 @@ from mergefs.manifest import ManifestWriter, read_manifest
 from mergefs.replayer import replay
 from mergefs.spec import load_spec
 
+pytestmark = [pytest.mark.ray, pytest.mark.remote]
+
 BLOCK = 512
 BUCKET = "models"
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
