@@ -107,6 +107,46 @@ def check_same_sources(expected: list[dict[str, object]], base: Checkpoint,
                                 "the sources are stable")
 
 
+#: The family a worker process opened last, by (spec file, identities): the next task of the
+#: same run reuses its parsed headers instead of re-reading every header (on S3: a LIST and a
+#: GET per file and task). Tasks of one worker process run one at a time.
+_OPENED: dict[str, tuple[Checkpoint, list[Checkpoint]]] = {}
+
+
+def open_checked(spec: Any, expected: list[dict[str, object]]
+                 ) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The spec's family on this worker, refused if it differs from what the driver opened.
+
+    A family this process opened before for the same run is reused after a fresh check of its
+    local files (size and mtime; remote reads carry the opened ETag in every request).
+    """
+    from .engine import open_family
+
+    key = json.dumps([spec.source, expected], sort_keys=True, default=str)
+    got = _OPENED.get(key)
+    if got is not None:
+        for c in [got[0], *got[1]]:
+            if not c.is_remote:
+                c.check_unchanged()
+        return got
+    base, experts = open_family(spec)
+    try:
+        check_same_sources(expected, base, experts)
+    except BaseException:
+        for c in [base, *experts]:
+            c.close()
+        raise
+    _OPENED.clear()  # one family per worker process at a time
+    _OPENED[key] = (base, experts)
+    return base, experts
+
+
+def _same_version(driver: str) -> None:
+    if driver != __version__:
+        raise MergefsError(f"worker runs mergefs {__version__}, the driver {driver}: install "
+                           "the same version on every node")
+
+
 def _fault_point() -> None:
     where = os.environ.get(FAULT_DIR_ENV)
     if not where:
@@ -150,16 +190,13 @@ class ShardDone:
 
 def merge_shard(job: MergeJob, file: str) -> ShardDone:
     """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
-    from .engine import Engine, _find_deltas, open_family, recipe_of
+    from .engine import Engine, _find_deltas, recipe_of
     from .manifest import ManifestWriter
 
-    if job.version != __version__:
-        raise MergefsError(f"worker runs mergefs {__version__}, the driver {job.version}: "
-                           "install the same version on every node")
-    base, experts = open_family(job.spec)
+    _same_version(job.version)
+    base, experts = open_checked(job.spec, job.identities)
     deltas: dict[int, Any] = {}
     try:
-        check_same_sources(job.identities, base, experts)
         for c in [base, *experts]:
             c.counters.reset()  # count the merge's reads only, as the local session does
         if job.plan.levels is not None:
@@ -186,7 +223,7 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
                          engine.blocks_merged, engine.units_merged, worker_id())
     finally:
         for c in [base, *experts]:
-            c.close()
+            c.close()  # its file descriptors; a reused family opens them again
         for sc in deltas.values():
             sc.close()
 
@@ -289,15 +326,11 @@ class RangeDone:
 
 def index_range(job: IndexJob, chunks: list[tuple[int, int]]) -> RangeDone:
     """Task body: the statistics of a run of consecutive chunks."""
-    from .engine import open_family
     from .index import chunk_stats
 
-    if job.version != __version__:
-        raise MergefsError(f"worker runs mergefs {__version__}, the driver {job.version}: "
-                           "install the same version on every node")
-    base, experts = open_family(job.spec)
+    _same_version(job.version)
+    base, experts = open_checked(job.spec, job.identities)
     try:
-        check_same_sources(job.identities, base, experts)
         stats = chunk_stats(base, [experts[i] for i in job.positions], job.layout, chunks)
         return RangeDone(stats, worker_id())
     finally:
@@ -375,14 +408,10 @@ def compress_expert(job: CompressJob, i: int) -> tuple[bytes, dict[str, Any]]:
     """Task body: the delta sidecar of expert ``i`` (bytes; the driver writes it)."""
     from . import deltas
     from .compress import encode_sidecar
-    from .engine import open_family
 
-    if job.version != __version__:
-        raise MergefsError(f"worker runs mergefs {__version__}, the driver {job.version}: "
-                           "install the same version on every node")
-    base, experts = open_family(job.spec)
+    _same_version(job.version)
+    base, experts = open_checked(job.spec, job.identities)
     try:
-        check_same_sources(job.identities, base, experts)
         with deltas.one_blas_thread():
             return encode_sidecar(base, experts[i], job.index, i), worker_id()
     finally:
