@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "--ray needs Ray: pip install 'mergefs[ray]'"
 MAX_RETRIES = 3  # attempts after a worker process or node is lost (Ray's max_retries)
+TASK_OPTIONS: dict[str, Any] = {"max_retries": MAX_RETRIES, "num_cpus": 1}
 #: Fault injection for tests only: a worker that finds a file ``exit-once`` in this directory
 #: (and claims it by removing it) exits mid-shard, as a lost worker would. Read on the workers,
 #: never by the driver or the library's own configuration.
@@ -82,6 +83,19 @@ def refuse_unsupported(spec: Any) -> None:
     if spec.sliced or spec.tokenizer is not None or spec.intermediates:
         raise MergefsError(f"{spec.source}: --ray does not run sliced, tokenizer or "
                            "multi-document merges yet; run them without --ray")
+
+
+def placements(ray: Any) -> Callable[[int], Any]:
+    """Task k's placement: the k-th alive node with CPUs, round robin, *soft* (a task whose
+    node is gone, e.g. a retry after a node was lost, runs anywhere). Ray's own SPREAD is best
+    effort: short tasks all land on the node whose workers are warm, and reads do not spread."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes()
+                   if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    if not nodes:
+        return lambda k: "DEFAULT"
+    return lambda k: NodeAffinitySchedulingStrategy(nodes[k % len(nodes)], soft=True)
 
 
 def worker_id() -> dict[str, Any]:
@@ -261,9 +275,9 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
             job = ray.put(MergeJob(session.spec, session.index, session.plan,
                                    identities(session.base, session.experts), str(staging.tmp),
                                    __version__, threads))
-            task = ray.remote(merge_shard).options(max_retries=MAX_RETRIES, num_cpus=1,
-                                                   scheduling_strategy="SPREAD")
-            files = {task.remote(job, f.name): f for f in engine.out_files}
+            task, place = ray.remote(merge_shard), placements(ray)
+            files = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS)
+                     .remote(job, f.name): f for k, f in enumerate(engine.out_files)}
             pending = list(files)
             try:
                 while pending:
@@ -375,9 +389,9 @@ class RayChunkRunner:
         n_tasks = max(cpus * TASKS_PER_CPU, math.ceil(int(per_block.sum()) / RANGE_BYTES))
         job = ray.put(IndexJob(self.spec, identities(self.base, self.experts), positions,
                                layout, __version__))
-        task = ray.remote(index_range).options(max_retries=MAX_RETRIES, num_cpus=1,
-                                               scheduling_strategy="SPREAD")
-        groups = {task.remote(job, g): g for g in chunk_groups(chunks, per_block, n_tasks)}
+        task, place = ray.remote(index_range), placements(ray)
+        groups = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS).remote(job, g): g
+                  for k, g in enumerate(chunk_groups(chunks, per_block, n_tasks))}
         pending = list(groups)
         try:
             while pending:
@@ -434,10 +448,9 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                                "supported yet (compress a local copy, then upload the file)")
     ray = connect(address)
     job = ray.put(CompressJob(spec, index, identities(base, experts), __version__))
-    task = ray.remote(compress_expert).options(max_retries=MAX_RETRIES, num_cpus=1,
-                                               scheduling_strategy="SPREAD")
-    todo = {task.remote(job, i): i for i, e in enumerate(experts)
-            if not isinstance(e, LoraCheckpoint)}
+    task, place = ray.remote(compress_expert), placements(ray)
+    todo = {task.options(scheduling_strategy=place(i), **TASK_OPTIONS).remote(job, i): i
+            for i, e in enumerate(experts) if not isinstance(e, LoraCheckpoint)}
     written: dict[int, str] = {}
     pending = list(todo)
     try:

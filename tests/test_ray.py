@@ -40,7 +40,7 @@ from mergefs.spec import load_spec
 pytestmark = [pytest.mark.ray, pytest.mark.remote]
 
 BLOCK = 512
-BUCKET = "models"
+BUCKET = "ray-models"  # moto keeps buckets process-wide: not test_remote's "models"
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
        "AWS_DEFAULT_REGION": "us-east-1"}
 
