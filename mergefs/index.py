@@ -11,11 +11,11 @@ exact error of a plan).
 The index is stored under ``index_dir`` as a safetensors file keyed by every source's identity,
 so it is reused while sources are unchanged and rebuilt when one changed (or when a local
 weight file's status-change time moved: rewritten in place with size and mtime kept). Building
-reads each file once, in order, on two worker threads (or through a ``ChunkRunner``: Ray tasks
-that compute the same per-chunk statistics, :mod:`mergefs.rayexec`). A remote expert with a matching published
-sidecar (:mod:`mergefs.sidecar`) is not read at all: its statistics come from the sidecar, and
-the index then has only the Gram diagonal (``has_gram`` False). Nothing here runs on the trio
-thread.
+reads each file once, in order, on two worker threads (or through a ``ChunkRunner``: Ray
+tasks that compute the same per-chunk statistics, :mod:`mergefs.rayexec`). A remote expert with
+a matching published sidecar (:mod:`mergefs.sidecar`) is not read at all: its statistics come
+from the sidecar, and the index then has only the Gram diagonal (``has_gram`` False). Nothing
+here runs on the trio thread.
 """
 
 from __future__ import annotations
