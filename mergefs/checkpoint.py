@@ -149,7 +149,10 @@ def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
     ``src.read_ranges(ranges)`` would.
     """
     out: list[list[memoryview] | None] = [None] * len(requests)
-    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote]
+    # sources with an async reader of their own (a recipe's role over remote models reads
+    # through its members, one after another)
+    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
+              and hasattr(src, "read_ranges_async")]
     if len(remote) > 1:
         from .remote import read_concurrently
 

@@ -331,11 +331,13 @@ def sidecar_path(base: Checkpoint, expert: Checkpoint, block_size: int) -> Path:
 
 def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             on_tensor: Callable[[str], None] | None = None) -> list[str]:
-    """Write every expert's delta sidecar beside it (local experts only); returns the paths."""
-    for e in experts:
-        if e.is_remote:
-            raise SourceError(f"{e.root}: publishing delta sidecars to remote experts is not "
-                              "supported yet (compress a local copy, then upload the file)")
+    """Write every expert's delta sidecar beside it (local, ``file://`` or ``s3://``); returns
+    where each went."""
+    for e in experts:  # fail before computing anything
+        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
+            raise SourceError(f"{e.root}: cannot publish a delta sidecar here: HTTP sources are "
+                              "read-only, and so are slices over remote models (compress a "
+                              "local, file:// or s3:// copy)")
     from .lora import LoraCheckpoint
 
     written = []
@@ -346,8 +348,14 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             continue
         with dl.one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
-        path = sidecar_path(base, e, index.layout.block_size)
-        sidecar.write_beside(path, data, "delta sidecar")
-        log.info("delta sidecar %s: %d bytes", path, len(data))
-        written.append(str(path))
+        if e.is_remote:
+            name = dl.delta_name(sidecar.sidecar_name(e, sidecar.base_key(base),
+                                                      index.layout.block_size))
+            where = e.write_aux(name, data)  # type: ignore[attr-defined]
+        else:
+            path = sidecar_path(base, e, index.layout.block_size)
+            sidecar.write_beside(path, data, "delta sidecar")
+            where = str(path)
+        log.info("delta sidecar %s: %d bytes", where, len(data))
+        written.append(where)
     return written

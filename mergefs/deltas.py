@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,7 +373,7 @@ class DeltaSidecar:
     (a few KiB per tensor), so each is read and counted once. Thread-safe.
     """
 
-    path: Path
+    path: Path | str  # a local path, or the URL of a sidecar beside a remote expert
     meta: dict[str, Any]
     tensors: dict[str, TensorLevels]  # by tensor name
     data_offset: int  # absolute offset of ``data`` in the file
@@ -387,6 +387,8 @@ class DeltaSidecar:
     #: called as ``recorder(tensor, start, end, buf)`` for every payload pread (absolute
     #: file offsets): the engine's manifest hook
     recorder: Any = None
+    #: ``fetch(start, end)``: bytes of the file (a remote sidecar: ranged GETs); None: pread
+    fetch: Callable[[int, int], bytes] | None = None
     _fd: int = -1
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
@@ -394,7 +396,7 @@ class DeltaSidecar:
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return str(self.path).rsplit("/", 1)[-1]
 
     def range_bytes(self) -> np.ndarray:
         return self.range_end - self.range_start
@@ -404,11 +406,14 @@ class DeltaSidecar:
         start, end = int(self.range_start[r0]), int(self.range_end[r1 - 1])
         if end == start:
             return memoryview(b"")
-        with self._lock:
-            if self._fd < 0:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            fd = self._fd
-        buf = os.pread(fd, end - start, self.data_offset + start)
+        if self.fetch is not None:
+            buf = self.fetch(self.data_offset + start, self.data_offset + end)
+        else:
+            with self._lock:
+                if self._fd < 0:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                fd = self._fd
+            buf = os.pread(fd, end - start, self.data_offset + start)
         if len(buf) != end - start:
             raise SourceChanged(f"{self.path}: truncated (delta sidecar changed while open)")
         with self._lock:
@@ -468,27 +473,49 @@ class DeltaSidecar:
 def open_sidecar(path: Path) -> DeltaSidecar:
     """Parse a delta sidecar's header and range table (payloads stay on disk)."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise DeltaError(f"{path}: not a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > fmt.HEADER_SIZE_CAP:
-            raise DeltaError(f"{path}: header too large")
-        try:
-            hdr = json.loads(f.read(n))
-        except ValueError:
-            raise DeltaError(f"{path}: header is not JSON") from None
-        meta = json.loads(hdr.get("__metadata__", {}).get(META_KEY, "null") or "null")
-        if not isinstance(meta, dict) or meta.get("version") != DELTA_VERSION:
-            raise DeltaError(f"{path}: not a mergefs delta sidecar of version {DELTA_VERSION}")
-        table: dict[str, np.ndarray] = {}
-        kinds = {"range_start": "<i8", "range_end": "<i8", "range_xxh3": "<u8",
-                 "range_resid": "<f8"}
-        for key, dt in kinds.items():
-            s, e = hdr[key]["data_offsets"]
-            f.seek(8 + n + s)
-            table[key] = np.frombuffer(f.read(e - s), dtype=dt).copy()
-        data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
+        def fetch(start: int, end: int) -> bytes:
+            f.seek(start)
+            return f.read(end - start)
+
+        return _parse(path, fetch)
+
+
+def open_remote_sidecar(url: str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar:
+    """A sidecar beside a remote expert: header and range table fetched by two or three
+    ranged reads, payload ranges on demand through ``fetch(start, end)``."""
+    sc = _parse(url, fetch)
+    sc.fetch = fetch
+    return sc
+
+
+def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar:
+    head = fetch(0, 8)
+    if len(head) != 8:
+        raise DeltaError(f"{path}: not a safetensors file")
+    n = int.from_bytes(head, "little")
+    if n > fmt.HEADER_SIZE_CAP:
+        raise DeltaError(f"{path}: header too large")
+    try:
+        hdr = json.loads(fetch(8, 8 + n))
+    except ValueError:
+        raise DeltaError(f"{path}: header is not JSON") from None
+    if not isinstance(hdr, dict):
+        raise DeltaError(f"{path}: header is not a JSON object")
+    meta = json.loads(hdr.get("__metadata__", {}).get(META_KEY, "null") or "null")
+    if not isinstance(meta, dict) or meta.get("version") != DELTA_VERSION:
+        raise DeltaError(f"{path}: not a mergefs delta sidecar of version {DELTA_VERSION}")
+    table: dict[str, np.ndarray] = {}
+    kinds = {"range_start": "<i8", "range_end": "<i8", "range_xxh3": "<u8",
+             "range_resid": "<f8"}
+    spans = {key: hdr[key]["data_offsets"] for key in kinds}
+    lo, hi = min(v[0] for v in spans.values()), max(v[1] for v in spans.values())
+    blob = fetch(8 + n + lo, 8 + n + hi)  # the tables are adjacent: one read
+    if len(blob) != hi - lo:
+        raise DeltaError(f"{path}: truncated range table")
+    for key, dt in kinds.items():
+        s, e = spans[key]
+        table[key] = np.frombuffer(blob[s - lo:e - lo], dtype=dt).copy()
+    data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
     tensors = {}
     for tj in meta["tensors"]:
         levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
@@ -519,16 +546,27 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
     from .lora import LoraCheckpoint
 
     for i, e in enumerate(experts):
-        if e.is_remote or isinstance(e, LoraCheckpoint):
-            continue  # remote delta sidecars: not yet; adapters are read as exact factors
+        if isinstance(e, LoraCheckpoint):
+            continue  # adapters are read as exact factors
         name = delta_name(sidecar.sidecar_name(e, key, lay.block_size))
-        path = sidecar._local_path(e, name)
-        if not path.is_file():
-            continue
+        path: Path | str
         try:
-            sc = open_sidecar(path)
-        except (DeltaError, OSError, KeyError, ValueError) as exc:
-            log.warning("ignoring delta sidecar %s: unreadable: %s", path, exc)
+            if e.is_remote:
+                if not hasattr(e, "aux_reader"):
+                    continue  # a recipe role over several models: no sidecar of its own
+                got = e.aux_reader(name)
+                if got is None:
+                    continue
+                url, fetch = got
+                path = url
+                sc = open_remote_sidecar(url, fetch)
+            else:
+                path = sidecar._local_path(e, name)
+                if not path.is_file():
+                    continue
+                sc = open_sidecar(path)
+        except (DeltaError, OSError, KeyError, ValueError, TypeError) as exc:
+            log.warning("ignoring delta sidecar %s: unreadable: %s", name, exc)
             continue
         m = sc.meta
         why = None

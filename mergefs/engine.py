@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from collections import deque
@@ -35,7 +36,7 @@ from . import __version__, memory
 from . import tokenizer as tokenizers
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
-from .errors import MergefsError, SourceChanged
+from .errors import MergefsError, SourceChanged, SpecError
 from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .lora import open_source
@@ -210,6 +211,23 @@ def expert_labels(paths: Sequence[str]) -> list[str]:
     return labels
 
 
+def _configs(spec: Spec, opened: dict[str, Checkpoint]) -> dict[str, dict[str, Any]]:
+    """Each model's config.json, for a ``modules:`` spec (its architecture says which tensors
+    belong to which module); {} otherwise."""
+    if not spec.slices or spec.slices[0].module is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for path, c in opened.items():
+        if CONFIG_NAME in c.extra_files:
+            try:
+                cfg = json.loads(c.read_extra(CONFIG_NAME))
+            except ValueError as exc:
+                raise SpecError(f"{path}/{CONFIG_NAME}: not valid JSON ({exc})") from None
+            if isinstance(cfg, dict):
+                out[path] = cfg
+    return out
+
+
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
     every model the slices name, keyed by the output's units. A multi-document spec's
@@ -229,7 +247,8 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
                     if r.path not in opened:
                         opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
             built, vocab = _tokenizer(spec, opened)
-            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
+                                  _configs(spec, opened))
             roles = [RoleSource(recipe, r, opened) for r in range(1 + len(experts))]
         except BaseException:
             for c in opened.values():
@@ -264,7 +283,17 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
     if spec.tokenizer is None:
         return None, frozenset()
     configs = {p: _config_of(c) for p, c in opened.items()}
-    built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs)
+    with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
+        dirs: dict[str, str] = {}
+        for k, (path, c) in enumerate(opened.items()):
+            if c.is_remote:  # its tokenizer files, fetched for transformers to load
+                d = Path(tmp) / str(k)
+                for rel in c.extra_files:  # top level only: what transformers reads
+                    if "/" not in rel and rel in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
+                        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (d / rel).write_bytes(c.read_extra(rel))
+                dirs[path] = str(d)
+        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs)
     if spec.tokenizer.source is None:
         return built, frozenset()
     ref = opened[spec.slices[0].ref.path]
@@ -797,10 +826,10 @@ class Session:
         self.index, self.index_built = load_or_build(
             self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
             runner=index_runner)
-        for c in [self.base, *self.experts]:  # count merge reads only, not indexing
-            c.counters.reset()
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
+        for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
+            c.counters.reset()  # looking for sidecars
         self.plan = plan if plan is not None else make_plan(
             spec, self.index, budget_bytes,
             coefficients=self.recipe.coefficients(spec, self.index.layout.tensors),

@@ -8,14 +8,15 @@ flag (bytes identical to the base) and the Gram matrix ``<D_i, D_j>`` of the exp
 gives the exact norm of any additive combination (bounds relative to the merge update, and the
 exact error of a plan).
 
-The index is stored under ``index_dir`` as a safetensors file keyed by every source's identity,
-so it is reused while sources are unchanged and rebuilt when one changed (or when a local
-weight file's status-change time moved: rewritten in place with size and mtime kept). Building
-reads each file once, in order, on two worker threads (or through a ``ChunkRunner``: Ray
-tasks that compute the same per-chunk statistics, :mod:`mergefs.rayexec`). A remote expert with
-a matching published sidecar (:mod:`mergefs.sidecar`) is not read at all: its statistics come
-from the sidecar, and the index then has only the Gram diagonal (``has_gram`` False). Nothing
-here runs on the trio thread.
+The index is stored as pieces (:mod:`mergefs.indexstore`): one per base, one per (base,
+expert), one per pair of experts for the Gram cross terms. A family's :class:`BlockIndex` is
+assembled from them in spec order (:func:`assemble`), so adding an expert builds only its piece
+and its pairs, removing or reordering experts builds nothing, and specs sharing experts share
+pieces. Building reads files in order on two worker threads (:mod:`mergefs.indexbuild`); the
+statistics themselves are pure functions of bytes (:mod:`mergefs.blockstats`). A remote expert with a
+matching published sidecar (:mod:`mergefs.sidecar`) is not read at all: its piece comes from
+the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
+False). Nothing here runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -23,30 +24,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
 
-from .checkpoint import Checkpoint, ReadRange, read_many
-from .dtypes import NUMPY_DTYPES, decode_f32
-from .errors import SourceError
+from . import sidecar
+from .checkpoint import Checkpoint
 from .format import DTYPES, FLOAT_DTYPES
-from .memory import keep_freed_memory
+from .indexbuild import BuildReport, ChunkRunner, Pass
+from .indexstore import ExpertPiece, PieceStore, base_key, ctimes_of, expert_key, pair_key
+from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "1"
-CHUNK_BYTES = 16 << 20  # read granularity while indexing, per source
-PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
-GRAM_COLS = 32768  # delta columns per Gram update (float64 rows of all experts stay in cache)
+INDEX_VERSION = "1"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +143,7 @@ class BlockIndex:
 
 
 def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int) -> str:
+    """The family's name: base and experts' identities in spec order, and the block size."""
     blob = json.dumps(
         {
             "v": INDEX_VERSION,
@@ -161,218 +156,68 @@ def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int)
     return xxhash.xxh3_128_hexdigest(blob)
 
 
-def _pointer_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int) -> str:
-    blob = json.dumps([str(base.root), [str(e.root) for e in experts], block_size]).encode()
-    return xxhash.xxh3_64_hexdigest(blob)
-
-
-def _source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
-    t = int(layout.tensor_of[b0])
-    loc = src.tensors[layout.tensors[t]]
-    item = DTYPES[loc.dtype][0]  # the source's own dtype: experts may differ from the base
-    return ReadRange(loc.file, loc.start + int(layout.elem_start[b0]) * item,
-                     loc.start + int(layout.elem_end[b1 - 1]) * item)
-
-
-def _chunks(layout: BlockLayout) -> list[tuple[int, int]]:
-    """Runs of consecutive blocks of one tensor, each at most about CHUNK_BYTES."""
-    out = []
-    sizes = layout.block_bytes()
-    for t in range(len(layout.tensors)):
-        blocks = layout.blocks_of(t)
-        b0 = blocks.start
-        acc = 0
-        for b in blocks:
-            if acc and acc + sizes[b] > CHUNK_BYTES:
-                out.append((b0, b))
-                b0, acc = b, 0
-            acc += int(sizes[b])
-        if blocks.stop > b0:
-            out.append((b0, blocks.stop))
-    return out
-
-
-@dataclass(frozen=True, eq=False)
-class BlockStats:
-    """The statistics of blocks ``[lo, lo + len(base_hash))`` (one builder's arrays): what a
-    chunk runner hands back, and what :func:`build_index` assembles into the index."""
-
-    lo: int
-    base_hash: np.ndarray  # (b,) uint64
-    expert_hash: np.ndarray  # (N, b) uint64
-    norms: np.ndarray  # (N, b) float64
-    zero: np.ndarray  # (N, b) bool
-    gram: np.ndarray  # (b, N, N) float64
-    bytes_read: int = 0
-
-
-#: Runs the chunks of an index build elsewhere (e.g. as Ray tasks, :mod:`mergefs.rayexec`):
-#: given the family, its layout and every chunk ``(b0, b1)`` in order, yields BlockStats
-#: covering every chunk's blocks exactly once, in any order.
-ChunkRunner = Callable[[Checkpoint, Sequence[Checkpoint], BlockLayout, list[tuple[int, int]]],
-                       Iterable[BlockStats]]
-
-
-class _Builder:
-    def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                 on_bytes: Callable[[int], None] | None, blocks: range | None = None) -> None:
-        """``blocks``: the blocks this builder holds (default: all)."""
-        self.base, self.experts, self.layout = base, experts, layout
-        blocks = blocks if blocks is not None else range(layout.n_blocks)
-        self.lo = blocks.start
-        n, b = len(experts), len(blocks)
-        self.base_hash = np.zeros(b, dtype=np.uint64)
-        self.expert_hash = np.zeros((n, b), dtype=np.uint64)
-        self.norms = np.zeros((n, b), dtype=np.float64)
-        self.zero = np.zeros((n, b), dtype=bool)
-        self.gram = np.zeros((b, n, n), dtype=np.float64)
-        self.on_bytes = on_bytes
-        self.lock = threading.Lock()
-
-    def stats(self) -> BlockStats:
-        return BlockStats(self.lo, self.base_hash, self.expert_hash, self.norms, self.zero,
-                          self.gram)
-
-    def put(self, part: BlockStats) -> None:
-        """Take the statistics of blocks built elsewhere (a chunk runner's)."""
-        s = slice(part.lo - self.lo, part.lo - self.lo + part.base_hash.size)
-        self.base_hash[s], self.expert_hash[:, s] = part.base_hash, part.expert_hash
-        self.norms[:, s], self.zero[:, s], self.gram[s] = part.norms, part.zero, part.gram
-
-    def prefetch(self, b0: int, b1: int) -> None:
-        """Ask the kernel to start reading blocks [b0, b1) of every local source (no wait)."""
-        for src in [self.base, *self.experts]:
-            if src.is_remote:
-                continue
-            r = _source_ranges(src, self.layout, b0, b1)
-            os.posix_fadvise(src.fds()[r.file], r.start, r.end - r.start,
-                             os.POSIX_FADV_WILLNEED)
-
-    def chunk(self, b0: int, b1: int) -> None:
-        lay = self.layout
-        t = int(lay.tensor_of[b0])
-        dtype = self.base.tensors[lay.tensors[t]].dtype
-        item = lay.itemsize[t]
-        origin = int(lay.elem_start[b0])
-        got = read_many([(src, [_source_ranges(src, lay, b0, b1)])
-                         for src in [self.base, *self.experts]])
-        base_buf, bufs = got[0][0], [g[0] for g in got[1:]]
-        dtypes = [e.tensors[lay.tensors[t]].dtype for e in self.experts]  # may differ from base
-        scratch = np.empty((len(self.experts), GRAM_COLS), dtype=np.float64)
-        for b in range(b0, b1):
-            e0, e1 = int(lay.elem_start[b]) - origin, int(lay.elem_end[b]) - origin
-            bb = base_buf[e0 * item:e1 * item]
-            base_hash = xxhash.xxh3_64_intdigest(bb)
-            k = b - self.lo  # where block b lives in this builder's arrays
-            self.base_hash[k] = base_hash
-            base_u8 = np.frombuffer(bb, dtype=np.uint8)
-            live: list[tuple[int, memoryview, str]] = []  # experts whose block differs
-            for i, buf in enumerate(bufs):
-                ei = DTYPES[dtypes[i]][0]
-                eb = buf[e0 * ei:e1 * ei]
-                h = xxhash.xxh3_64_intdigest(eb)
-                self.expert_hash[i, k] = h
-                if dtypes[i] == dtype and h == base_hash and np.array_equal(
-                        np.frombuffer(eb, dtype=np.uint8), base_u8):
-                    self.zero[i, k] = True
-                else:
-                    live.append((i, eb, dtypes[i]))
-            if live:
-                self._gram(k, live, decode_f32(bb, dtype), scratch)
-        if self.on_bytes is not None:
-            with self.lock:
-                self.on_bytes(len(base_buf) + sum(len(x) for x in bufs))
-
-    def _gram(self, k: int, live: list[tuple[int, memoryview, str]], w0: np.ndarray,
-              scratch: np.ndarray) -> None:
-        """Gram matrix and norms of the non-zero deltas of the block at ``k`` of this
-        builder's arrays (zero-delta rows stay 0).
-
-        Deltas are float32 ``W_i - W0`` widened to float64 and accumulated in float64, as
-        always; they are made GRAM_COLS columns at a time so that they stay in the CPU cache.
-        """
-        rows = [i for i, _, _ in live]
-        g = np.zeros((len(rows), len(rows)), dtype=np.float64)
-        values = {dt: np.zeros(GRAM_COLS, dtype=np.float32) for _, _, dt in live}  # per dtype
-        for s in range(0, w0.size, GRAM_COLS):
-            e = min(w0.size, s + GRAM_COLS)
-            d = scratch[: len(rows), : e - s]
-            for r, (_, eb, dt) in enumerate(live):
-                item = DTYPES[dt][0]
-                wi = _decode_into(eb[s * item : e * item], dt, values[dt][: e - s])
-                np.subtract(wi, w0[s:e], out=d[r])  # float32 difference, stored as float64
-            g += d @ d.T
-        self.gram[k][np.ix_(rows, rows)] = g
-        self.norms[rows, k] = np.sqrt(np.diag(g))
-
-
-def _decode_into(raw: memoryview, dtype: str, out: np.ndarray) -> np.ndarray:
-    """The float32 values of ``raw`` (exactly ``decode_f32``), in ``out`` unless no copy is
-    needed. For BF16, ``out`` must be all zero bits on the first call and only ever used
-    here for BF16."""
-    if dtype == "F32":
-        return np.frombuffer(raw, dtype="<f4")
-    if dtype == "BF16":  # bf16 is the top half of a float32; the low halves of out stay 0
-        out.view("<u2")[1::2] = np.frombuffer(raw, dtype="<u2")
-        return out
-    np.copyto(out, np.frombuffer(raw, dtype=NUMPY_DTYPES[dtype]), casting="unsafe")
-    return out
-
-
-def chunk_stats(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                chunks: Sequence[tuple[int, int]]) -> BlockStats:
-    """The statistics of consecutive chunks (blocks ``chunks[0][0]`` to ``chunks[-1][1]``),
-    computed by the code of the local build: what a chunk runner's task returns."""
-    keep_freed_memory()
-    read = [0]
-
-    def count(n: int) -> None:
-        read[0] += n
-
-    builder = _Builder(base, experts, layout, count, range(chunks[0][0], chunks[-1][1]))
-    for k, (b0, b1) in enumerate(chunks):
-        if k + PREFETCH_CHUNKS < len(chunks):
-            builder.prefetch(*chunks[k + PREFETCH_CHUNKS])
-        builder.chunk(b0, b1)
-    return replace(builder.stats(), bytes_read=read[0])
-
-
 def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                 on_bytes: Callable[[int], None] | None = None, threads: int = 2,
                 runner: ChunkRunner | None = None) -> BlockIndex:
-    """Read every base and expert block once and compute the statistics.
+    """Read every base and expert block once and compute the statistics (nothing stored)."""
+    keys = [e.identity_key() for e in experts]
+    first = [keys.index(k) for k in keys]  # the same expert twice is read once
+    uniq = sorted(set(first))
+    pairs = [(i, j) for a, i in enumerate(uniq) for j in uniq[a:]]
+    p = Pass(base, experts, layout, uniq, pairs, {}, True, on_bytes, BuildReport())
+    p.run(threads, runner)
+    pieces = {i: _piece(p, k, pairs) for k, i in enumerate(uniq)}
+    grams = {(i, j): p.gram[k] for k, (i, j) in enumerate(pairs) if i != j}
+    return assemble(family_key(base, experts, layout.block_size), layout, p.base_hash,
+                    [pieces[f] for f in first], _expand(grams, first),
+                    _expert_itemsize(experts, layout))
 
-    While a worker computes, the kernel is already reading the chunks PREFETCH_CHUNKS ahead
-    (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU. ``runner``: compute the
-    chunks elsewhere (each part's bytes go to ``on_bytes`` when it arrives).
+
+def _piece(p: Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
+    i = p.own[k]
+    sq = p.gram[pairs.index((i, i))]
+    return ExpertPiece(p.expert_hash[k], sq, np.sqrt(sq), p.zero[k])
+
+
+def _expand(grams: dict[tuple[int, int], np.ndarray], first: list[int]
+            ) -> dict[tuple[int, int], np.ndarray]:
+    """Gram terms by family position from those by unique expert (``first[i]``: i's)."""
+    out = {}
+    for i in range(len(first)):
+        for j in range(i + 1, len(first)):
+            a, b = sorted((first[i], first[j]))
+            if a != b and (a, b) in grams:
+                out[(i, j)] = grams[(a, b)]
+    return out
+
+
+def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
+             pieces: Sequence[ExpertPiece], grams: dict[tuple[int, int], np.ndarray],
+             expert_itemsize: np.ndarray | None = None) -> BlockIndex:
+    """The family's index from stored pieces in spec order: ``pieces[i]`` is expert i's,
+    ``grams[(i, j)]`` (i < j) their cross terms. The same expert twice has its squared norms as
+    cross terms; a pair left out (an expert known from a sidecar only) makes ``has_gram`` False.
     """
-    keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
-    builder = _Builder(base, experts, layout, on_bytes)
-    chunks = _chunks(layout)
-    if runner is not None:
-        for part in runner(base, experts, layout, chunks):
-            builder.put(part)
-            if on_bytes is not None:
-                on_bytes(part.bytes_read)
-        return BlockIndex(family_key(base, experts, layout.block_size), layout,
-                          builder.base_hash, builder.expert_hash, builder.norms, builder.zero,
-                          builder.gram)
-
-    def task(k: int) -> None:
-        if k + PREFETCH_CHUNKS < len(chunks):
-            builder.prefetch(*chunks[k + PREFETCH_CHUNKS])
-        builder.chunk(*chunks[k])
-
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mergefs-index") as pool:
-        for k in range(min(PREFETCH_CHUNKS, len(chunks))):
-            builder.prefetch(*chunks[k])
-        for fut in [pool.submit(task, k) for k in range(len(chunks))]:
-            fut.result()
-    return BlockIndex(family_key(base, experts, layout.block_size), layout, builder.base_hash,
-                      builder.expert_hash, builder.norms, builder.zero, builder.gram)
+    n, nb = len(pieces), layout.n_blocks
+    gram = np.zeros((nb, n, n), dtype=np.float64)
+    complete = True
+    for i, pi in enumerate(pieces):
+        gram[:, i, i] = pi.sq_norms
+        for j in range(i + 1, n):
+            g = pi.sq_norms if pieces[j] is pi else grams.get((i, j))
+            if g is None:
+                complete = False
+                continue
+            gram[:, i, j] = gram[:, j, i] = g
+    stack = (lambda name, dt: np.stack([getattr(p, name) for p in pieces]).astype(dt)
+             if pieces else np.zeros((0, nb), dtype=dt))
+    return BlockIndex(key, layout, base_hash, stack("expert_hash", np.uint64),
+                      stack("norms", np.float64), stack("zero", bool), gram,
+                      has_gram=complete, expert_itemsize=expert_itemsize)
 
 
 def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
+    """Bytes a build from nothing reads (an upper bound when pieces are stored already)."""
     elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
                         len(layout.tensors))
     items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
@@ -389,175 +234,179 @@ def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.n
     return out
 
 
-def _save(index: BlockIndex, path: Path, meta: dict[str, str]) -> None:
-    lay = index.layout
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(
-        {
-            "base_hash": index.base_hash,
-            "expert_hash": index.expert_hash,
-            "norms": index.norms,
-            "zero": index.zero,
-            "gram": index.gram,
-            "tensor_of": lay.tensor_of,
-            "elem_start": lay.elem_start,
-            "elem_end": lay.elem_end,
-        },
-        str(tmp),
-        metadata=meta,
-    )
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _load(path: Path, key: str, layout: BlockLayout) -> BlockIndex | None:
-    try:
-        arrays = load_file(str(path))
-        with safe_open(str(path), "np") as f:
-            has_gram = (f.metadata() or {}).get("gram", "full") == "full"
-    except Exception as exc:  # a corrupt index is rebuilt, never trusted
-        log.warning("ignoring unreadable index %s: %s", path, exc)
-        return None
-    if not (
-        np.array_equal(arrays["tensor_of"], layout.tensor_of)
-        and np.array_equal(arrays["elem_start"], layout.elem_start)
-        and np.array_equal(arrays["elem_end"], layout.elem_end)
-    ):
-        log.warning("ignoring index %s: block layout differs", path)
-        return None
-    return BlockIndex(key, layout, arrays["base_hash"], arrays["expert_hash"], arrays["norms"],
-                      arrays["zero"], arrays["gram"], has_gram)
-
-
-def _why_rebuilt(pointer: Path, base: Checkpoint, experts: Sequence[Checkpoint]) -> str:
-    try:
-        old = json.loads(pointer.read_text())
-    except (OSError, ValueError):
-        return "no index yet for this family and block size"
-    for src in [base, *experts]:
-        before = old.get("sources", {}).get(str(src.root))
-        now = src.identity_json()
-        if before != now:
-            return f"{src.root} changed since the last index (size, mtime or header differ)"
-    return "the previous index file is missing"
-
-
-def _ctimes(sources: Sequence[Checkpoint]) -> dict[str, int]:
-    """Status-change time of every local weight file. ``utime`` cannot set it back, so a file
-    rewritten in place with its size, header and mtime kept still shows as changed."""
-    out: dict[str, int] = {}
-    for src in sources:
-        if src.is_remote:
-            continue
-        for f in src.files:
-            try:
-                out[str(src.path_of(f))] = os.stat(src.path_of(f)).st_ctime_ns
-            except OSError:
-                pass  # opening it will say what is wrong
-    return out
-
-
-def _ctime_moved(pointer: Path, key: str, ctimes: dict[str, int]) -> str | None:
-    """Why the stored index of ``key`` may be stale although every identity matches, or None.
-
-    No evidence (no pointer, another key, an index written before ctimes were recorded) is
-    not a reason: the identity check stands as before."""
-    try:
-        old = json.loads(pointer.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(old, dict) or old.get("key") != key:
-        return None
-    recorded = old.get("ctime_ns")
-    if not isinstance(recorded, dict):
-        return None
-    for path, now in ctimes.items():
-        if recorded.get(path, now) != now:
-            return (f"{path} was modified since the last index (its status-change time moved "
-                    "while size, mtime and header stayed the same)")
-    return None
-
-
-def _build_with_sidecars(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                         on_bytes: Callable[[int], None] | None,
-                         runner: ChunkRunner | None = None) -> BlockIndex:
-    """Read the base and the experts without a usable sidecar; take the rest from sidecars."""
-    from . import sidecar
-
-    found = sidecar.find(base, experts, layout)
-    rest = [i for i in range(len(experts)) if i not in found]
-    index = build_index(base, [experts[i] for i in rest], layout, on_bytes, runner=runner)
-    for i, stats in list(found.items()):
-        if not np.array_equal(stats.base_hash, index.base_hash):
-            log.warning("ignoring index sidecar of %s: published against a base whose bytes "
-                        "differ from %s", experts[i].root, base.root)
-            del found[i]
-    if not found:
-        if rest != list(range(len(experts))):  # every sidecar was stale: read all
-            return build_index(base, experts, layout, on_bytes, runner=runner)
-        return index
-    log.info("block index: %d of %d experts from published sidecars (not read)", len(found),
-             len(experts))
-    late = [i for i in range(len(experts)) if i not in found and i not in rest]
-    extra = build_index(base, [experts[i] for i in late], layout, on_bytes,
-                        runner=runner) if late else None
-    n, nb = len(experts), layout.n_blocks
-    expert_hash = np.zeros((n, nb), np.uint64)
-    norms = np.zeros((n, nb))
-    zero = np.zeros((n, nb), bool)
-    gram = np.zeros((nb, n, n))
-    for group, src in ((rest, index), (late, extra)):
-        if src is None:
-            continue
-        for k, i in enumerate(group):
-            expert_hash[i], norms[i], zero[i] = src.expert_hash[k], src.norms[k], src.zero[k]
-        sel = np.asarray(group, dtype=np.intp)
-        gram[:, sel[:, None], sel[None, :]] = src.gram  # cross terms within one read group
-    for i, stats in found.items():
-        expert_hash[i], norms[i], zero[i] = stats.expert_hash, stats.norms, stats.zero
-        gram[:, i, i] = stats.norms**2
-    return BlockIndex(family_key(base, experts, layout.block_size), layout, index.base_hash,
-                      expert_hash, norms, zero, gram, has_gram=False)
-
-
 def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
                   rebuild: bool = False, sidecars: bool = True,
+                  report: BuildReport | None = None,
                   runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
-    """Return (index, built_now). Reuses a stored index while every source is unchanged.
+    """Return (index, built_now): the family's index assembled from stored pieces, building
+    only the pieces that are missing or stale (each rebuild logged with the source's name).
 
     With ``sidecars`` (the default), remote experts with a matching published sidecar are not
-    read; without, only an index read from every source (with the full Gram) is accepted.
-    ``runner``: where a build computes its chunks (default: two local threads).
+    read; without, only pieces read from every source (hence the full Gram) are accepted.
+    ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
+    ``runner``: where the build passes compute their chunks (default: two local threads).
     """
     layout = build_layout(base, block_size)
-    key = family_key(base, experts, block_size)
-    folder = Path(index_dir)
-    path = folder / f"{key}.safetensors"
-    pointer = folder / f"family-{_pointer_key(base, experts, block_size)}.json"
-    ctimes = _ctimes([base, *experts])  # before reading: a change during the build shows later
-    stale = None if rebuild else _ctime_moved(pointer, key, ctimes)
-    if path.is_file() and not rebuild and stale is None:
-        index = _load(path, key, layout)
-        if index is not None and index.n_experts == len(experts) and (index.has_gram or sidecars):
-            return replace(index, expert_itemsize=_expert_itemsize(experts, layout)), False
-    log.info("building block index: %s", "rebuild requested" if rebuild
-             else stale or _why_rebuilt(pointer, base, experts))
-    if sidecars and any(e.is_remote for e in experts):
-        index = _build_with_sidecars(base, experts, layout, on_bytes, runner)
-    else:
-        index = build_index(base, experts, layout, on_bytes, runner=runner)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _save(index, path, {"mergefs_index_version": INDEX_VERSION, "key": key,
-                            "block_size": str(block_size),
-                            "gram": "full" if index.has_gram else "diagonal"})
-        sources = {str(s.root): s.identity_json() for s in [base, *experts]}
-        tmp = pointer.with_name(pointer.name + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "sources": sources, "ctime_ns": ctimes},
-                                  indent=1))
-        os.replace(tmp, pointer)
-    except OSError as exc:
-        raise SourceError(f"{folder}: cannot write the index: {exc.strerror}") from None
-    return replace(index, expert_itemsize=_expert_itemsize(experts, layout)), True
+    store = PieceStore(index_dir, layout)
+    b = _Family(base, experts, layout, store, report if report is not None else BuildReport(),
+                on_bytes, runner)
+    b.load(rebuild, sidecars)
+    b.build(sidecars)
+    return b.assemble(), b.built
+
+
+class _Family:
+    """One load_or_build: which pieces exist, which to build, and the build passes."""
+
+    def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
+                 store: PieceStore, report: BuildReport,
+                 on_bytes: Callable[[int], None] | None,
+                 runner: ChunkRunner | None = None) -> None:
+        self.base, self.experts, self.layout, self.store = base, experts, layout, store
+        self.report, self.on_bytes, self.runner = report, on_bytes, runner
+        bs = layout.block_size
+        # before reading: a change during the build shows at the next load
+        self.base_ctimes = ctimes_of(base)
+        self.ctimes = [ctimes_of(e) for e in experts]
+        self.bkey = base_key(base, bs)
+        self.keys = [expert_key(base, e, bs) for e in experts]
+        self.first = [self.keys.index(k) for k in self.keys]  # the same expert twice: once
+        self.uniq = sorted(set(self.first))
+        self.base_hash: np.ndarray | None = None
+        self.pieces: dict[int, ExpertPiece] = {}
+        self.grams: dict[tuple[int, int], np.ndarray] = {}  # by unique expert, i < j
+        self.fresh: set[int] = set()  # built now, from the bytes
+        self.changed: set[int] = set()  # stored pieces that no longer hold
+        self.built = False
+
+    def load(self, rebuild: bool, sidecars: bool) -> None:
+        """The stored pieces that hold; without the base's, none do (all are rebuilt)."""
+        whys = []
+        if rebuild:
+            whys.append("rebuild requested")
+        else:
+            self.base_hash, why = self.store.load_base(self.bkey, self.base)
+            whys += [why] if why else []
+        base_hash = self.base_hash
+        for i in self.uniq:
+            if base_hash is None:
+                break
+            got = self.store.load_expert(self.keys[i], self.experts[i], self.base, base_hash,
+                                         sidecars)
+            if got.piece is not None:
+                self.pieces[i] = got.piece
+            elif got.why is not None:
+                whys.append(got.why)
+                if got.may_be_same:
+                    self.changed.add(i)
+        for why in dict.fromkeys(whys):
+            log.info("building block index: %s", why)
+
+    def build(self, sidecars: bool) -> None:
+        """Build the missing pieces: from sidecars, by reading, then the missing pairs."""
+        missing = [i for i in self.uniq if i not in self.pieces]
+        found: dict[int, ExpertStats] = {}
+        if sidecars and any(self.experts[i].is_remote for i in missing):
+            got = sidecar.find(self.base, [self.experts[i] for i in missing], self.layout)
+            found = {missing[k]: s for k, s in got.items()}
+        to_read = [i for i in missing if i not in found]
+        if to_read or self.base_hash is None:
+            self._describe(to_read, first_time=set(to_read) - self.changed)
+        assert self.base_hash is not None
+        stale = [i for i, s in found.items() if not np.array_equal(s.base_hash, self.base_hash)]
+        for i in stale:
+            log.warning("ignoring index sidecar of %s: published against a base whose bytes "
+                        "differ from %s", self.experts[i].root, self.base.root)
+            del found[i]
+        if stale:
+            self._describe(stale, first_time=set(stale))
+        for i, s in found.items():
+            piece = ExpertPiece(s.expert_hash, s.norms**2, s.norms, s.zero, origin="sidecar")
+            self._save_expert(i, piece)
+        if found:
+            log.info("block index: %d of %d experts from published sidecars (not read)",
+                     sum(self.first[i] in found for i in range(len(self.experts))),
+                     len(self.experts))
+        self._pairs()
+
+    def _read_from_bytes(self) -> list[int]:
+        return [i for i in self.uniq if i in self.pieces and self.pieces[i].origin == "read"]
+
+    def _pair_key(self, i: int, j: int) -> str:
+        assert self.base_hash is not None
+        return pair_key(self.base_hash, self.pieces[i], self.pieces[j], self.layout.block_size)
+
+    def _wanted(self, i: int, j: int) -> bool:
+        """The pair of (read) experts i < j has no Gram terms yet, stored or computed now."""
+        if (i, j) in self.grams:
+            return False
+        g = self.store.load_pair(self._pair_key(i, j))
+        if g is not None:
+            self.grams[(i, j)] = g
+        return g is None
+
+    def _describe(self, own: list[int], first_time: set[int]) -> None:
+        """Read the base and ``own`` experts in full: their pieces, their mutual Gram terms,
+        and those of first-time experts with the experts already indexed (those read only
+        where both deltas are non-zero: a changed expert's pairs wait until its new hashes
+        show whether stored ones still hold)."""
+        old = self._read_from_bytes()
+        pairs = [(i, i) for i in own] + [(i, j) for a, i in enumerate(own) for j in own[a + 1:]]
+        pairs += [tuple(sorted((i, j))) for i in own if i in first_time  # type: ignore[misc]
+                  for j in old]
+        pairs += [(i, j) for a, i in enumerate(old) for j in old[a + 1:] if self._wanted(i, j)]
+        p = Pass(self.base, self.experts, self.layout, own, pairs,
+                  {j: self.pieces[j].zero for j in old}, self.base_hash is None,
+                  self.on_bytes, self.report)
+        p.run(2, self.runner)
+        if self.base_hash is None:
+            self.base_hash = p.base_hash
+            self.store.save_base(self.bkey, self.base, p.base_hash, self.base_ctimes)
+            self.report.base_built = self.built = True
+        for k, i in enumerate(own):
+            self._save_expert(i, _piece(p, k, pairs))
+            self.fresh.add(i)
+        self._save_pairs(p, pairs)
+
+    def _save_expert(self, i: int, piece: ExpertPiece) -> None:
+        self.pieces[i] = piece
+        assert self.base_hash is not None
+        self.store.save_expert(self.keys[i], self.experts[i], piece, self.base_hash,
+                               self.ctimes[i])
+        self.report.experts_built.append(str(self.experts[i].root))
+        self.built = True
+
+    def _save_pairs(self, p: Pass, pairs: list[tuple[int, int]]) -> None:
+        for k, (i, j) in enumerate(pairs):
+            if i != j:
+                self.grams[(i, j)] = p.gram[k]
+                self.store.save_pair(self._pair_key(i, j), p.gram[k])
+                self.report.pairs_built += 1
+                self.built = True
+
+    def _pairs(self) -> None:
+        """Gram terms still missing (a changed expert's with the others, or experts merged
+        together for the first time): read the base and both experts where both deltas are
+        non-zero."""
+        read = self._read_from_bytes()
+        pairs = [(i, j) for a, i in enumerate(read) for j in read[a + 1:] if self._wanted(i, j)]
+        if not pairs:
+            return
+        named = sorted({str(self.experts[x].root) for p in pairs for x in p if x in self.fresh})
+        log.info("building block index: Gram terms of %d expert pairs %s", len(pairs),
+                 f"of {', '.join(named)} with the others" if named
+                 else "(experts indexed before, merged together for the first time)")
+        p = Pass(self.base, self.experts, self.layout, [], pairs,
+                  {j: self.pieces[j].zero for j in {x for q in pairs for x in q}}, False,
+                  self.on_bytes, self.report)
+        p.run(2, self.runner)
+        self._save_pairs(p, pairs)
+
+    def assemble(self) -> BlockIndex:
+        assert self.base_hash is not None
+        return assemble(family_key(self.base, self.experts, self.layout.block_size),
+                        self.layout, self.base_hash,
+                        [self.pieces[self.first[i]] for i in range(len(self.experts))],
+                        _expand(self.grams, self.first),
+                        _expert_itemsize(self.experts, self.layout))

@@ -99,7 +99,10 @@ def check_source_files(outdir: str | Path, sources: Iterable[Any]) -> None:
     """Refuse an output directory that holds any file of an opened local source (checkpoint),
     e.g. a Hub snapshot whose weight files are symlinks into it."""
     out = _real(outdir)
-    for src in sources:
+    flat: list[Any] = []
+    for src in sources:  # a recipe's role (mergefs.recipe.RoleSource): each of its models
+        flat += list(getattr(src, "members", None) or [src])
+    for src in flat:
         root = getattr(src, "root", None)
         if root is None or getattr(src, "is_remote", False):
             continue

@@ -1,11 +1,12 @@
 """Running merges and index builds as Ray tasks: the optional ``mergefs[ray]`` extra.
 
 ``mergefs index SPEC --ray [ADDRESS]`` (also with ``--publish``, whose index sidecars are cut
-from the index built so) hands the build's chunks to :class:`RayChunkRunner`: each task takes a
-run of consecutive chunks (every expert of those blocks: the Gram cross terms need them
-together), opens the family itself, refuses sources that differ from the driver's, and returns
-:func:`mergefs.index.chunk_stats` (the local build's per-block code); the driver puts the parts
-into the arrays with the code of the local build, so the index file is the local one.
+from the index built so) hands each build pass's chunks (:class:`mergefs.indexbuild.Pass`) to :class:`RayChunkRunner`:
+each task takes a run of consecutive chunks (every expert the pass reads there: the Gram pair
+terms need them together), opens the family itself, refuses sources that differ from the
+driver's, and computes the same pass over its chunks with the local build's code; the driver's
+pass takes the columns (``Pass.put``) and stores the pieces as the local build does, so the
+index is the local one.
 
 ``mergefs merge SPEC OUT --ray [ADDRESS]`` plans on the driver as always, then runs one task per
 output shard. A task opens the spec's sources itself (local paths that every node sees, or
@@ -325,28 +326,36 @@ TASKS_PER_CPU = 4  # enough tasks to even out unequal ones, few enough to keep o
 
 @dataclass(frozen=True)
 class IndexJob:
+    """One build pass to run as tasks: what to compute (the pass's own experts, pairs, known
+    zero flags, whether the base is read in full) over which family."""
+
     spec: Any
     identities: list[dict[str, object]]  # of the spec's base and every expert
-    positions: tuple[int, ...]  # the experts this build reads (spec order)
     layout: Any
+    own: list[int]
+    pairs: list[tuple[int, int]]
+    zero_known: dict[int, Any]
+    full: bool
     version: str
 
 
 @dataclass(frozen=True)
 class RangeDone:
-    stats: Any  # mergefs.index.BlockStats
+    part: Any  # mergefs.indexbuild.PassPart
     worker: dict[str, Any]
 
 
 def index_range(job: IndexJob, chunks: list[tuple[int, int]]) -> RangeDone:
-    """Task body: the statistics of a run of consecutive chunks."""
-    from .index import chunk_stats
+    """Task body: the pass's columns over a run of consecutive chunks, computed by the local
+    build's code (:meth:`mergefs.indexbuild.Pass.run_chunks`)."""
+    from .indexbuild import BuildReport, Pass
 
     _same_version(job.version)
     base, experts = open_checked(job.spec, job.identities)
     try:
-        stats = chunk_stats(base, [experts[i] for i in job.positions], job.layout, chunks)
-        return RangeDone(stats, worker_id())
+        p = Pass(base, experts, job.layout, job.own, job.pairs, job.zero_known, job.full, None,
+                 BuildReport())
+        return RangeDone(p.run_chunks(chunks), worker_id())
     finally:
         for c in [base, *experts]:
             c.close()
@@ -380,15 +389,18 @@ class RayChunkRunner:
         self.address = address
         self.parts: list[dict[str, Any]] = []
 
-    def __call__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: Any,
-                 chunks: list[tuple[int, int]]) -> Iterator[Any]:
+    def __call__(self, p: Any, chunks: list[tuple[int, int]]) -> Iterator[Any]:
+        """Run pass ``p``'s chunks as tasks (a :data:`mergefs.indexbuild.ChunkRunner`)."""
+        if p.base is not self.base or len(p.experts) != len(self.experts) or \
+                any(a is not b for a, b in zip(p.experts, self.experts)):
+            raise MergefsError("--ray: the index pass is not over the spec's family")
         ray = connect(self.address)
-        positions = tuple(next(k for k, e in enumerate(self.experts) if e is x) for x in experts)
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        per_block = layout.block_bytes() * (1 + len(experts))
+        per_block = p.layout.block_bytes() * (int(p.full) + len(p.own) + len(p.others))
         n_tasks = max(cpus * TASKS_PER_CPU, math.ceil(int(per_block.sum()) / RANGE_BYTES))
-        job = ray.put(IndexJob(self.spec, identities(self.base, self.experts), positions,
-                               layout, __version__))
+        job = ray.put(IndexJob(self.spec, identities(self.base, self.experts), p.layout,
+                               list(p.own), list(p.pairs), dict(p.zero_known), p.full,
+                               __version__))
         task, place = ray.remote(index_range), placements(ray)
         groups = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS).remote(job, g): g
                   for k, g in enumerate(chunk_groups(chunks, per_block, n_tasks))}
@@ -402,8 +414,8 @@ class RayChunkRunner:
                 except (ray.exceptions.RayError, MergefsError, OSError) as exc:
                     raise _cause(exc, f"index blocks [{g[0][0]}, {g[-1][1]})") from None
                 self.parts.append({"worker": res.worker, "blocks": [g[0][0], g[-1][1]],
-                                   "bytes_read": res.stats.bytes_read})
-                yield res.stats
+                                   "bytes_read": sum(res.part.bytes_read.values())})
+                yield res.part
         finally:  # an error, or the consumer stopped early
             for ref in pending:
                 ray.cancel(ref, force=True)

@@ -58,6 +58,9 @@ class Recipe:
     outputs: tuple[OutputTensor, ...]
     #: per output layer: (model path of the reference role, source layer); None: not sliced
     layers: tuple[tuple[str, int], ...] | None = None
+    #: a ``modules:`` spec: per module with a layer-count key, (dotted config key, its
+    #: output layer count), written into config.json as mergekit writes it; None: no modules
+    layer_counts: tuple[tuple[str, int], ...] | None = None
 
     @property
     def units(self) -> dict[str, OutputTensor]:
@@ -114,12 +117,12 @@ class _Resolver:
     def resolve(self, name: str, sl: SliceDef, roles: Sequence[SliceSource],
                 sources: Sequence[str], t: float) -> tuple[dict[str, Any], tuple[dict, ...]]:
         spec, m = self.spec, self.m
-        glob_levels = (sl.settings, spec.settings)
+        glob_levels = (sl.settings, sl.module_settings, spec.settings)
         params = {p.name: self._value(p, glob_levels, name, t, name) for p in m.global_params}
         per_input = []
         for k in spec.input_order:
             r = 0 if k == REFERENCE else k + 1
-            levels = (roles[r].settings, sl.settings, spec.settings)
+            levels = (roles[r].settings, sl.settings, sl.module_settings, spec.settings)
             per_input.append({p.name: self._value(p, levels, sources[r], t, name)
                               for p in m.model_params})
         if self.check:
@@ -136,15 +139,22 @@ class _Resolver:
         return v
 
 
+_Row = tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef, tuple[SliceSource, ...]]
+
+
 def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
-                 vocab: frozenset[str] = frozenset()) -> Recipe:
+                 vocab: frozenset[str] = frozenset(),
+                 configs: Mapping[str, Mapping[str, Any]] | None = None) -> Recipe:
     """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order);
-    ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged."""
+    ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged;
+    ``configs``: each model's config.json (a ``modules:`` spec needs them)."""
     res = _Resolver(spec)
-    rows: list[tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef,
-                     tuple[SliceSource, ...]]] = []
+    rows: list[_Row] = []
     layers: list[tuple[str, int]] | None = None
-    if not spec.sliced:
+    layer_counts: tuple[tuple[str, int], ...] | None = None
+    if spec.slices and spec.slices[0].module is not None:
+        rows, layers, layer_counts = _module_rows(spec, names, configs or {})
+    elif not spec.sliced:
         sl = spec.slices[0]
         roles = (sl.ref, *sl.experts)
         base_names = names[spec.base]
@@ -203,7 +213,110 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
                          default=str)
         key = keys.setdefault(sig, name)
         outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab))
-    return Recipe(tuple(outputs), tuple(layers) if layers is not None else None)
+    return Recipe(tuple(outputs), tuple(layers) if layers is not None else None, layer_counts)
+
+
+def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
+                 configs: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[list[_Row], list[tuple[str, int]], tuple[tuple[str, int], ...]]:
+    """The rows of a ``modules:`` spec as mergekit 0.1.5 plans them: per module in the order
+    given, its pre weights from the first slice's models, each slice's layers renumbered from
+    0 within the module, its post weights from the last slice's models (both with the slice's
+    parameters at t = 0); only the modules' weights are output (mergefs.modules)."""
+    from .modules import Module, read_modules, set_dotted
+
+    cache: dict[str, dict[str, Module]] = {}
+
+    def modules_of(path: str) -> dict[str, Module]:
+        if path not in cache:
+            if path not in configs:
+                raise SpecError(f"{spec.source}: modules: {path} has no config.json")
+            cache[path] = read_modules(configs[path], path, used)
+        return cache[path]
+
+    groups: dict[str, list[SliceDef]] = {}
+    for sl in spec.slices:
+        assert sl.module is not None
+        groups.setdefault(sl.module, []).append(sl)
+    used = set(groups)
+    ref_modules = modules_of(spec.base)
+    for name in groups:
+        if name not in ref_modules:
+            raise SpecError(f"{spec.source}: modules.{name}: not a module of {spec.base} "
+                            f"(its architecture has {', '.join(ref_modules)})")
+
+    def ranges(name: str, key: str, sl: SliceDef) -> tuple[list[tuple[int, int]], int]:
+        roles = (sl.ref, *sl.experts)
+        rs = [r.layer_range if r.layer_range is not None
+              else (0, modules_of(r.path)[name].n_layers) for r in roles]
+        lengths = {hi - lo for lo, hi in rs}
+        if len(lengths) != 1:
+            raise SpecError(f"{spec.source}: {key}: all inputs of a slice must have the same "
+                            f"number of layers, got {sorted(lengths)} (mergekit refuses it too)")
+        return rs, lengths.pop()
+
+    # the output's config: the reference's with each module's layer count (its templates may
+    # use the count, as mergekit's do with the output's config)
+    out_config: dict[str, Any] = dict(configs.get(spec.base, {}))
+    counts: list[tuple[str, int]] = []
+    for name, sls in groups.items():
+        total = sum(ranges(name, f"modules.{name}", sl)[1] for sl in sls)
+        count_key = ref_modules[name].layers_key
+        if count_key is not None:
+            counts.append((count_key, total))
+            set_dotted(out_config, count_key, total)
+    out_modules = read_modules(out_config, spec.base, used) if counts else ref_modules
+
+    rows: list[_Row] = []
+    layers: list[tuple[str, int]] = []
+
+    def source_names(ws: Sequence[Any], roles: Sequence[SliceSource], out: Any,
+                     key: str) -> tuple[str, ...] | None:
+        found = tuple(w.find(names[r.path]) for w, r in zip(ws, roles))
+        if all(f is None for f in found) and out.optional:
+            return None  # an optional weight no input has: skipped, as mergekit does
+        # a tied weight (lm_head of a tied model) is loaded as the tensor it is tied to
+        found = tuple(f if f is not None else w.find(names[r.path], tied=True)
+                      for f, w, r in zip(found, ws, roles))
+        for f, w, r in zip(found, ws, roles):
+            if f is None:
+                why = (" (mergekit merges an optional weight over the models that have it; "
+                       "mergefs needs it in every model)" if out.optional else "")
+                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}{why}")
+        return found  # type: ignore[return-value]
+
+    for name, sls in groups.items():
+        first, last = sls[0], sls[-1]
+        for w in out_modules[name].pre:
+            roles = (first.ref, *first.experts)
+            srcs = source_names([w] * len(roles), roles, w, f"modules.{name}")
+            if srcs is not None:
+                rows.append((w.name, tuple(r.path for r in roles), srcs, 0.0, first, roles))
+        out_layer = 0
+        for s, sl in enumerate(sls):
+            roles = (sl.ref, *sl.experts)
+            key = f"modules.{name}.slices[{s}]"
+            rs, n = ranges(name, key, sl)
+            for i in range(n):
+                t = _position(i, n)
+                outs = out_modules[name].layer(out_layer)
+                ins = [modules_of(r.path)[name].layer(lo + i) for r, (lo, _) in zip(roles, rs)]
+                if any(len(w) != len(outs) for w in ins):
+                    raise SpecError(f"{spec.source}: {key}: the models' layer {i} differ in "
+                                    "their weights")
+                layers.append((roles[0].path, rs[0][0] + i))
+                for j, w_out in enumerate(outs):
+                    srcs = source_names([w[j] for w in ins], roles, w_out, key)
+                    if srcs is not None:
+                        rows.append((w_out.name, tuple(r.path for r in roles), srcs, t, sl,
+                                     roles))
+                out_layer += 1
+        for w in out_modules[name].post:
+            roles = (last.ref, *last.experts)
+            srcs = source_names([w] * len(roles), roles, w, f"modules.{name}")
+            if srcs is not None:
+                rows.append((w.name, tuple(r.path for r in roles), srcs, 0.0, last, roles))
+    return rows, layers, tuple(counts)
 
 
 def _loose(spec: Spec, sl: SliceDef, name: str, names: Mapping[str, Sequence[str]]
@@ -222,6 +335,12 @@ def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     if recipe.layers is None:
         return config
     out = dict(config)
+    if recipe.layer_counts is not None:  # modules: each module's count, nothing else
+        from .modules import set_dotted
+
+        for dotted, n in recipe.layer_counts:
+            set_dotted(out, dotted, n)
+        return out
     n_out = len(recipe.layers)
     key = next((k for k in LAYER_COUNT_KEYS if isinstance(config.get(k), int)), None)
     if key is not None:
@@ -257,6 +376,11 @@ class _SumCounters(Counters):
     def reads(self, value: int) -> None:
         pass
 
+    @property
+    def requests(self) -> int:
+        """Requests sent (remote parts) or preads (local parts), as ``source_requests`` counts."""
+        return sum(getattr(p, "requests", p.reads) for p in self._parts)
+
     def reset(self) -> None:
         for p in self._parts:
             p.reset()
@@ -265,9 +389,9 @@ class _SumCounters(Counters):
 class RoleSource:
     """One role's source tensors under the recipe's unit keys: reads go to the models the role
     takes each unit from. Files are the models' own (``k:name`` when the role spans several
-    models); non-weight files are the first model's."""
-
-    is_remote = False
+    models); non-weight files are the first model's. Remote models (HTTP, S3, uncached Hub
+    ids) are read by ranges as anywhere else; a role with any remote model is remote (no file
+    descriptors, no page-cache advice)."""
 
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
@@ -277,8 +401,7 @@ class RoleSource:
             if u.models[role] not in members:
                 members.append(u.models[role])
         self.members = [sources[p] for p in members]
-        if any(c.is_remote for c in self.members):
-            raise SpecError("slices over remote sources are not supported yet")
+        self.is_remote = any(c.is_remote for c in self.members)
         self._multi = len(self.members) > 1
         rank = {p: k for k, p in enumerate(members)}
 
@@ -290,7 +413,7 @@ class RoleSource:
         self.headers = {qf: c.headers[f] for qf, (c, f) in self._where.items()}
         self.identities = {qf: c.identities[f] for qf, (c, f) in self._where.items()}
         first = self.members[0]
-        self.root: Path = first.root
+        self.root: Path = first.root  # a remote model's root is its URL (a str)
         self.extra_files = first.extra_files
         self.index_json = None
         self.tensors: dict[str, TensorLoc] = {}
@@ -331,6 +454,10 @@ class RoleSource:
 
     def copy_extra(self, rel: str, dst: Path) -> None:
         self.members[0].copy_extra(rel, dst)
+
+    def read_aux(self, name: str) -> bytes | None:
+        """No index sidecar: one is published per model, and a role may span several."""
+        return None
 
     def read_itemsize(self, name: str) -> int:
         k, src = self._role_sources[name]

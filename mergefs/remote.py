@@ -25,7 +25,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,27 @@ class RemoteCheckpoint(Checkpoint):
             return await self._get(url, 0, info.size_bytes, info.etag)
 
         return run(self.store, whole)
+
+    def aux_reader(self, name: str) -> tuple[str, Callable[[int, int], bytes]] | None:
+        """A large file beside the weights (a delta sidecar) read by ranges: its URL and
+        ``fetch(start, end)``, pinned to the ETag seen now (a replaced object fails the read);
+        None if there is none. The sidecar counts its own bytes (``DeltaSidecar.bytes_read``),
+        as for a local sidecar; the requests count in this source's ``requests``."""
+        url = self.sibling_url(name)
+        try:
+            info = run(self.store, self._info, url)
+        except (RemoteNotFound, RemoteDenied) as exc:
+            log.debug("no %s: %s", url, exc)
+            return None
+
+        def fetch(start: int, end: int) -> bytes:
+            end = min(end, info.size_bytes)
+            if end <= start:
+                return b""
+            data: bytes = run(self.store, self._get, url, start, end, info.etag)
+            return data
+
+        return url, fetch
 
     def write_aux(self, name: str, data: bytes) -> str:
         url = self.sibling_url(name)

@@ -12,6 +12,7 @@ recorded in full (a mount's manifest holds only what was read: replay it without
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,8 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
                            np.zeros((n, layout.n_blocks), np.uint64),
                            np.zeros((n, layout.n_blocks)), np.zeros((n, layout.n_blocks), bool),
                            np.zeros((layout.n_blocks, n, n)))
-        levels, sidecars = _recorded_levels(manifest_path, h, labels, layout.n_blocks)
+        levels, sidecars = _recorded_levels(manifest_path, h, labels, layout.n_blocks,
+                                            experts)
         plan = Plan(selected, h["budget_bytes"], 0, 0, 0, int(selected.sum()), selected.size, 0,
                     None, None, None, None, h["plan_hash"], levels=levels)
         checker = _Checker(contents.reads, contents.outputs, contents.tensors, labelled)
@@ -251,19 +253,30 @@ def replay(manifest_path: str | Path, out: str | Path | None = None,
             c.close()
 
 
-def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_blocks: int
-                     ) -> tuple[np.ndarray | None, dict[int, Any]]:
+def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_blocks: int,
+                     experts: Sequence[Checkpoint]) -> tuple[np.ndarray | None, dict[int, Any]]:
     """The delta sidecar levels a plan read (issue 14) and the sidecars, opened by their
-    recorded paths; every range read is then checked against its recorded xxh3."""
+    recorded paths (a URL: beside the remote expert, by ranges); every range read is then
+    checked against its recorded xxh3."""
     if "levels" not in h:
         return None, {}
-    from .deltas import DeltaError, open_sidecar
+    from .deltas import DeltaError, open_remote_sidecar, open_sidecar
     from .levelplan import levels_from_runs
+
+    def one(i: int, where: str) -> Any:
+        if "://" not in where:
+            return open_sidecar(Path(where))
+        e = experts[i]
+        name = where.rsplit("/", 1)[-1]
+        got = e.aux_reader(name) if hasattr(e, "aux_reader") else None
+        if got is None or got[0] != where:
+            raise DeltaError(f"{where}: not found beside {e.root}")
+        return open_remote_sidecar(*got)
 
     try:
         levels = levels_from_runs(h["levels"], n_blocks)
-        where = {labels.index(lab): Path(p) for lab, p in dict(h["sidecars"]).items()}
-        return levels, {i: open_sidecar(p) for i, p in where.items()}
+        where = {labels.index(lab): str(p) for lab, p in dict(h["sidecars"]).items()}
+        return levels, {i: one(i, p) for i, p in where.items()}
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ManifestError(f"{path}: invalid 'levels' or 'sidecars': {exc}") from None
     except (DeltaError, OSError) as exc:

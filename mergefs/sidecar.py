@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,10 +84,14 @@ def sidecar_name(expert: Checkpoint, key: str, block_size: int) -> str:
 
 
 def write_beside(path: Path, data: bytes, what: str) -> None:
-    """Write a file beside an expert atomically (a temporary name, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write a file beside an expert (or in the index) atomically and durably: a temporary
+    name, fsync, then rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -113,9 +118,10 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: Any) -> list
     if not index.has_gram:
         raise MergefsError("refusing to publish an index assembled from sidecars; rebuild it")
     for e in experts:  # fail before writing anything
-        if e.is_remote and not e.store.writable:  # type: ignore[attr-defined]
+        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
             raise SourceError(f"{e.root}: cannot publish an index sidecar here: HTTP sources are "
-                              "read-only (publish from a local, file:// or s3:// copy)")
+                              "read-only, and so are slices over remote models (publish from a "
+                              "local, file:// or s3:// copy of the model)")
     key = base_key(base)
     written = []
     for i, e in enumerate(experts):

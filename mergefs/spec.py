@@ -31,12 +31,11 @@ from .tokenizer import to_json as tokenizer_json
 
 log = logging.getLogger(__name__)
 
-_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype",
-                  "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
+_MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters",
+                  "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict")
 _UNSUPPORTED_KEYS = (
-    "modules",
     "architecture",
 )
 
@@ -210,6 +209,10 @@ class SliceDef:
     ref: SliceSource
     experts: tuple[SliceSource, ...]
     settings: Mapping[str, Any]
+    #: the architecture module of a ``modules:`` spec this slice belongs to (mergefs.modules)
+    module: str | None = None
+    #: the module's own parameters (precedence below the slice's, above the global ones)
+    module_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
@@ -465,13 +468,13 @@ class _Model:
 
 
 def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
-            hub_records: dict[str, Any]) -> list[_Model]:
+            hub_records: dict[str, Any], where: str = "models") -> list[_Model]:
     models = data.get("models")
     if not isinstance(models, list) or not models:
-        raise _err(source, "models", "expected a non-empty list of {model: PATH, parameters: {...}}")
+        raise _err(source, where, "expected a non-empty list of {model: PATH, parameters: {...}}")
     out: list[_Model] = []
     for k, entry in enumerate(models):
-        key = f"models[{k}]"
+        key = f"{where}[{k}]"
         if not isinstance(entry, dict) or "model" not in entry:
             raise _err(source, key, "expected a mapping with a 'model' path")
         extra = set(entry) - {"model", "parameters", "storage_options"}
@@ -492,21 +495,24 @@ def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
 @dataclass
 class _Slice:
     key: str
-    sources: list[tuple[_Model, tuple[int, int]]]
+    #: per source: the model and its layers (None: all the module's layers, ``models:`` form)
+    sources: list[tuple[_Model, tuple[int, int] | None]]
     base: str | None
     params_raw: dict[str, Any]
+    module: str | None = None
+    module_params_raw: dict[str, Any] = field(default_factory=dict)
 
 
-def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.HubConfig,
+def _slices(raw: Any, where: str, base_dir: Path, source: str, hub_config: hub.HubConfig,
             hub_records: dict[str, Any]) -> list[_Slice]:
     """``slices`` as mergekit reads them: sources with a layer range each, an optional slice
-    ``base_model`` and ``parameters``."""
-    raw = data.get("slices")
+    ``base_model`` and ``parameters``. ``where``: the key of the list (``slices``,
+    ``modules.NAME.slices``)."""
     if not isinstance(raw, list) or not raw:
-        raise _err(source, "slices", "expected a non-empty list of {sources: [...]}")
+        raise _err(source, where, "expected a non-empty list of {sources: [...]}")
     out: list[_Slice] = []
     for k, sl in enumerate(raw):
-        key = f"slices[{k}]"
+        key = f"{where}[{k}]"
         if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) \
                 or not sl["sources"]:
             raise _err(source, key, "expected a mapping with a non-empty 'sources' list")
@@ -516,7 +522,7 @@ def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
         if sl.get("residual_weight") is not None:
             raise _err(source, f"{key}.residual_weight", "not supported (mergekit 0.1.5 "
                        "accepts it but never applies it)")
-        sources: list[tuple[_Model, tuple[int, int]]] = []
+        sources: list[tuple[_Model, tuple[int, int] | None]] = []
         for j, src in enumerate(sl["sources"]):
             skey = f"{key}.sources[{j}]"
             if not isinstance(src, dict) or "model" not in src or "layer_range" not in src:
@@ -536,7 +542,7 @@ def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
             if not isinstance(params_raw, dict):
                 raise _err(source, f"{skey}.parameters", "expected a mapping")
             sources.append((_Model(mpath, skey, dict(params_raw), None), (lr[0], lr[1])))
-        lengths = {hi - lo for _, (lo, hi) in sources}
+        lengths = {lr[1] - lr[0] for _, lr in sources if lr is not None}
         if len(lengths) != 1:
             raise _err(source, f"{key}.sources", "all sources of a slice must have the same "
                        "number of layers (mergekit refuses it too)")
@@ -550,6 +556,45 @@ def _slices(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
         out.append(_Slice(key, sources, sbase, dict(params_raw)))
+    return out
+
+
+def _modules(data: dict[str, Any], base_given: str | None, base_dir: Path, source: str,
+             hub_config: hub.HubConfig, hub_records: dict[str, Any]) -> list[_Slice]:
+    """``modules:`` as mergekit reads it: per architecture module, ``slices`` or ``models``
+    (normalised as mergekit does to one slice over all of the module's layers, the base
+    appended when not listed) and the module's ``parameters``; the slices of every module in
+    the order given."""
+    raw = data.get("modules")
+    if not isinstance(raw, dict) or not raw:
+        raise _err(source, "modules", "expected a mapping of module name -> {slices: [...]} "
+                   "or {models: [...]}")
+    out: list[_Slice] = []
+    for name, mod in raw.items():
+        key = f"modules.{name}"
+        if not isinstance(mod, dict):
+            raise _err(source, key, "expected a mapping with 'slices' or 'models'")
+        extra = set(mod) - {"slices", "models", "parameters"}
+        if extra:
+            raise _err(source, f"{key}.{min(extra)}", "not a module key")
+        if (mod.get("slices") is None) == (mod.get("models") is None):
+            raise _err(source, key, "give slices or models, not both (mergekit refuses both "
+                       "and neither)")
+        params_raw = mod.get("parameters") or {}
+        if not isinstance(params_raw, dict):
+            raise _err(source, f"{key}.parameters", "expected a mapping")
+        if mod.get("slices") is not None:
+            part = _slices(mod["slices"], f"{key}.slices", base_dir, source, hub_config,
+                           hub_records)
+        else:
+            models = _models(mod, base_dir, source, hub_config, hub_records, f"{key}.models")
+            srcs: list[tuple[_Model, tuple[int, int] | None]] = [(m, None) for m in models]
+            if base_given is not None and base_given not in {m.path for m in models}:
+                srcs.append((_Model(base_given, "base_model", {}, None), None))
+            part = [_Slice(f"{key}.models", srcs, None, {})]
+        for sl in part:
+            sl.module, sl.module_params_raw = str(name), dict(params_raw)
+        out += part
     return out
 
 
@@ -606,20 +651,64 @@ def _slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has_bas
         roles = [SliceSource(x.path, lr, _own_settings(
             m, x.params_raw, f"{x.key}.parameters", source, lenient, _PER_MODEL))
             for x, lr in sl.sources]
+        module_settings: dict[str, Any] = {}
+        if sl.module is not None:
+            for name in sl.module_params_raw:
+                if m.param(name) is None:
+                    lenient.ignore(f"modules.{sl.module}.parameters.{name}",
+                                   f"{m.name} has no parameter {name!r}")
+            module_settings = _own_settings(m, sl.module_params_raw,
+                                            f"modules.{sl.module}.parameters", source, lenient,
+                                            None)
         out.append(SliceDef(roles[place], tuple(r for k, r in enumerate(roles) if k != place),
                             _own_settings(m, sl.params_raw, f"{sl.key}.parameters", source,
-                                          lenient, None)))
+                                          lenient, None), sl.module, module_settings))
     return tuple(out)
 
 
 def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sources": [
         {"model": hub_records.get(x.path, x.path), "layer_range": list(lr),
-         **({"parameters": x.params_raw} if x.params_raw else {})} for x, lr in sl.sources]}
+         **({"parameters": x.params_raw} if x.params_raw else {})}
+        for x, lr in sl.sources if lr is not None]}
     if sl.base is not None:
         out["base_model"] = hub_records.get(sl.base, sl.base)
     if sl.params_raw:
         out["parameters"] = sl.params_raw
+    return out
+
+
+def _check_module_roles(slices: list[_Slice], base_given: str | None, source: str) -> None:
+    """mergefs merges every slice of every module with the same roles: as many models, the
+    base in the same place. Refused otherwise, naming the first slice that differs."""
+    def shape(sl: _Slice) -> str:
+        paths = [x.path for x, _ in sl.sources]
+        b = sl.base if sl.base is not None else base_given
+        where = f"the base at {paths.index(b)}" if b in paths else "no base"
+        return f"{len(paths)} model(s), {where}"
+
+    first = shape(slices[0])
+    for sl in slices[1:]:
+        if shape(sl) != first:
+            raise _err(source, sl.key, f"{shape(sl)}, where {slices[0].key} has {first}: "
+                       "mergefs merges every module with the same models in the same order "
+                       "(a module that keeps only the base's tensors is not supported yet)")
+
+
+def _modules_raw(slices: list[_Slice], hub_records: dict[str, Any]) -> dict[str, Any]:
+    """``modules:`` again as mergekit reads it (a ``models:`` module stays one)."""
+    out: dict[str, Any] = {}
+    for sl in slices:
+        assert sl.module is not None
+        mod = out.setdefault(sl.module, {})
+        if sl.module_params_raw:
+            mod["parameters"] = sl.module_params_raw
+        if sl.sources[0][1] is None:
+            mod["models"] = [{"model": hub_records.get(x.path, x.path),
+                              **({"parameters": x.params_raw} if x.params_raw else {})}
+                             for x, _ in sl.sources if x.key != "base_model"]
+        else:
+            mod.setdefault("slices", []).append(_slice_raw(sl, hub_records))
     return out
 
 
@@ -815,13 +904,29 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         base_given = _resolve_model(base_dir, data["base_model"], source, "base_model",
                                     hub_config, hub_records)
     top_options = _storage_options(data.get("storage_options"), source, "storage_options")
-    sliced = data.get("slices") is not None
-    if sliced and data.get("models") is not None:
-        raise _err(source, "slices", "give models or slices, not both (mergekit refuses both)")
-    slices = _slices(data, base_dir, source, hub_config, hub_records) if sliced else []
+    given = [k for k in ("models", "slices", "modules") if data.get(k) is not None]
+    if len(given) > 1:
+        raise _err(source, given[1], f"give only one of models, slices or modules, not both "
+                   f"{given[0]} and {given[1]} (mergekit refuses it)")
+    sliced = bool(given) and given[0] != "models"
+    if given == ["modules"]:
+        slices = _modules(data, base_given, base_dir, source, hub_config, hub_records)
+    elif sliced:
+        slices = _slices(data.get("slices"), "slices", base_dir, source, hub_config,
+                         hub_records)
+    else:
+        slices = []
     models = [m for m, _ in slices[0].sources] if sliced else _models(
         data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
+    for sl in slices:  # a model's options given in any slice (module) of the spec
+        for x, _ in sl.sources:
+            if x.options is not None and model_options.setdefault(x.path, x.options) \
+                    != x.options:
+                raise _err(source, f"{x.key}.storage_options", f"{x.path} is given "
+                           "different storage_options elsewhere in the spec")
+    if slices and slices[0].module is not None:
+        _check_module_roles(slices, base_given, source)
     method_base = base_given
     if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
             x.path for x in models}:
@@ -829,16 +934,22 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     method_data = data
     if sliced:  # parameters a slice sets count as given (resolved per tensor by the recipe)
         method_data = {**data, "parameters": {**slices[0].params_raw,
+                                              **slices[0].module_params_raw,
                                               **(data.get("parameters") or {})}}
     glob, inputs, per_input, has_base = _resolve_method(mdef, method_data, models, method_base,
                                                         source, lenient)
     base = method_base if method_base is not None else models[0].path
     if sliced and has_base and base not in {x.path for x in models}:
-        raise _err(source, "slices[0].sources", f"the base model {base} must be one of the "
+        raise _err(source, f"{slices[0].key}.sources", f"the base model {base} must be one of the "
                    "slice's sources (mergekit refuses a slice without its base)")
     glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
                                   lenient, scopes=None)
     tok = _tokenizer(data, base_dir, source, hub_config, hub_records)
+    if tok is not None and tok.source is not None and slices and slices[0].module is not None:
+        raise _err(source, "tokenizer" if data.get("tokenizer") is not None
+                   else "tokenizer_source", "a tokenizer merge of a modules: spec is not "
+                   "supported yet (its vocabulary tensors and size live in the text module's "
+                   "config); chat_template alone is")
     slice_defs = (_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
                   else (_models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]
@@ -897,7 +1008,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     remote_sources = {
         p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
                          **remote_settings)
-        for p in [base, *(e.path for e in experts)] if "://" in p
+        for p in dict.fromkeys([base, *(e.path for e in experts),
+                                *(r.path for sl in slice_defs for r in (sl.ref, *sl.experts))])
+        if "://" in p
     }
     raw = {  # a valid spec again (replay re-parses it), with every default filled in
         "merge_method": method,
@@ -917,7 +1030,10 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
             raw["chat_template"] = tok.chat_template
     if sliced:
         del raw["models"]
-        raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
+        if slices[0].module is not None:
+            raw["modules"] = _modules_raw(slices, hub_records)
+        else:
+            raw["slices"] = [_slice_raw(sl, hub_records) for sl in slices]
         # only what the global level gave: a slice's own values stay on the slice
         raw["parameters"] = {k: settings.to_json(v) for k, v in glob_settings.items()}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log

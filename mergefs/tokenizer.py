@@ -71,10 +71,15 @@ def _transformers() -> Any:
     return transformers
 
 
-def _load(path: str) -> Any:
+#: model path -> a local directory holding its tokenizer files (remote models, fetched by
+#: the engine for the duration of ``build``)
+Dirs = Mapping[str, str]
+
+
+def _load(path: str, dirs: Dirs | None = None) -> Any:
     tf = _transformers()
     try:
-        return tf.AutoTokenizer.from_pretrained(path, use_fast=True)
+        return tf.AutoTokenizer.from_pretrained((dirs or {}).get(path, path), use_fast=True)
     except Exception as exc:  # noqa: BLE001 (transformers raises many kinds)
         raise SpecError(f"{path}: cannot load its tokenizer: {exc}".splitlines()[0]) from None
 
@@ -85,8 +90,8 @@ def vocab_size_of(config: Mapping[str, Any] | None, fallback: int) -> int:
     return fallback
 
 
-def _base_tokenizer(path: str, vocab_size: int | None) -> Any:
-    tok = _load(path)
+def _base_tokenizer(path: str, vocab_size: int | None, dirs: Dirs | None = None) -> Any:
+    tok = _load(path, dirs)
     size = vocab_size if vocab_size is not None else len(tok.get_vocab())
     if any(i >= size for i in tok.get_vocab().values()):
         raise SpecError(f"{path}: its tokenizer has tokens past vocab_size {size}; stripping "
@@ -123,13 +128,14 @@ def _union(base_tok: Any, toks: Mapping[str, Any], sizes: Mapping[str, int]) -> 
     return out
 
 
-def chat_template_text(value: str, models: Sequence[str]) -> str | None:
+def chat_template_text(value: str, models: Sequence[str], dirs: Dirs | None = None
+                       ) -> str | None:
     """The template text for ``chat_template`` (mergekit's rules)."""
     if value == "auto":
         found = []
         for m in models:
             try:
-                t = _load(m).chat_template
+                t = _load(m, dirs).chat_template
             except SpecError:
                 continue
             if isinstance(t, dict):
@@ -152,15 +158,17 @@ def chat_template_text(value: str, models: Sequence[str]) -> str | None:
 
 
 def build(spec_tok: TokenizerSpec, base: str, models: Sequence[str],
-          configs: Mapping[str, Mapping[str, Any] | None]) -> BuiltTokenizer:
-    """The output tokenizer of ``models`` (base first), with each model's row permutation."""
+          configs: Mapping[str, Mapping[str, Any] | None], dirs: Dirs | None = None
+          ) -> BuiltTokenizer:
+    """The output tokenizer of ``models`` (base first), with each model's row permutation;
+    ``dirs``: where remote models' tokenizer files were fetched to."""
     sizes = {m: vocab_size_of(configs.get(m), 0) for m in models}
-    base_tok = _base_tokenizer(base, sizes[base] or None)
+    base_tok = _base_tokenizer(base, sizes[base] or None, dirs)
     toks: dict[str, Any] = {base: base_tok}
     for m in models:
         if m != base:
             try:
-                toks[m] = _load(m)
+                toks[m] = _load(m, dirs)
             except SpecError:
                 pass  # mergekit assumes the base's tokenizer
     if spec_tok.source is None or spec_tok.source == "base":
@@ -168,14 +176,14 @@ def build(spec_tok: TokenizerSpec, base: str, models: Sequence[str],
     elif spec_tok.source == "union":
         out = _union(base_tok, toks, sizes)
     else:
-        out = _load(spec_tok.source)
+        out = _load(spec_tok.source, dirs)
     have = set(out.get_vocab())
     for t in spec_tok.tokens:
         if t not in have:
             out.add_tokens(t)
             have.add(t)
     if spec_tok.chat_template:
-        text = chat_template_text(spec_tok.chat_template, models)
+        text = chat_template_text(spec_tok.chat_template, models, dirs)
         if text is not None:
             out.chat_template = text
     vocab = dict(out.get_vocab())

@@ -245,10 +245,13 @@ def contents(data: bytes) -> tuple[dict[str, str], dict[str, bytes]]:
     return meta, tensors
 
 
-def index_file(spec: Path) -> tuple[dict[str, str], dict[str, bytes]]:
+def index_file(spec: Path) -> dict[str, Any]:
+    """Every stored index piece (base, experts, pairs) by its path in the index folder."""
     folder = Path(load_spec(spec).index_dir)
-    (path,) = [p for p in folder.glob("*.safetensors")]
-    return contents(path.read_bytes())
+    got = {p.relative_to(folder).as_posix(): contents(p.read_bytes())
+           for p in sorted(folder.rglob("*.safetensors"))}
+    assert got
+    return got
 
 
 def sidecars(srv: CountingMotoServer) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from families import make_family, write_spec
+from families import forget_ctimes, make_family, write_spec
 from mergefs.cli import main as cli_main
 from mergefs.engine import Session
 from mergefs.errors import ManifestError, MergefsError, SourceChanged
@@ -65,10 +65,7 @@ def test_source_modified_after_indexing_is_refused(family, tmp_path: Path) -> No
 
 def _forget_ctimes(index_dir: Path) -> None:
     """Make the stored index look as if written without ctimes: only identities are checked."""
-    for pointer in index_dir.glob("family-*.json"):
-        doc = json.loads(pointer.read_text())
-        del doc["ctime_ns"]
-        pointer.write_text(json.dumps(doc))
+    forget_ctimes(index_dir)
 
 
 def test_source_rewritten_with_identity_kept_rebuilds_the_index(family, tmp_path: Path,

@@ -183,10 +183,11 @@ def test_writes_only_where_the_spec_says(tmp_path: Path, mounts: Mounts) -> None
     # the merged copy of the symlinked extra file is a regular file holding its content
     copied = work / "out" / "notes.txt"
     assert not copied.is_symlink() and copied.read_text() == secret.read_text()
-    # the index dir holds only hash-named files; logs holds the manifest, its lock and its log
-    names = sorted(p.name for p in (work / "idx").iterdir())
-    assert names and all(re.fullmatch(r"[0-9a-f]{32}\.safetensors|family-[0-9a-f]{16}\.json", n)
-                         for n in names), names
+    # the index dir holds only hash-named pieces; logs holds the manifest, its lock and its log
+    assert [p.name for p in (work / "idx").iterdir()] == ["pieces"]
+    names = sorted(p.name for p in (work / "idx" / "pieces").iterdir())
+    assert names and all(re.fullmatch(r"(base|expert|pair)-[0-9a-f]{32}\.safetensors"
+                                      r"|source-[0-9a-f]{16}\.json", n) for n in names), names
     logs = {p.name for p in (work / "logs").iterdir()}
     assert {n for n in logs if not re.fullmatch(r"run\.manifest\.\d{8}T\d{6}Z(-\d+)?\.jsonl", n)
             } <= {"run.manifest.jsonl", "run.manifest.log", "first.manifest.jsonl",

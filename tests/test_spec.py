@@ -283,7 +283,9 @@ def test_setting_errors_say_what_is_wrong(tmp_path: Path) -> None:
     assert "substring" in spec_error(tmp_path, BAD["filter of a non-string"][0])
     assert "not both" in spec_error(tmp_path, BAD["slices"][0])
     assert "not both" in spec_error(tmp_path, BAD["tokenizer_source and tokenizer"][0])
-    assert "not supported" in spec_error(tmp_path, BAD["modules"][0])
+    assert "give only one of models, slices or modules" in spec_error(tmp_path, BAD["modules"][0])
+    assert "expected a non-empty list" in spec_error(
+        tmp_path, {k: v for k, v in BAD["modules"][0].items() if k != "models"})
 
 
 @pytest.mark.parametrize("text", ["merge_method: [unclosed\n", "- just\n- a list\n", ""])

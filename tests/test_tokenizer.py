@@ -212,3 +212,33 @@ def test_replay_of_a_tokenizer_merge(vocab_family: dict[str, Path], tmp_path: Pa
     assert cli.main(["replay", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "again")]) == 0
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
         assert sha256(tmp_path / "out" / f) == sha256(tmp_path / "again" / f)
+
+
+def test_union_over_http_equals_the_local_union(vocab_family: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """Models behind HTTP: their tokenizer files are fetched (small files), their vocabulary
+    tensors read by ranges; the output equals the same merge of the local directories."""
+    from servers import RangeHTTPServer
+
+    root = vocab_family["base"].parent
+    tokens = {"gamma": {"source": {"kind": "model_token", "model": str(vocab_family["a"]),
+                                   "token": "w3"}}}
+    local = cfg_for(vocab_family, tokenizer={"source": "union", "tokens": tokens},
+                    chat_template="chatml")
+    run_mergefs(local, tmp_path / "local")
+    srv = RangeHTTPServer(root).start()
+    try:
+        fam = {k: f"{srv.url}/{p.name}" for k, p in vocab_family.items()}
+        remote = {**local, "base_model": fam["base"],
+                  "models": [{**m, "model": fam[Path(m["model"]).name]} for m in local["models"]],
+                  "tokenizer": {"source": "union", "tokens": {"gamma": {"source": {
+                      "kind": "model_token", "model": fam["a"], "token": "w3"}}}}}
+        run_mergefs(remote, tmp_path / "remote")
+        assert srv.log.requests("tokenizer", "GET"), "tokenizer files were not fetched"
+    finally:
+        srv.stop()
+    files = sorted(p.name for p in (tmp_path / "local").iterdir() if p.is_file())
+    assert "tokenizer.json" in files and "model.safetensors" in files
+    for name in files:
+        assert (tmp_path / "local" / name).read_bytes() == \
+            (tmp_path / "remote" / name).read_bytes(), name
