@@ -332,3 +332,24 @@ def test_compress_on_ray_writes_the_local_delta_sidecars(tmp_path: Path, cluster
         p.unlink()
     assert cli.main(["compress", str(spec), "--ray", cluster.address]) == 0
     assert written() == local
+
+
+def test_a_worker_reusing_its_family_rechecks_local_files(tmp_path: Path, fam: Family) -> None:
+    """The per-process family cache (no cluster needed): a second task of the same run sees a
+    local file that changed since the first one opened it."""
+    copy = tmp_path / "fam"
+    shutil.copytree(fam.root, copy)
+    spec = load_spec(write_spec(tmp_path / "s.yaml", str(copy / "base"),
+                                [str(copy / f"expert-{i}") for i in range(2)]))
+    session = Session(spec)
+    try:
+        want = rayexec.identities(session.base, session.experts)
+    finally:
+        session.close()
+    first = rayexec.open_checked(spec, want)
+    assert rayexec.open_checked(spec, want)[0] is first[0]  # reused, after a fresh check
+    shard = min((copy / "expert-0").glob("*.safetensors"))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(SourceChanged, match=str(shard)):
+        rayexec.open_checked(spec, want)
