@@ -72,7 +72,7 @@ def _ray_runner(ray: str | None, spec: Spec, base: Any, experts: Any) -> Any:
     """The index build's chunk runner for ``--ray [ADDRESS]`` (None: local threads)."""
     if ray is None:
         return None
-    from .rayexec import RayChunkRunner
+    from .rayindex import RayChunkRunner
 
     return RayChunkRunner(spec, base, experts, ray or None)
 
@@ -135,7 +135,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     base, experts = open_family(spec)
     index, _ = _indexed(spec, base, experts, args.ray, sidecars=False)
     if args.ray is not None:
-        from .rayexec import publish_deltas
+        from .rayindex import publish_deltas
 
         written = publish_deltas(spec, base, experts, index, args.ray or None)
     else:

@@ -4,7 +4,7 @@ A pass (:class:`Pass`) reads, per chunk of blocks of one tensor, the base and th
 describe in full, then the other experts' blocks that a wanted Gram pair needs (both deltas
 non-zero), and hands the bytes to the pure functions of :mod:`mergefs.blockstats`. Each chunk
 writes only its own columns of the results, so chunks are independent tasks (threads here; a
-``ChunkRunner`` runs them elsewhere: :mod:`mergefs.rayexec` as Ray tasks, each a pass over a
+``ChunkRunner`` runs them elsewhere: :mod:`mergefs.rayindex` as Ray tasks, each a pass over a
 run of chunks whose columns the driver's pass takes with :meth:`Pass.put`).
 Blocking I/O; never on the trio thread.
 """
@@ -128,7 +128,7 @@ class Pass:
     def run(self, threads: int, runner: ChunkRunner | None = None) -> None:
         """While a worker computes, the kernel already reads the chunks PREFETCH_CHUNKS ahead
         (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU. ``runner``: compute
-        the chunks elsewhere (e.g. Ray tasks, :mod:`mergefs.rayexec`) and take their columns."""
+        the chunks elsewhere (e.g. Ray tasks, :mod:`mergefs.rayindex`) and take their columns."""
         keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
         runs = chunks(self.layout)
         if runner is not None:

@@ -8,7 +8,7 @@ before each run (cold):
 - ``local``: ``load_or_build(rebuild=True)`` on two threads, and ``Session`` + ``materialise``;
 - ``ray N``: a one-node Ray cluster with ``--num-cpus=N`` (N worker processes; tests/raycluster.py,
   started and stopped here, its start-up not timed), the same index build through
-  :class:`mergefs.rayexec.RayChunkRunner` and the same merge through ``rayexec.materialise``.
+  :class:`mergefs.rayindex.RayChunkRunner` and the same merge through ``rayexec.materialise``.
 
 Every Ray output is checked against the local one (index arrays, output bytes, plan hash).
 Prints one JSON line per row and the machine's load (``/proc/loadavg``) before and after: the
@@ -45,7 +45,7 @@ from make_family import make_synthetic, parse_bytes, parse_count
 from raycluster import LocalRayCluster
 from servers import CountingMotoServer, upload_tree
 
-from mergefs import rayexec
+from mergefs import rayexec, rayindex
 from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
 from mergefs.manifest import ManifestWriter
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     runners: list[Any] = []
 
     def make(spec: Any, base: Any, experts: Any) -> Any:
-        runners.append(rayexec.RayChunkRunner(spec, base, experts))
+        runners.append(rayindex.RayChunkRunner(spec, base, experts))
         return runners[-1]
 
     for n in [int(x) for x in args.workers.split(",")]:

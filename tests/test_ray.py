@@ -30,7 +30,7 @@ pytest.importorskip("moto", reason="moto is not installed: Ray tests skipped")
 from raycluster import LocalRayCluster, ray_command
 
 import mergefs
-from mergefs import cli, rayexec
+from mergefs import cli, rayexec, rayindex
 from mergefs.engine import Session
 from mergefs.errors import SourceChanged
 from mergefs.manifest import ManifestWriter, read_manifest
@@ -309,7 +309,7 @@ def test_chunk_groups_cover_every_chunk_once_in_order(n_tasks: int) -> None:
 
     chunks = [(0, 2), (2, 3), (3, 7), (7, 8), (8, 12), (12, 13), (13, 20)]
     sizes = np.arange(1, 21) * 10
-    groups = rayexec.chunk_groups(chunks, sizes, n_tasks)
+    groups = rayindex.chunk_groups(chunks, sizes, n_tasks)
     assert [c for g in groups for c in g] == chunks
     assert all(groups) and len(groups) == min(n_tasks, len(chunks))
 
