@@ -187,6 +187,20 @@ class Counters:
             self.bytes_read += nbytes
             self.reads += 1
 
+    #: every counter, by attribute name (what :meth:`snapshot` and :meth:`absorb` carry)
+    FIELDS: tuple[str, ...] = ("bytes_read", "reads")
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter's value now (e.g. to send a worker's counts to the driver)."""
+        with self._lock:
+            return {k: getattr(self, k) for k in self.FIELDS}
+
+    def absorb(self, counts: dict[str, int]) -> None:
+        """Add another copy's :meth:`snapshot` (reads the same source made elsewhere)."""
+        with self._lock:
+            for k in self.FIELDS:
+                setattr(self, k, getattr(self, k) + int(counts.get(k, 0)))
+
 
 def _read_header(path: Path) -> tuple[fmt.Header, FileIdentity]:
     try:

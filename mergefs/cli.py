@@ -81,32 +81,60 @@ def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
 
 
 def _session(spec: Spec, manifest: Any = None, quiet: bool = False,
-             family: Any = None) -> Any:
+             family: Any = None, ray: str | None = None) -> Any:
     from .engine import Session, open_family
     from .index import build_layout, index_bytes_total
 
     base, experts = family if family is not None else open_family(spec)
+    runner = _ray_runner(ray, spec, base, experts)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total, enabled=not quiet) as tick:
-        return Session(spec, manifest=manifest, on_index_bytes=tick, family=(base, experts))
+        return Session(spec, manifest=manifest, on_index_bytes=tick, family=(base, experts),
+                       index_runner=runner)
 
 
-def _indexed(spec: Spec, base: Any, experts: Any, **options: Any) -> tuple[Any, bool]:
-    """Build or reuse the block index with a progress bar (``options``: load_or_build's)."""
+def _ray_runner(ray: str | None, spec: Spec, base: Any, experts: Any) -> Any:
+    """The index build's chunk runner for ``--ray [ADDRESS]`` (None: local threads)."""
+    if ray is None:
+        return None
+    from .rayindex import RayChunkRunner
+
+    return RayChunkRunner(spec, base, experts, ray or None)
+
+
+def _require_ray(args: argparse.Namespace) -> None:
+    """With ``--ray``, fail first (one line saying how to install it) if Ray is missing."""
+    if getattr(args, "ray", None) is not None:
+        from .rayexec import require_ray
+
+        require_ray()
+
+
+def _indexed(spec: Spec, base: Any, experts: Any, ray: str | None = None,
+             **options: Any) -> tuple[Any, bool]:
+    """Build or reuse the block index with a progress bar (``options``: load_or_build's);
+    ``ray``: build it on the Ray cluster at that address ("" for the default one)."""
     from .index import build_layout, index_bytes_total, load_or_build
 
+    runner = _ray_runner(ray, spec, base, experts)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total) as tick:
-        return load_or_build(base, experts, spec.block_size, spec.index_dir, tick, **options)
+        got = load_or_build(base, experts, spec.block_size, spec.index_dir, tick, runner=runner,
+                            **options)
+    if runner is not None and runner.parts:
+        nodes = {p["worker"]["node"] for p in runner.parts}
+        print(f"indexed on Ray: {len(runner.parts)} tasks on {len(nodes)} node(s)")
+    return got
 
 
 def cmd_index(args: argparse.Namespace) -> int:
     from .engine import open_family
 
+    _require_ray(args)
     spec = _load(args, any_variant=True)
     base, experts = open_family(spec)
     # --rebuild and --publish read every source: sidecars are never built from sidecars.
-    index, built = _indexed(spec, base, experts, rebuild=args.rebuild,
+    index, built = _indexed(spec, base, experts, args.ray, rebuild=args.rebuild,
                             sidecars=not (args.rebuild or args.publish))
     n_zero = int(index.zero.sum())
     print(f"{'built' if built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
@@ -127,10 +155,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from .compress import publish
     from .engine import open_family
 
+    _require_ray(args)
     spec = _load(args)
     base, experts = open_family(spec)
-    index, _ = _indexed(spec, base, experts, sidecars=False)
-    for where in publish(base, experts, index):
+    index, _ = _indexed(spec, base, experts, args.ray, sidecars=False)
+    if args.ray is not None:
+        from .rayindex import publish_deltas
+
+        written = publish_deltas(spec, base, experts, index, args.ray or None)
+    else:
+        written = publish(base, experts, index)
+    for where in written:
         print(f"published {where}")
     return 0
 
@@ -270,6 +305,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .engine import open_family
     from .outdir import check_outdir, check_outside, check_source_files, check_writes
 
+    _require_ray(args)  # before anything is opened or written
     spec = _load(args)
     out = Path(args.outdir)
     # Everything is validated before the manifest or any output exists.
@@ -280,11 +316,17 @@ def cmd_merge(args: argparse.Namespace) -> int:
     family = open_family(spec)
     check_source_files(out, [family[0], *family[1]])
     manifest = _open_manifest(spec, args.manifest)
-    session = _session(spec, manifest, family=family)
+    session = _session(spec, manifest, family=family, ray=args.ray)
     try:
         out_bytes = sum(f.size_bytes for f in session.engine.out_files)
         with byte_progress("merging", out_bytes) as tick:
-            session.engine.materialise(out, on_bytes=tick, overwrite=args.force)
+            if args.ray is not None:
+                from . import rayexec
+
+                rayexec.materialise(session, out, args.ray or None, on_bytes=tick,
+                                    overwrite=args.force)
+            else:
+                session.engine.materialise(out, on_bytes=tick, overwrite=args.force)
         totals = session.finish()
     finally:
         manifest.close()
@@ -410,6 +452,13 @@ def _paragraphs(*texts: str) -> str:
     return "\n\n".join(textwrap.fill(t, 79) for t in texts)
 
 
+def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help=f"run on a Ray cluster ({what}): ADDRESS like 10.0.0.1:6379; without "
+                   "it, RAY_ADDRESS or the cluster `ray start` runs here (else a local one). "
+                   "Sources must be URLs or paths every node sees. Needs mergefs[ray]")
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
@@ -452,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write each expert's block index beside it "
                    "(mergefs-index.<base-key>.<block_size>.safetensors), so later plans over "
                    "remote experts need not read them")
+    _add_ray(s, "tasks per run of blocks, every expert of them; the driver assembles the index")
     s.set_defaults(func=cmd_index)
 
     s = add("compress", help="publish compressed delta sidecars beside each expert",
@@ -460,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
             "sparse exact values) per row block, with exact residual norms, so that budgeted "
             "merges read a few bits per element instead of skipping blocks.")
     s.add_argument("spec", help=SPEC_HELP)
+    _add_ray(s, "one task per expert, and the index if it must be built")
     s.set_defaults(func=cmd_compress)
 
     s = add("plan", help="show which expert blocks a budget reads and its error bound",
@@ -508,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
     s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
+    _add_ray(s, "one task per output shard, and the index if it must be built; OUTDIR must "
+             "lie on storage every node sees")
     s.set_defaults(func=cmd_merge)
 
     s = add("replay", help="re-execute a manifest's plan and verify every byte",

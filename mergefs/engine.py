@@ -578,10 +578,14 @@ class Engine:
         return (self.method.caps.zero_delta_is_base and self.spec.has_base
                 and _is_identity(src_dtype, out_dtype, base_buf))
 
-    def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
+    def add_merged(self, blocks: int, units: int) -> None:
+        """Count blocks and units merged (here, or by another process for this engine)."""
         with self._lock:
-            self.blocks_merged += b1 - b0
-            self.units_merged += 1
+            self.blocks_merged += blocks
+            self.units_merged += units
+
+    def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
+        self.add_merged(b1 - b0, 1)
         if self.manifest is not None:
             start, end = self.unit_out_range(name, b0, b1)
             self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
@@ -631,30 +635,56 @@ class Engine:
                                         thread_name_prefix="mergefs-merge") as pool:
                     for f in self.out_files:
                         self._write_file(out, f, pool, hashes, on_bytes)
-                if self.index_json is not None:
-                    _atomic_write(out / INDEX_NAME, [self.index_json])
-                added = [r for r in self.extra_overrides if r not in self.base.extra_files]
-                for rel in [*self.base.extra_files, *added]:
-                    if rel in self.extra_hidden and rel not in self.extra_overrides:
-                        continue
-                    dst = out / rel
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    rewritten = self.extra_overrides.get(rel)
-                    if rewritten is not None:
-                        _atomic_write(dst, [rewritten])
-                    else:
-                        self.base.copy_extra(rel, dst)
-                manifest_path = getattr(self.manifest, "path", None)
-                staging.commit({"spec": self.spec.source, "plan_hash": self.plan.plan_hash,
-                                "manifest": str(manifest_path) if manifest_path else None})
+                self.write_extras(out)
+                staging.commit(self.marker())
         except OSError as exc:
             # e.g. ENOSPC: the temporary tree was removed; the output directory is untouched.
-            where = exc.filename or outdir
-            raise MergefsError(f"{where}: cannot write the merged model: {exc.strerror}") from None
+            raise write_error(exc, outdir) from None
         return hashes
+
+    def write_extras(self, out: Path) -> None:
+        """The shard index and the non-weight files (copied, or as the merge rewrites them)."""
+        if self.index_json is not None:
+            _atomic_write(out / INDEX_NAME, [self.index_json])
+        added = [r for r in self.extra_overrides if r not in self.base.extra_files]
+        for rel in [*self.base.extra_files, *added]:
+            if rel in self.extra_hidden and rel not in self.extra_overrides:
+                continue
+            dst = out / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            rewritten = self.extra_overrides.get(rel)
+            if rewritten is not None:
+                _atomic_write(dst, [rewritten])
+            else:
+                self.base.copy_extra(rel, dst)
+
+    def marker(self) -> dict[str, Any]:
+        """What the output directory's marker records about the merge that wrote it."""
+        manifest_path = getattr(self.manifest, "path", None)
+        return {"spec": self.spec.source, "plan_hash": self.plan.plan_hash,
+                "manifest": str(manifest_path) if manifest_path else None}
+
+    def record_tensors(self, f: OutFile, file_hashes: dict[str, str],
+                       hashes: dict[str, str]) -> None:
+        """Add output file ``f``'s tensor hashes to ``hashes``; one manifest record each."""
+        for t in f.tensors:
+            digest = file_hashes[t.name]
+            hashes[t.name] = digest
+            if self.manifest is not None:
+                self.manifest.write({"type": "tensor", "name": t.name, "file": f.name,
+                                     "size_bytes": t.end - t.start, "xxh3": digest})
 
     def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
                     hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
+        tmp = out / f".{f.name}.partial"
+        file_hashes = self.write_shard(tmp, f, pool, on_bytes)
+        os.replace(tmp, out / f.name)
+        self.record_tensors(f, file_hashes, hashes)
+
+    def write_shard(self, tmp: Path, f: OutFile, pool: ThreadPoolExecutor,
+                    on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+        """Write output file ``f`` whole at ``tmp`` (created exclusively, fsynced; removed on
+        any failure); returns {tensor: xxh3 of its bytes} for each of its tensors."""
         # A unit the output repeats (a self-stack) is merged once, where it first appears in
         # the file; its later copies are read back from the file written so far.
         first: dict[str, OutTensor] = {}
@@ -671,7 +701,6 @@ class Engine:
                       for b0, b1 in self.units(t.name, UNIT_ELEMS)])
         for unit in islice(ahead, PREFETCH_UNITS):
             self.prefetch(*unit)
-        tmp = out / f".{f.name}.partial"
         hashers: dict[str, Any] = {}
         try:
             _clear_temp(tmp)
@@ -713,17 +742,11 @@ class Engine:
                         on_bytes(len(data))
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, out / f.name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        for t in f.tensors:
-            digest = hashers[t.name].hexdigest() if t.name in hashers else \
-                xxhash.xxh3_64_hexdigest(b"")
-            hashes[t.name] = digest
-            if self.manifest is not None:
-                self.manifest.write({"type": "tensor", "name": t.name, "file": f.name,
-                                     "size_bytes": t.end - t.start, "xxh3": digest})
+        return {t.name: hashers[t.name].hexdigest() if t.name in hashers
+                else xxhash.xxh3_64_hexdigest(b"") for t in f.tensors}
 
 
 # Bit patterns that ``W0 + (+0.0)`` changes: -0.0 (becomes +0.0) and NaN (may be quietened).
@@ -757,6 +780,12 @@ def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:
     return [(b0 + int(a), b0 + int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+def write_error(exc: OSError, outdir: str | Path) -> MergefsError:
+    """The error of a failed write of the merged model (e.g. ENOSPC), naming where."""
+    where = exc.filename or outdir
+    return MergefsError(f"{where}: cannot write the merged model: {exc.strerror}")
+
+
 def _clear_temp(tmp: Path) -> None:
     """Remove whatever sits at a temporary name (a crash's leftover, or a symlink planted
     there) without following it. Weight files and the shard index are then created with
@@ -786,12 +815,14 @@ class Session:
                  on_index_bytes: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
-                 sidecars: bool = True, index: BlockIndex | None = None) -> None:
+                 sidecars: bool = True, index: BlockIndex | None = None,
+                 index_runner: Any = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
         sidecars when they have matching ones (:mod:`mergefs.deltas`). ``index``: the family's
         index, loaded by the caller (a sweep's variants share one; counters are then left
-        alone, as other sessions may be counting on the same sources)."""
+        alone, as other sessions may be counting on the same sources). ``index_runner``:
+        where an index build computes its chunks (:data:`mergefs.index.ChunkRunner`)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
@@ -799,7 +830,8 @@ class Session:
             self.index, self.index_built = index, False
         else:
             self.index, self.index_built = load_or_build(
-                self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes)
+                self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
+                runner=index_runner)
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
         if index is None:  # (with a caller's index, other sessions may be counting on them)

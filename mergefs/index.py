@@ -34,7 +34,7 @@ import xxhash
 from . import sidecar
 from .checkpoint import Checkpoint
 from .format import DTYPES, FLOAT_DTYPES
-from .indexbuild import BuildReport, Pass
+from .indexbuild import BuildReport, ChunkRunner, Pass
 from .indexstore import ExpertPiece, PieceStore, base_key, ctimes_of, expert_key, pair_key
 from .sidecar import ExpertStats
 
@@ -157,14 +157,15 @@ def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int)
 
 
 def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
-                on_bytes: Callable[[int], None] | None = None, threads: int = 2) -> BlockIndex:
+                on_bytes: Callable[[int], None] | None = None, threads: int = 2,
+                runner: ChunkRunner | None = None) -> BlockIndex:
     """Read every base and expert block once and compute the statistics (nothing stored)."""
     keys = [e.identity_key() for e in experts]
     first = [keys.index(k) for k in keys]  # the same expert twice is read once
     uniq = sorted(set(first))
     pairs = [(i, j) for a, i in enumerate(uniq) for j in uniq[a:]]
     p = Pass(base, experts, layout, uniq, pairs, {}, True, on_bytes, BuildReport())
-    p.run(threads)
+    p.run(threads, runner)
     pieces = {i: _piece(p, k, pairs) for k, i in enumerate(uniq)}
     grams = {(i, j): p.gram[k] for k, (i, j) in enumerate(pairs) if i != j}
     return assemble(family_key(base, experts, layout.block_size), layout, p.base_hash,
@@ -236,18 +237,20 @@ def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.n
 def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
                   rebuild: bool = False, sidecars: bool = True,
-                  report: BuildReport | None = None) -> tuple[BlockIndex, bool]:
+                  report: BuildReport | None = None,
+                  runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
     """Return (index, built_now): the family's index assembled from stored pieces, building
     only the pieces that are missing or stale (each rebuild logged with the source's name).
 
     With ``sidecars`` (the default), remote experts with a matching published sidecar are not
     read; without, only pieces read from every source (hence the full Gram) are accepted.
     ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
+    ``runner``: where the build passes compute their chunks (default: two local threads).
     """
     layout = build_layout(base, block_size)
     store = PieceStore(index_dir, layout)
     b = _Family(base, experts, layout, store, report if report is not None else BuildReport(),
-                on_bytes)
+                on_bytes, runner)
     b.load(rebuild, sidecars)
     b.build(sidecars)
     return b.assemble(), b.built
@@ -258,9 +261,10 @@ class _Family:
 
     def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                  store: PieceStore, report: BuildReport,
-                 on_bytes: Callable[[int], None] | None) -> None:
+                 on_bytes: Callable[[int], None] | None,
+                 runner: ChunkRunner | None = None) -> None:
         self.base, self.experts, self.layout, self.store = base, experts, layout, store
-        self.report, self.on_bytes = report, on_bytes
+        self.report, self.on_bytes, self.runner = report, on_bytes, runner
         bs = layout.block_size
         # before reading: a change during the build shows at the next load
         self.base_ctimes = ctimes_of(base)
@@ -355,7 +359,7 @@ class _Family:
         p = Pass(self.base, self.experts, self.layout, own, pairs,
                   {j: self.pieces[j].zero for j in old}, self.base_hash is None,
                   self.on_bytes, self.report)
-        p.run(2)
+        p.run(2, self.runner)
         if self.base_hash is None:
             self.base_hash = p.base_hash
             self.store.save_base(self.bkey, self.base, p.base_hash, self.base_ctimes)
@@ -396,7 +400,7 @@ class _Family:
         p = Pass(self.base, self.experts, self.layout, [], pairs,
                   {j: self.pieces[j].zero for j in {x for q in pairs for x in q}}, False,
                   self.on_bytes, self.report)
-        p.run(2)
+        p.run(2, self.runner)
         self._save_pairs(p, pairs)
 
     def assemble(self) -> BlockIndex:

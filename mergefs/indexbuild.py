@@ -4,7 +4,8 @@ A pass (:class:`Pass`) reads, per chunk of blocks of one tensor, the base and th
 describe in full, then the other experts' blocks that a wanted Gram pair needs (both deltas
 non-zero), and hands the bytes to the pure functions of :mod:`mergefs.blockstats`. Each chunk
 writes only its own columns of the results, so chunks are independent tasks (threads here; a
-distributed build can run :meth:`Pass.chunk` or the pure functions per (expert, block range)).
+``ChunkRunner`` runs them elsewhere: :mod:`mergefs.rayindex` as Ray tasks, each a pass over a
+run of chunks whose columns the driver's pass takes with :meth:`Pass.put`).
 Blocking I/O; never on the trio thread.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -72,6 +73,25 @@ class BuildReport:
     base_built: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class PassPart:
+    """The columns ``[lo, lo + len(base_hash))`` of a pass that a runner's task computed, and
+    the bytes it read per source (by root)."""
+
+    lo: int
+    base_hash: np.ndarray
+    expert_hash: np.ndarray
+    zero: np.ndarray
+    gram: np.ndarray
+    bytes_read: dict[str, int]
+
+
+#: Runs a pass's chunks elsewhere: given the pass (its ``own``, ``pairs``, ``zero_known`` and
+#: ``full`` say what to compute) and every chunk ``(b0, b1)`` in order, yields PassParts that
+#: cover every chunk exactly once, in any order.
+ChunkRunner = Callable[["Pass", list[tuple[int, int]]], Iterable[PassPart]]
+
+
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """Half-open runs [q0, q1) of True in a bool vector."""
     edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
@@ -105,11 +125,16 @@ class Pass:
         self.on_bytes, self.report = on_bytes, report
         self.lock = threading.Lock()
 
-    def run(self, threads: int) -> None:
+    def run(self, threads: int, runner: ChunkRunner | None = None) -> None:
         """While a worker computes, the kernel already reads the chunks PREFETCH_CHUNKS ahead
-        (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU."""
+        (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU. ``runner``: compute
+        the chunks elsewhere (e.g. Ray tasks, :mod:`mergefs.rayindex`) and take their columns."""
         keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
         runs = chunks(self.layout)
+        if runner is not None:
+            for part in runner(self, runs):
+                self.put(part)
+            return
 
         def task(k: int) -> None:
             if k + PREFETCH_CHUNKS < len(runs):
@@ -121,6 +146,32 @@ class Pass:
                 self.prefetch(*runs[k])
             for fut in [pool.submit(task, k) for k in range(len(runs))]:
                 fut.result()
+
+    def run_chunks(self, runs: Sequence[tuple[int, int]]) -> PassPart:
+        """Compute the given consecutive chunks here, one after the other (a runner's task),
+        and return their columns."""
+        keep_freed_memory()
+        for k, (b0, b1) in enumerate(runs):
+            if k + PREFETCH_CHUNKS < len(runs):
+                self.prefetch(*runs[k + PREFETCH_CHUNKS])
+            self.chunk(b0, b1)
+        lo, hi = runs[0][0], runs[-1][1]
+        return PassPart(lo, self.base_hash[lo:hi].copy(), self.expert_hash[:, lo:hi].copy(),
+                        self.zero[:, lo:hi].copy(), self.gram[:, lo:hi].copy(),
+                        dict(self.report.bytes_read))
+
+    def put(self, part: PassPart) -> None:
+        """Take the columns a runner's task computed (as :meth:`chunk` writes them)."""
+        lo, hi = part.lo, part.lo + part.base_hash.size
+        self.base_hash[lo:hi], self.expert_hash[:, lo:hi] = part.base_hash, part.expert_hash
+        self.zero[:, lo:hi], self.gram[:, lo:hi] = part.zero, part.gram
+        n = 0
+        with self.lock:
+            for root, k in part.bytes_read.items():
+                self.report.bytes_read[root] = self.report.bytes_read.get(root, 0) + k
+                n += k
+            if self.on_bytes is not None and n:
+                self.on_bytes(n)
 
     def prefetch(self, b0: int, b1: int) -> None:
         """Ask the kernel to start reading blocks [b0, b1) of the sources read in full."""

@@ -42,6 +42,8 @@ class RemoteCounters(Counters):
     ``retries``: requests re-sent after a transient error.
     """
 
+    FIELDS = ("bytes_read", "reads", "gap_bytes", "requests", "retries")
+
     def __init__(self) -> None:
         super().__init__()
         self.gap_bytes = 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shared set-up for scripts/test.sh and scripts/demo.sh. Idempotent: each step is skipped when done.
 #   scripts/setup.sh            runtime only
-#   scripts/setup.sh test       runtime + test and remote extras
+#   scripts/setup.sh test       runtime + test, remote and ray extras
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
@@ -29,10 +29,10 @@ fi
 stamp=".venv/.mergefs-installed${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     if [ "$EXTRAS" = test ]; then
-        echo "[setup] installing mergefs[test,remote] (torch==2.13.0 CPU build from local disk)"
+        echo "[setup] installing mergefs[test,remote,ray] (torch==2.13.0 CPU build from local disk)"
         # torch first and pinned, so nothing later can pull a different build.
         .venv/bin/python -m pip install -q "torch==2.13.0"
-        .venv/bin/python -m pip install -q -e ".[test,remote]"
+        .venv/bin/python -m pip install -q -e ".[test,remote,ray]"
     else
         echo "[setup] installing mergefs (torch==2.13.0 CPU build from local disk first)"
         .venv/bin/python -m pip install -q "torch==2.13.0"

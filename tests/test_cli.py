@@ -253,3 +253,21 @@ def test_plan_names_experts_and_lists_tensors(tmp_path: Path, fam: Family) -> No
     assert "expert reads by tensor (top 3 of" in text
     assert "skipped" in text and "zero-delta" in text
     assert "of the merge update" in text  # the bound in words
+
+
+def test_ray_flag_without_ray_says_how_to_install_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        family_f32: Family) -> None:
+    from mergefs.rayexec import INSTALL_HINT
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({
+        "merge_method": "linear", "base_model": str(family_f32.base),
+        "models": [{"model": str(e), "parameters": {"weight": 0.5}}
+                   for e in family_f32.experts[:2]], "index_dir": str(tmp_path / "idx")}))
+    for argv in (["merge", str(spec), str(tmp_path / "out"), "--ray"],
+                 ["index", str(spec), "--ray", "10.0.0.1:6379"]):
+        assert cli.main(argv) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"mergefs: error: {INSTALL_HINT}"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "idx").exists()

@@ -1,0 +1,311 @@
+"""Running merges as Ray tasks (the optional ``mergefs[ray]`` extra), and what every Ray path
+shares: connecting, placing tasks, checking the sources on the workers, unwrapping errors.
+Index builds and delta sidecars on Ray: :mod:`mergefs.rayindex`.
+
+``mergefs merge SPEC OUT --ray [ADDRESS]`` plans on the driver as always, then runs one task per
+output shard. A task opens the spec's sources itself (local paths that every node sees, or
+``s3://``/``https://`` URLs read by ranges), refuses to start when any source's identity (sizes,
+mtimes, ETags, header hashes) differs from what the driver opened (a source that changed
+mid-run fails the run, naming it), merges exactly the units the local run merges with the same
+:class:`~mergefs.engine.Engine` (every block checked against the index hashes, as locally), and
+writes the shard to a temporary name inside the output's staging directory
+(:class:`~mergefs.outdir.Staging`, which must lie on storage every node sees). The driver renames
+each finished shard, writes the manifest records the task returns (each with an additive
+``worker`` field: Ray node id and pid), adds the task's read counters to the session's, then
+writes the shard index and non-weight files and commits the staging directory: so output files,
+manifest records and totals are those of the local run, and nothing partial is ever left under a
+final name. A task whose worker dies is retried by Ray (``max_retries``); any other failure fails
+the run, its other tasks are cancelled and the staging directory is removed.
+
+Only the driver functions here call Ray; the task bodies are plain functions of picklable
+values. Blocking; never on the trio thread. The spec is sent to the tasks whole, storage options
+(credentials) included: they travel inside the cluster's object store, never into a log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .errors import MergefsError, SourceChanged
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "--ray needs Ray: pip install 'mergefs[ray]'"
+MAX_RETRIES = 3  # attempts after a worker process or node is lost (Ray's max_retries)
+TASK_OPTIONS: dict[str, Any] = {"max_retries": MAX_RETRIES, "num_cpus": 1}
+#: Fault injection for tests only: a worker that finds a file ``exit-once`` in this directory
+#: (and claims it by removing it) exits mid-shard, as a lost worker would. Read on the workers,
+#: never by the driver or the library's own configuration.
+FAULT_DIR_ENV = "MERGEFS_RAY_FAULT_DIR"
+
+
+class RayUnavailable(MergefsError):
+    """Ray is not installed (the ``ray`` extra)."""
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or one clear error saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable(INSTALL_HINT) from None
+    return ray
+
+
+def connect(address: str | None) -> Any:
+    """Connect to the Ray cluster at ``address`` (None: ``RAY_ADDRESS``, else the cluster
+    ``ray start`` runs on this machine, else a new local one); reuse an existing connection."""
+    ray = require_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                 configure_logging=False)
+    return ray
+
+
+def refuse_unsupported(spec: Any) -> None:
+    """Specs the Ray path does not run yet (their sources' counters are sums of several)."""
+    if spec.sliced or spec.tokenizer is not None or spec.intermediates:
+        raise MergefsError(f"{spec.source}: --ray does not run sliced, tokenizer or "
+                           "multi-document merges yet; run them without --ray")
+
+
+def placements(ray: Any) -> Callable[[int], Any]:
+    """Task k's placement: the k-th alive node with CPUs, round robin, *soft* (a task whose
+    node is gone, e.g. a retry after a node was lost, runs anywhere). Ray's own SPREAD is best
+    effort: short tasks all land on the node whose workers are warm, and reads do not spread."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes()
+                   if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    if not nodes:
+        return lambda k: "DEFAULT"
+    return lambda k: NodeAffinitySchedulingStrategy(nodes[k % len(nodes)], soft=True)
+
+
+def worker_id() -> dict[str, Any]:
+    """Who runs this task: the Ray node id and the worker's pid (the manifest's ``worker``)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {"node": node, "pid": os.getpid()}
+
+
+def identities(base: Checkpoint, experts: Sequence[Checkpoint]) -> list[dict[str, object]]:
+    return [c.identity_json() for c in [base, *experts]]
+
+
+def check_same_sources(expected: list[dict[str, object]], base: Checkpoint,
+                       experts: Sequence[Checkpoint]) -> None:
+    """Refuse sources that differ from what the driver opened, naming the first one."""
+    for want, src in zip(expected, [base, *experts]):
+        now = src.identity_json()
+        if now != want:
+            raise SourceChanged(f"{src.root}: changed since the run started (file sizes, "
+                                "mtimes, ETags or headers differ on a worker); run again once "
+                                "the sources are stable")
+
+
+#: The family a worker process opened last, by (spec file, identities): the next task of the
+#: same run reuses its parsed headers instead of re-reading every header (on S3: a LIST and a
+#: GET per file and task). Tasks of one worker process run one at a time.
+_OPENED: dict[str, tuple[Checkpoint, list[Checkpoint]]] = {}
+
+
+def open_checked(spec: Any, expected: list[dict[str, object]]
+                 ) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The spec's family on this worker, refused if it differs from what the driver opened.
+
+    A family this process opened before for the same run is reused after a fresh check of its
+    local files (size and mtime; remote reads carry the opened ETag in every request).
+    """
+    from .engine import open_family
+
+    key = json.dumps([spec.source, expected], sort_keys=True, default=str)
+    got = _OPENED.get(key)
+    if got is not None:
+        for c in [got[0], *got[1]]:
+            if not c.is_remote:
+                c.check_unchanged()
+        return got
+    base, experts = open_family(spec)
+    try:
+        check_same_sources(expected, base, experts)
+    except BaseException:
+        for c in [base, *experts]:
+            c.close()
+        raise
+    _OPENED.clear()  # one family per worker process at a time
+    _OPENED[key] = (base, experts)
+    return base, experts
+
+
+def same_version(driver: str) -> None:
+    if driver != __version__:
+        raise MergefsError(f"worker runs mergefs {__version__}, the driver {driver}: install "
+                           "the same version on every node")
+
+
+def _fault_point() -> None:
+    where = os.environ.get(FAULT_DIR_ENV)
+    if not where:
+        return
+    try:
+        os.unlink(Path(where) / "exit-once")
+    except FileNotFoundError:
+        return
+    log.warning("fault injection: worker %d exits", os.getpid())
+    os._exit(17)
+
+
+# -- merge: one task per output shard --------------------------------------------------------
+@dataclass(frozen=True)
+class MergeJob:
+    """What every shard task of one merge shares (sent once through the object store)."""
+
+    spec: Any
+    index: Any
+    plan: Any
+    identities: list[dict[str, object]]
+    staging: str
+    version: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class ShardDone:
+    """A finished shard: its temporary name in the staging directory and what it read."""
+
+    file: str
+    tmp_name: str
+    hashes: dict[str, str]
+    lines: list[str]  # manifest records (JSON), in the order the task made them
+    counters: list[dict[str, int]]  # per source: base, then experts
+    sidecar_bytes: dict[int, int]
+    blocks_merged: int
+    units_merged: int
+    worker: dict[str, Any]
+
+
+def merge_shard(job: MergeJob, file: str) -> ShardDone:
+    """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
+    from .engine import Engine, _find_deltas, recipe_of
+    from .manifest import ManifestWriter
+
+    same_version(job.version)
+    base, experts = open_checked(job.spec, job.identities)
+    deltas: dict[int, Any] = {}
+    try:
+        for c in [base, *experts]:
+            c.counters.reset()  # count the merge's reads only, as the local session does
+        if job.plan.levels is not None:
+            deltas = _find_deltas(base, experts, job.index)
+        records = ManifestWriter(None, keep_lines=True)
+        engine = Engine(job.spec, base, experts, job.index, job.plan, records,
+                        recipe=recipe_of(job.spec, base), deltas=deltas)
+        f = next(o for o in engine.out_files if o.name == file)
+        tmp_name = f".{f.name}.partial-{os.getpid()}"
+        fired = False
+
+        def on_bytes(_: int) -> None:
+            nonlocal fired
+            if not fired:  # after the first piece is written: a worker lost mid-shard
+                fired = True
+                _fault_point()
+
+        with ThreadPoolExecutor(max_workers=job.threads,
+                                thread_name_prefix="mergefs-merge") as pool:
+            hashes = engine.write_shard(Path(job.staging) / tmp_name, f, pool, on_bytes)
+        return ShardDone(file, tmp_name, hashes, list(records.lines),
+                         [c.counters.snapshot() for c in [base, *experts]],
+                         {i: sc.bytes_read for i, sc in deltas.items()},
+                         engine.blocks_merged, engine.units_merged, worker_id())
+    finally:
+        for c in [base, *experts]:
+            c.close()  # its file descriptors; a reused family opens them again
+        for sc in deltas.values():
+            sc.close()
+
+
+def task_error(exc: BaseException, what: str) -> BaseException:
+    """A task's own error (a MergefsError, an OSError) rather than Ray's wrapper; any other
+    failure (retries exhausted, a node lost for good) as one MergefsError naming the task."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, (MergefsError, OSError)):
+        return cause
+    if isinstance(exc, (MergefsError, OSError)):
+        return exc
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return MergefsError(f"ray task for {what} failed: {first}")
+
+
+def materialise(session: Any, outdir: str | Path, address: str | None = None,
+                on_bytes: Callable[[int], None] | None = None, overwrite: bool = False,
+                threads: int = 2) -> dict[str, str]:
+    """``session.engine.materialise`` with one Ray task per output shard (module docstring).
+
+    Returns {tensor: xxh3}; the session's counters, the engine's block counts and the manifest
+    end up as the local run leaves them, so ``session.finish()`` writes the same totals.
+    """
+    from .engine import write_error
+    from .outdir import Staging
+
+    refuse_unsupported(session.spec)
+    ray = connect(address)
+    engine = session.engine
+    hashes: dict[str, str] = {}
+    staging = Staging(outdir, force=overwrite)
+    try:
+        with staging:
+            job = ray.put(MergeJob(session.spec, session.index, session.plan,
+                                   identities(session.base, session.experts), str(staging.tmp),
+                                   __version__, threads))
+            task, place = ray.remote(merge_shard), placements(ray)
+            files = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS)
+                     .remote(job, f.name): f for k, f in enumerate(engine.out_files)}
+            pending = list(files)
+            try:
+                while pending:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    f = files[done[0]]
+                    try:
+                        res: ShardDone = ray.get(done[0])
+                    except (ray.exceptions.RayError, MergefsError, OSError) as exc:
+                        raise task_error(exc, f.name) from None
+                    os.replace(staging.tmp / res.tmp_name, staging.tmp / f.name)
+                    _absorb(session, res)
+                    engine.record_tensors(f, res.hashes, hashes)
+                    if on_bytes is not None:
+                        on_bytes(f.size_bytes - len(f.header))
+            except BaseException:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise
+            for p in staging.tmp.glob(".*.partial-*"):  # left by a worker that was lost
+                p.unlink()
+            engine.write_extras(staging.tmp)
+            staging.commit(engine.marker())
+    except OSError as exc:
+        raise write_error(exc, outdir) from None
+    return hashes
+
+
+def _absorb(session: Any, res: ShardDone) -> None:
+    """Take a finished shard's records and counts into the driver's session."""
+    engine = session.engine
+    if engine.manifest is not None:
+        for line in res.lines:
+            engine.manifest.write({**json.loads(line), "worker": res.worker})
+    for src, counts in zip([session.base, *session.experts], res.counters):
+        src.counters.absorb(counts)
+    for i, n in res.sidecar_bytes.items():
+        session.deltas[i].bytes_read += n
+    engine.add_merged(res.blocks_merged, res.units_merged)
