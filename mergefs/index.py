@@ -35,7 +35,15 @@ from . import sidecar
 from .checkpoint import Checkpoint
 from .format import DTYPES, FLOAT_DTYPES
 from .indexbuild import BuildReport, ChunkRunner, Pass
-from .indexstore import ExpertPiece, PieceStore, base_key, ctimes_of, expert_key, pair_key
+from .indexstore import (
+    ExpertPiece,
+    PieceStore,
+    base_key,
+    ctimes_of,
+    dtype_digest,
+    expert_key,
+    pair_key,
+)
 from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
@@ -335,7 +343,11 @@ class _Family:
 
     def _pair_key(self, i: int, j: int) -> str:
         assert self.base_hash is not None
-        return pair_key(self.base_hash, self.pieces[i], self.pieces[j], self.layout.block_size)
+        names = self.layout.tensors
+        dt = (dtype_digest(self.base, names), dtype_digest(self.experts[i], names),
+              dtype_digest(self.experts[j], names))
+        return pair_key(self.base_hash, self.pieces[i], self.pieces[j], self.layout.block_size,
+                        dt)
 
     def _wanted(self, i: int, j: int) -> bool:
         """The pair of (read) experts i < j has no Gram terms yet, stored or computed now."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,9 +92,20 @@ def expert_key(base: Checkpoint, expert: Checkpoint, block_size: int) -> str:
                  "expert": expert.identity_json()})
 
 
-def pair_key(base_hash: np.ndarray, a: ExpertPiece, b: ExpertPiece, block_size: int) -> str:
-    return _key({"block_size": block_size, "base": content_digest(base_hash),
-                 "pair": sorted([a.digest(), b.digest()])})
+def dtype_digest(src: Checkpoint, tensors: Sequence[str]) -> str:
+    """The dtypes ``src``'s bytes are decoded with, in layout order: the same bytes read as
+    bf16 or as fp16 are other values, so Gram terms depend on them too."""
+    return xxhash.xxh3_64_hexdigest(json.dumps([src.tensors[t].dtype for t in tensors]).encode())
+
+
+def pair_key(base_hash: np.ndarray, a: ExpertPiece, b: ExpertPiece, block_size: int,
+             dtypes: tuple[str, str, str] = ("", "", "")) -> str:
+    """Key of the Gram terms of experts ``a`` and ``b``: their block contents, the base's, and
+    ``dtypes`` (:func:`dtype_digest` of base, a, b)."""
+    base_dt, a_dt, b_dt = dtypes
+    pair = sorted([(a.digest(), a_dt), (b.digest(), b_dt)])
+    return _key({"block_size": block_size, "base": [content_digest(base_hash), base_dt],
+                 "pair": pair})
 
 
 def ctimes_of(src: Checkpoint) -> dict[str, int]:
@@ -149,7 +161,12 @@ class PieceStore:
         return arrays, meta
 
     def _ctime_moved(self, meta: dict[str, str], src: Checkpoint) -> str | None:
-        recorded = json.loads(meta.get("ctime_ns", "{}"))
+        try:
+            recorded = json.loads(meta.get("ctime_ns", "{}"))
+            if not isinstance(recorded, dict):
+                raise TypeError("not a mapping")
+        except (ValueError, TypeError) as exc:  # another writer's or version's: not trusted
+            return f"its index piece has an unreadable ctime_ns record ({exc})"
         for path, now in ctimes_of(src).items():
             if recorded.get(path, now) != now:
                 return (f"{path} was modified since the last index (its status-change time "

@@ -262,3 +262,37 @@ def test_an_index_dir_that_cannot_be_written_is_a_clear_error(fam: Family, tmp_p
     blocker.write_text("a file where the index folder should be")
     with pytest.raises(SourceError, match="cannot write the index"):
         index_of(fam, [0], blocker)
+
+
+def test_an_expert_relabelled_to_another_dtype_gets_new_pairs(fam: Family,
+                                                              tmp_path: Path) -> None:
+    """The same bytes read as fp16 instead of bf16 are other deltas: stored Gram terms keyed by
+    bytes alone were reused, giving a wrong cross term (review finding)."""
+    import json
+    import shutil
+
+    relabelled = tmp_path / "as-f16"
+    shutil.copytree(fam.experts[0], relabelled)
+    f = relabelled / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    hdr = json.loads(data[8:8 + n])
+    for k, v in hdr.items():
+        if k != "__metadata__" and v["dtype"] == "BF16":
+            v["dtype"] = "F16"
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    f.write_bytes(data[:8] + h + b" " * (n - len(h)) + data[8 + n:])
+    idx = tmp_path / "idx"
+    index_of(fam, [0, 1], idx)  # the bf16 expert and its pair with expert 1, stored
+    base = open_checkpoint(fam.base)
+    experts = [open_checkpoint(relabelled), open_checkpoint(fam.experts[1])]
+    try:
+        got, _ = load_or_build(base, experts, BLOCK, idx)
+        want = build_index(base, experts, build_layout(base, BLOCK))
+    finally:
+        for c in [base, *experts]:
+            c.close()
+    assert np.array_equal(got.expert_hash, want.expert_hash)
+    assert not np.array_equal(got.gram[:, 0, 1], fresh(fam, [0, 1]).gram[:, 0, 1])
+    assert_same(got, want)
+    assert_same(index_of(fam, [0, 1], idx)[0], fresh(fam, [0, 1]))  # the first pair intact
