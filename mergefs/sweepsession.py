@@ -80,8 +80,15 @@ class VariantRecorder:
     which units are recorded for it. Records are held back until :meth:`publish` (a reload
     publishes new variants only once every one of them opened)."""
 
-    def __init__(self, name: str, settings: dict[str, Any], writer: ManifestWriter) -> None:
+    def __init__(self, name: str, settings: dict[str, Any], writer: ManifestWriter,
+                 merged_here: set[str] | None = None) -> None:
         self.name = name
+        #: keys of the units some variant's engine merged in this mount (shared by all of a
+        #: sweep's recorders): only those are recorded as shared; a unit from the on-disk
+        #: cache of an earlier mount was neither read nor merged here, and is not recorded
+        #: (as a plain mount does not record it), so the manifest stays replayable
+        self.merged_here = merged_here if merged_here is not None else set()
+        self.units_from_disk = 0
         self.settings = settings
         self.writer = writer
         self.path = writer.path
@@ -102,7 +109,9 @@ class VariantRecorder:
                 src = rec["source"]
                 self.requested[src] = self.requested.get(src, 0) + rec["end"] - rec["start"]
             elif kind == "output" and self.key_of is not None:
-                self.recorded.add(self.key_of(rec["tensor"], rec["b0"], rec["b1"]))
+                key = self.key_of(rec["tensor"], rec["b0"], rec["b1"])
+                self.recorded.add(key)
+                self.merged_here.add(key)
             if self._held is not None:
                 self._held.append(rec)
                 return
@@ -124,6 +133,9 @@ class VariantRecorder:
             if key in self.recorded:
                 return
             self.recorded.add(key)
+            if key not in self.merged_here:
+                self.units_from_disk += 1
+                return
             self.units_shared += 1
         self.write({"type": "output", "tensor": tensor, "b0": b0, "b1": b1, "start": start,
                     "end": end, "xxh3": xxhash.xxh3_64_hexdigest(data), "shared": True})
@@ -183,6 +195,7 @@ class SweepSession:
         self.manifest = manifest
         self.base, self.experts = open_family(first)
         self._lock = threading.Lock()  # serialises add/reload
+        self._merged_here: set[str] = set()  # unit keys merged in this mount (VariantRecorder)
         self.variants: dict[str, VariantState] = {}
         try:
             self.index, self.index_built = load_or_build(
@@ -227,7 +240,7 @@ class SweepSession:
         return expert_labels([e.path for e in self.first.experts])
 
     def _open(self, v: Variant, spec: Spec) -> VariantState:
-        recorder = VariantRecorder(v.name, dict(v.settings), self.manifest)
+        recorder = VariantRecorder(v.name, dict(v.settings), self.manifest, self._merged_here)
         session = Session(spec, manifest=recorder,  # type: ignore[arg-type]
                           family=(self.base, self.experts), index=self.index)
         key_of = unit_key_of(session)
@@ -287,6 +300,7 @@ class SweepSession:
                 "total_expert_bytes": plan.total_expert_bytes,
                 "units_merged": engine.units_merged, "blocks_merged": engine.blocks_merged,
                 "units_shared": st.recorder.units_shared,
+                "units_from_disk_cache": st.recorder.units_from_disk,
                 "bound_tight": plan.bound_tight, "bound_loose": plan.bound_loose,
                 "error_exact": plan.error_exact, "update_norm": plan.update_norm}
 

@@ -237,6 +237,7 @@ class SweepView(View):
                 "served_bytes": served.get(name, 0),
                 "units_merged": totals["units_merged"], "blocks_merged": totals["blocks_merged"],
                 "units_shared": totals["units_shared"],
+                "units_from_disk_cache": totals["units_from_disk_cache"],
                 "requested_bytes_read": totals["requested_bytes_read"],
                 "method": st.spec.method, "plan_hash": st.session.plan.plan_hash,
                 "budget_bytes": st.session.plan.budget_bytes,

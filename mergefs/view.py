@@ -230,7 +230,7 @@ class View:
             self._nodes[parent].children[name] = ino
 
     def _warn_large_units(self) -> None:
-        largest = max((s.end - s.start for n in self._nodes.values() if n.weights
+        largest = max((s.end - s.start for n in list(self._nodes.values()) if n.weights
                        for s in n.weights.segments), default=0)
         if largest > self.cache.capacity_bytes:
             log.warning("the largest merge unit (%d bytes) exceeds the cache (%d bytes): every "
@@ -252,7 +252,7 @@ class View:
     def attr(self, inode: int) -> Attr:
         n = self._nodes[inode]  # KeyError for an unknown inode
         if n.kind == "dir":
-            subdirs = sum(self._nodes[c].kind == "dir" for c in n.children.values())
+            subdirs = sum(self._nodes[c].kind == "dir" for c in list(n.children.values()))
             return Attr(inode, True, 0, stat.S_IFDIR | 0o555, 2 + subdirs, n.mtime_ns, False)
         dynamic = n.kind in DYNAMIC_KINDS
         return Attr(inode, False, n.size_bytes, stat.S_IFREG | 0o444, 1, n.mtime_ns, dynamic)
@@ -269,7 +269,7 @@ class View:
 
     def totals(self) -> tuple[int, int]:
         """(number of nodes, bytes of all non-dynamic files): for statfs."""
-        size = sum(n.size_bytes for n in self._nodes.values())
+        size = sum(n.size_bytes for n in list(self._nodes.values()))  # (a reload adds nodes)
         return len(self._nodes), size
 
     # -- handles ----------------------------------------------------------------------------
@@ -461,7 +461,7 @@ class View:
     # -- the kernel page cache ----------------------------------------------------------------
     def weight_files(self) -> list[tuple[str, int, WeightFile]]:
         """(path, inode, weight file) of every weight file, in path order."""
-        return [(n.path, n.inode, n.weights) for n in sorted(self._nodes.values(),
+        return [(n.path, n.inode, n.weights) for n in sorted(list(self._nodes.values()),
                                                              key=lambda n: n.path)
                 if n.weights is not None]
 

@@ -227,3 +227,44 @@ def test_threads_reading_every_variant_with_tiny_caches(tmp_path: Path, fam: Fam
     assert errors == []
     stats = m.stats()
     assert stats["read_errors"] == 0 and stats["shared"]["source_cache"]["evictions"] > 0
+
+
+def test_units_from_an_earlier_mounts_disk_cache_keep_the_manifest_replayable(
+        tmp_path: Path, fam: Family) -> None:
+    """A second sweep mount over the same cache dir serves units it neither read nor merged:
+    they are not recorded as shared outputs (replay failed on them: review finding)."""
+    import xxhash
+
+    from mergefs.cache import UnitCache
+    from mergefs.manifest import ManifestWriter
+    from mergefs.replayer import replay
+    from mergefs.sweepsession import SweepSession
+    from mergefs.sweepview import SweepView
+
+    spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"budget": ["20%", "60%", "full"]})
+
+    def run(manifest: Path) -> dict[str, Any]:
+        sw = SweepSession(spec, ManifestWriter(manifest), 64 << 20)
+        key = xxhash.xxh3_64_hexdigest(f"sweep\x00{sw.index.key}".encode())
+        view = SweepView(sw, UnitCache(8 << 20, tmp_path / "ucache", key))
+        try:
+            for name in sw.variants:
+                view.read_path(f"{name}/model.safetensors")
+            return view.stats()
+        finally:
+            view.close()
+            sw.finish()
+            sw.close()
+
+    first = run(tmp_path / "m1.jsonl")
+    assert first["shared"]["units_merged"] > 0
+    second = run(tmp_path / "m2.jsonl")
+    assert second["shared"]["units_merged"] == 0  # everything came from the disk cache
+    assert sum(v["units_from_disk_cache"] for v in second["variants"].values()) > 0
+    assert second["shared"]["units_shared"] == 0
+    from mergefs.errors import ManifestError
+
+    replay(tmp_path / "m1.jsonl")
+    with pytest.raises(ManifestError, match="no variant of the sweep was read; nothing to "
+                                            "verify"):  # as a plain mount's manifest
+        replay(tmp_path / "m2.jsonl")
