@@ -105,9 +105,10 @@ def _ray_runner(ray: str | None, spec: Spec, base: Any, experts: Any) -> Any:
 def _require_ray(args: argparse.Namespace) -> None:
     """With ``--ray``, fail first (one line saying how to install it) if Ray is missing."""
     if getattr(args, "ray", None) is not None:
-        from .rayexec import require_ray
+        from .rayexec import check_reachable, require_ray
 
         require_ray()
+        check_reachable(args.ray or None)
 
 
 def _indexed(spec: Spec, base: Any, experts: Any, ray: str | None = None,

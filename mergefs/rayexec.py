@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,6 +61,23 @@ def require_ray() -> Any:
     except ImportError:
         raise RayUnavailable(INSTALL_HINT) from None
     return ray
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """An explicit ``HOST:PORT`` that nothing answers on fails here, in one line, before
+    anything is opened or written (Ray itself retries for minutes)."""
+    if not address or "://" in address or address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise MergefsError(f"--ray {address}: expected HOST:PORT (the head node's GCS address, "
+                           "as `ray start --head` prints it)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise MergefsError(f"--ray {address}: no Ray cluster answers there ({why}); start one "
+                           "with `ray start --head` or check the address") from None
 
 
 def connect(address: str | None) -> Any:
@@ -204,15 +223,17 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
     base, experts = open_checked(job.spec, job.identities)
     deltas: dict[int, Any] = {}
     try:
-        for c in [base, *experts]:
-            c.counters.reset()  # count the merge's reads only, as the local session does
         if job.plan.levels is not None:
             deltas = _find_deltas(base, experts, job.index)
+        for c in [base, *experts]:  # count the merge's reads only, as the local session does
+            c.counters.reset()  # (after looking for sidecars, as it does)
         records = ManifestWriter(None, keep_lines=True)
         engine = Engine(job.spec, base, experts, job.index, job.plan, records,
                         recipe=recipe_of(job.spec, base), deltas=deltas)
         f = next(o for o in engine.out_files if o.name == file)
-        tmp_name = f".{f.name}.partial-{os.getpid()}"
+        # unique across nodes and attempts (pids repeat across containers; a retry may run
+        # while a node marked dead still writes)
+        tmp_name = f".{f.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fired = False
 
         def on_bytes(_: int) -> None:

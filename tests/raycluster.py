@@ -21,6 +21,15 @@ import time
 from pathlib import Path
 
 
+def _die_with_parent() -> None:
+    """In the node's process (before exec): SIGTERM when the test process dies, however it
+    dies (SIGKILL, a CI timeout), so `ray start --block` stops its node instead of leaking it."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +48,10 @@ class LocalRayCluster:
     def __init__(self, nodes: int = 2, cpus: int = 1, env: dict[str, str] | None = None,
                  object_store_bytes: int = 80 << 20) -> None:
         self.nodes, self.cpus = nodes, cpus
-        self.env = {**os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0"}
+        # token auth off whatever ~/.ray holds (a local `ray.init` writes ~/.ray/auth_token,
+        # and every later `ray start` would then demand it): the driver sets the same
+        self.env = {**os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_AUTH_MODE": "disabled"}
         self.object_store_bytes = object_store_bytes
         # Short: Ray puts Unix sockets under it (at most 107 bytes per path).
         self.temp_dir = tempfile.mkdtemp(prefix="mfray", dir="/tmp")
@@ -67,7 +79,8 @@ class LocalRayCluster:
         with open(Path(self.temp_dir) / f"node{k}.log", "wb") as log:
             self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log,
                                                stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, start_new_session=True))
+                                               stdin=subprocess.DEVNULL, start_new_session=True,
+                                               preexec_fn=_die_with_parent))
 
     def start(self, timeout_s: float = 60.0) -> LocalRayCluster:
         """Start the nodes and wait until every one has joined (raises, after stopping, if not)."""
