@@ -87,8 +87,8 @@ class CacheStats:
         return asdict(self)
 
 
-class _Flight:
-    """One unit being produced; waiters block on ``done``."""
+class Flight:
+    """One value being produced (a merged unit, a source block): waiters block on ``done``."""
 
     __slots__ = ("done", "error", "value")
 
@@ -108,7 +108,7 @@ class UnitCache:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, bytes] = OrderedDict()
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
         self._bytes = 0
         self._hits = self._waits = self._misses = self._disk_hits = 0
         self._peek_hits = 0  # incremented by peek only, without the lock (see peek)
@@ -137,7 +137,7 @@ class UnitCache:
             flight = self._flights.get(key)
             leader = flight is None
             if flight is None:
-                flight = self._flights[key] = _Flight()
+                flight = self._flights[key] = Flight()
                 self._misses += 1
             else:
                 self._waits += 1

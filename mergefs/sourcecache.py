@@ -12,16 +12,7 @@ from typing import Any
 
 import numpy as np
 
-
-class _Flight:
-    """One piece being read; waiters block on ``done``."""
-
-    __slots__ = ("done", "error", "value")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: bytes | None = None
-        self.error: BaseException | None = None
+from .cache import Flight
 
 
 class SourceBlockCache:
@@ -52,7 +43,7 @@ class SourceBlockCache:
         self._lru: OrderedDict[tuple[str, str, int, int], bytes] = OrderedDict()
         self._bounds: dict[tuple[str, str], Any] = {}
         self._bytes = 0
-        self._flights: dict[tuple[str, str, int, int], _Flight] = {}
+        self._flights: dict[tuple[str, str, int, int], Flight] = {}
         self.requested_bytes = self.miss_bytes = self.evictions = 0
 
     def add_boundaries(self, source: str, file: str, offsets: Any) -> None:
@@ -89,7 +80,7 @@ class SourceBlockCache:
         keys = [(source, r.file, a, b) for a, b in pieces]
         got: list[bytes | None] = [None] * len(pieces)
         mine: list[int] = []  # pieces this call reads (it leads their flights)
-        waiting: list[tuple[int, _Flight]] = []  # pieces another call is reading now
+        waiting: list[tuple[int, Flight]] = []  # pieces another call is reading now
         with self._lock:
             self.requested_bytes += r.end - r.start
             for k, key in enumerate(keys):
@@ -100,7 +91,7 @@ class SourceBlockCache:
                 elif key in self._flights:
                     waiting.append((k, self._flights[key]))
                 else:
-                    self._flights[key] = _Flight()
+                    self._flights[key] = Flight()
                     mine.append(k)
         runs: list[list[int]] = []  # runs of adjacent pieces of ours (indices)
         for k in mine:
