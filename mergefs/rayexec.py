@@ -29,15 +29,17 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import __version__
 from .checkpoint import Checkpoint
 from .errors import MergefsError, SourceChanged
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,26 @@ def connect(address: str | None) -> Any:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
                  configure_logging=False)
     return ray
+
+
+def completed(ray: Any, tasks: dict[Any, T], what: Callable[[T], str]
+              ) -> Iterator[tuple[T, Any]]:
+    """``(item, result)`` of each task of ``tasks`` (object ref -> item) as it finishes; a
+    failed task raises one error naming ``what(item)``; on any error, or when the caller stops
+    early, the tasks still pending are cancelled."""
+    pending = list(tasks)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            item = tasks[done[0]]
+            try:
+                res = ray.get(done[0])
+            except (ray.exceptions.RayError, MergefsError, OSError) as exc:
+                raise task_error(exc, what(item)) from None
+            yield item, res
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
 
 
 def refuse_unsupported(spec: Any) -> None:
@@ -292,24 +314,13 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
             task, place = ray.remote(merge_shard), placements(ray)
             files = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS)
                      .remote(job, f.name): f for k, f in enumerate(engine.out_files)}
-            pending = list(files)
-            try:
-                while pending:
-                    done, pending = ray.wait(pending, num_returns=1)
-                    f = files[done[0]]
-                    try:
-                        res: ShardDone = ray.get(done[0])
-                    except (ray.exceptions.RayError, MergefsError, OSError) as exc:
-                        raise task_error(exc, f.name) from None
-                    os.replace(staging.tmp / res.tmp_name, staging.tmp / f.name)
-                    _absorb(session, res)
-                    engine.record_tensors(f, res.hashes, hashes)
-                    if on_bytes is not None:
-                        on_bytes(f.size_bytes - len(f.header))
-            except BaseException:
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                raise
+            res: ShardDone
+            for f, res in completed(ray, files, lambda f: f.name):
+                os.replace(staging.tmp / res.tmp_name, staging.tmp / f.name)
+                _absorb(session, res)
+                engine.record_tensors(f, res.hashes, hashes)
+                if on_bytes is not None:
+                    on_bytes(f.size_bytes - len(f.header))
             for p in staging.tmp.glob(".*.partial-*"):  # left by a worker that was lost
                 p.unlink()
             engine.write_extras(staging.tmp)

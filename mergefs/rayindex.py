@@ -30,13 +30,13 @@ from .checkpoint import Checkpoint
 from .errors import MergefsError, SourceError
 from .rayexec import (
     TASK_OPTIONS,
+    completed,
     connect,
     identities,
     open_checked,
     placements,
     refuse_unsupported,
     same_version,
-    task_error,
     worker_id,
 )
 
@@ -127,21 +127,11 @@ class RayChunkRunner:
         task, place = ray.remote(index_range), placements(ray)
         groups = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS).remote(job, g): g
                   for k, g in enumerate(chunk_groups(chunks, per_block, n_tasks))}
-        pending = list(groups)
-        try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                g = groups[done[0]]
-                try:
-                    res: RangeDone = ray.get(done[0])
-                except (ray.exceptions.RayError, MergefsError, OSError) as exc:
-                    raise task_error(exc, f"index blocks [{g[0][0]}, {g[-1][1]})") from None
-                self.parts.append({"worker": res.worker, "blocks": [g[0][0], g[-1][1]],
-                                   "bytes_read": sum(res.part.bytes_read.values())})
-                yield res.part
-        finally:  # an error, or the consumer stopped early
-            for ref in pending:
-                ray.cancel(ref, force=True)
+        res: RangeDone
+        for g, res in completed(ray, groups, lambda g: f"index blocks [{g[0][0]}, {g[-1][1]})"):
+            self.parts.append({"worker": res.worker, "blocks": [g[0][0], g[-1][1]],
+                               "bytes_read": sum(res.part.bytes_read.values())})
+            yield res.part
 
 
 # -- compress: one task per expert ------------------------------------------------------------
@@ -172,36 +162,32 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                    address: str | None = None) -> list[str]:
     """``compress.publish`` with one Ray task per expert: each task reads its expert and the
     base and encodes the sidecar; the driver writes each file beside its expert."""
-    from . import sidecar
+    from . import deltas, sidecar
     from .compress import sidecar_path
     from .lora import LoraCheckpoint
 
     refuse_unsupported(spec)
     for e in experts:  # as compress.publish: refused before anything is read
-        if e.is_remote:
-            raise SourceError(f"{e.root}: publishing delta sidecars to remote experts is not "
-                               "supported yet (compress a local copy, then upload the file)")
+        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
+            raise SourceError(f"{e.root}: cannot publish a delta sidecar here: HTTP sources are "
+                              "read-only (compress a local, file:// or s3:// copy)")
     ray = connect(address)
     job = ray.put(CompressJob(spec, index, identities(base, experts), __version__))
     task, place = ray.remote(compress_expert), placements(ray)
     todo = {task.options(scheduling_strategy=place(i), **TASK_OPTIONS).remote(job, i): i
             for i, e in enumerate(experts) if not isinstance(e, LoraCheckpoint)}
     written: dict[int, str] = {}
-    pending = list(todo)
-    try:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            i = todo[done[0]]
-            try:
-                data, who = ray.get(done[0])
-            except (ray.exceptions.RayError, MergefsError, OSError) as exc:
-                raise task_error(exc, f"the delta sidecar of {experts[i].root}") from None
-            path = sidecar_path(base, experts[i], index.layout.block_size)
+    for i, (data, who) in completed(ray, todo, lambda i: f"the delta sidecar of "
+                                    f"{experts[i].root}"):
+        e = experts[i]
+        if e.is_remote:
+            where = e.write_aux(deltas.delta_name(sidecar.sidecar_name(  # type: ignore[attr-defined]
+                e, sidecar.base_key(base), index.layout.block_size)), data)
+        else:
+            path = sidecar_path(base, e, index.layout.block_size)
             sidecar.write_beside(path, data, "delta sidecar")
-            log.info("delta sidecar %s: %d bytes (node %s, pid %s)", path, len(data),
-                     who["node"], who["pid"])
-            written[i] = str(path)
-    finally:
-        for ref in pending:
-            ray.cancel(ref, force=True)
+            where = str(path)
+        log.info("delta sidecar %s: %d bytes (node %s, pid %s)", where, len(data),
+                 who["node"], who["pid"])
+        written[i] = where
     return [written[i] for i in sorted(written)]
