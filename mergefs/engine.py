@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import __version__, memory
+from . import __version__, kernels, memory
 from . import tokenizer as tokenizers
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
@@ -40,7 +40,7 @@ from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .lora import open_source
 from .manifest import SCHEMA_VERSION, ManifestWriter
-from .methods import Unit
+from .methods import Fused, Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
 from .recipe import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
@@ -326,6 +326,12 @@ class Engine:
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
+        self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.kernels)
+        self._fused: dict[str, Fused | None] = {}
+        #: some unit's arithmetic has a compiled kernel form (used when numba is available)
+        self.fusable = any(self._fused_form(name) is not None for name in self.unit_outputs)
+        if self.fusable:
+            kernels.note_unavailable()
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
 
     def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -462,6 +468,13 @@ class Engine:
         if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
                                                                       base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
+        form = None if any(levels) else self._fused_form(name)
+        if kernels.supports(form, [src_dtype, *(e.tensors[name].dtype for e, r
+                                                in zip(self.experts, runs) if r)], out_dtype):
+            assert form is not None
+            data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
+                                     expert_bufs, e0, out_dtype)
+            return self._output(name, b0, b1, data, fused=True)
         w0 = decode_f32(base_buf, src_dtype)
         values: list[np.ndarray | None] = []  # per expert; None: the reference's values
         for i, src in enumerate(self.experts):
@@ -484,6 +497,35 @@ class Engine:
             values.append(full)
         merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    def _fused_form(self, name: str) -> Fused | None:
+        """The unit arithmetic of tensor ``name`` as a compiled kernel's form, or None (whole
+        tensors, vocabulary units, methods or parameters the kernel does not reproduce)."""
+        if name not in self._fused:
+            out_t = self.unit_outputs.get(name)
+            form = None
+            if out_t is not None and name not in self.derived and self._elementwise(name):
+                form = self.method.fused(out_t.params, out_t.input_params)
+            self._fused[name] = form
+        return self._fused[name]
+
+    def _merge_fused(self, name: str, form: Fused, base_buf: memoryview, src_dtype: str,
+                     runs: list[list[tuple[int, int]]], ranges: list[list[ReadRange]],
+                     expert_bufs: list[list[memoryview]], e0: int, out_dtype: str) -> bytes:
+        """``merge_unit`` by :func:`mergefs.kernels.fused_merge`: the same reads, checks and
+        manifest records, then one pass per input over the raw bytes."""
+        lay = self.layout
+        planned: list[kernels.Runs] = []
+        for i, src in enumerate(self.experts):
+            dtype = src.tensors[name].dtype
+            planned.append([
+                (int(lay.elem_start[r0]) - e0,
+                 self._check(src, self.labels[i], name, rng, raw, r0, r1,
+                             self.index.expert_hash[i]), dtype)
+                for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i])])
+        inputs = [None if k == REFERENCE or not planned[k] else planned[k]
+                  for k in self.spec.input_order]
+        return kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype)
 
     # -- delta sidecars (issue 14) ---------------------------------------------------------
     def _level_blocks(self, i: int, b0: int, b1: int) -> list[tuple[int, int]]:
@@ -549,10 +591,11 @@ class Engine:
         return (self.method.caps.zero_delta_is_base and self.spec.has_base
                 and _is_identity(src_dtype, out_dtype, base_buf))
 
-    def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
+    def _output(self, name: str, b0: int, b1: int, out: bytes, fused: bool = False) -> bytes:
         with self._lock:
             self.blocks_merged += b1 - b0
             self.units_merged += 1
+            self.units_fused += fused
         if self.manifest is not None:
             start, end = self.unit_out_range(name, b0, b1)
             self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
@@ -716,6 +759,17 @@ def _is_identity(src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
     kind, neg_zero, magnitude, inf = check
     u = np.frombuffer(base_buf, dtype=kind)
     return not (np.any(u == neg_zero) or np.any((u & magnitude) > inf))
+
+
+def may_use_kernels(spec: Spec) -> bool:
+    """Whether merging ``spec`` will likely run the compiled kernels (numba installed and the
+    spec-level parameters give a kernel form), without opening anything: to load them early."""
+    if not kernels.available():
+        return False
+    try:
+        return spec.method_def.fused(spec.parameters, spec.input_parameters()) is not None
+    except (TypeError, ValueError, KeyError):  # per-tensor parameters: known per unit only
+        return False
 
 
 def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from . import gta, linear, ram, simple, slerp, spherical, stock
-from .base import REQUIRED, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from .base import REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit
 
 __all__ = [
     "METHODS",
     "BasePolicy",
     "Capabilities",
+    "Fused",
     "Method",
     "ParamDef",
     "Scope",

@@ -139,6 +139,26 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """A unit's arithmetic in one of the forms of mergefs' compiled kernel (mergefs.kernels),
+    operation for operation the method's numpy kernel, so the kernel's bytes are the method's.
+
+    With ``X_k`` the inputs (mergekit order; an omitted block holds the reference's values),
+    ``w_k`` = ``weights`` (float32) and every operation rounded to float32:
+
+    - ``"delta"``: ``S = 0; S = S + (X_k - W0) * w_k`` in input order; ``S = S / divisor``
+      (when not None); ``S = S * scale`` (when not None); ``M = W0 + S``.
+    - ``"fma"``: ``S = 0; S = fma(X_k, w_k, S)`` in input order (one rounding per step);
+      ``M = S / divisor`` (when not None).
+    """
+
+    form: str  # "delta" | "fma"
+    weights: tuple[float, ...]  # float32 values
+    divisor: float | None = None  # a float32 value
+    scale: float | None = None  # a float32 value
+
+
+@dataclass(frozen=True)
 class Method:
     """A merge method: parameters, capabilities, arithmetic and its documentation."""
 
@@ -157,6 +177,10 @@ class Method:
         field(compare=False, default=None)
     summary: str = ""
     arithmetic: str = ""  # docs/operators.md text: the exact formula
+    #: the unit's arithmetic as a compiled kernel's form, for these global and per-input
+    #: parameters (None: the method merges the unit itself)
+    fused: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], Fused | None] = \
+        field(compare=False, default=lambda g, per: None)
 
     def param(self, name: str) -> ParamDef | None:
         return next((p for p in self.params if p.name == name), None)

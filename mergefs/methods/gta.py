@@ -12,7 +12,18 @@ import numpy as np
 
 from . import exact, prng
 from . import sparsify as sp
-from .base import INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight
+from .base import (
+    INT8_MASK,
+    BasePolicy,
+    Capabilities,
+    Fused,
+    Method,
+    ParamDef,
+    Scope,
+    Unit,
+    flag,
+    weight,
+)
 
 #: Sums over the input axis are sequential (input order, from +0.0) in torch's CPU kernels for
 #: up to this many inputs at every element; beyond, the order depends on the element's position
@@ -132,6 +143,20 @@ def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-
     return merge
 
 
+def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
+    """``_merge_numpy``'s arithmetic without sparsifier and consensus (task arithmetic, up to
+    SEQUENTIAL_SUM_MAX models: beyond, torch's input-axis sum is not sequential) as the
+    kernel's delta form."""
+    if not 1 <= len(per) <= SEQUENTIAL_SUM_MAX:
+        return None
+    w = [np.float32(p["weight"]) for p in per]
+    total = exact.small_sum(w)
+    divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
+    return Fused("delta", tuple(float(x) for x in w),
+                 float(divisor) if g["normalize"] else None,
+                 float(np.float32(g["lambda"])) if g["lambda"] != 1 else None)
+
+
 def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
     """``c_i = lambda * w_i / n``, ``n = sum w`` when normalize (and ``|sum| >= 1e-8``) else 1."""
     w = [float(p["weight"]) for p in per]
@@ -147,6 +172,10 @@ def _della_check(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> str 
             return (f"model {k}: density {d} +/- epsilon {e} must lie in (0, 1) "
                     "(mergekit refuses it too)")
     return None
+
+
+def _no_fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
+    return None  # masks and sign consensus: the method merges its units itself
 
 
 def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, rescale: bool,
@@ -186,7 +215,8 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
                           random=sparsifier in ("random", "della_magprune"),
                           elementwise=elementwise, zero_delta_is_base=True),
         merge=_merge(sparsifier, consensus), coefficients=_coefficients,
-        check=_della_check if sparsifier == "della_magprune" else None, summary=summary, arithmetic=ARITHMETIC)
+        check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
+        arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused)
 
 
 METHODS = (
