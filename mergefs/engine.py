@@ -470,7 +470,8 @@ class Engine:
             return self._output(name, b0, b1, bytes(base_buf))
         form = None if any(levels) else self._fused_form(name)
         if kernels.supports(form, [src_dtype, *(e.tensors[name].dtype for e, r
-                                                in zip(self.experts, runs) if r)], out_dtype):
+                                                in zip(self.experts, runs) if r)], out_dtype,
+                            e1 - e0):
             assert form is not None
             data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
                                      expert_bufs, e0, out_dtype)
@@ -504,8 +505,10 @@ class Engine:
         if name not in self._fused:
             out_t = self.unit_outputs.get(name)
             form = None
-            if out_t is not None and name not in self.derived and self._elementwise(name):
+            if out_t is not None and name not in self.derived:
                 form = self.method.fused(out_t.params, out_t.input_params)
+                if form is not None and (form.order == "sequential") != self._elementwise(name):
+                    form = None  # sequential forms on elementwise units, torch's on tensors
             self._fused[name] = form
         return self._fused[name]
 

@@ -1,7 +1,7 @@
 """Compiled merge kernels (numba): decode, subtract, scale, accumulate and encode in one pass.
 
 :func:`fused_merge` computes one unit of a method whose registry entry declares its arithmetic
-as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 4 models, linear up to 7),
+as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 15 models, linear up to 7),
 operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`,
 :mod:`mergefs.methods.linear`), so the bytes are the registry's, hence mergekit's:
 
@@ -14,11 +14,16 @@ operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`
 
 An input the plan omits in a range holds the reference's values there, as in the numpy path
 (``(W0 - W0) * w`` is not always 0: it is NaN where ``W0`` is inf or NaN, so the kernel computes
-it rather than skipping it). More inputs than the forms allow, sparsified or sign-consensus
-methods, and delta sidecars stay on the registry's path: torch's sum over 5 or more inputs runs
-in an order that depends on the element's position, the SIMD width and the thread count
-(ATen's ``SumKernel.cpp``: sequential in 4-vector column groups, 4-way interleaved partial sums
-in the tails), which a kernel cannot know without importing torch.
+it rather than skipping it). With 5 to 15 models (whole tensors, the registry's torch path) the
+sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends on the element's
+position (ATen's ``SumKernel.cpp``: input order in groups of 32 columns, 4-way interleaved
+partial sums in the last ``numel % 32``, whatever the thread count, since a multi-threaded
+reduction splits at multiples of 32 columns): the kernel sums in input order, then recomputes
+those tail elements in torch's order with numpy (:func:`mergefs.methods.exact.torch_sum_tail`;
+tested against torch). Not fused, the registry's path runs: normalize with more than 4 models
+(torch's sum of the weights is not modelled), more than 15 models (torch adds cascade levels),
+sparsified and sign-consensus methods (masks, whole-tensor ranks), units with delta sidecar
+levels, and non-x86 machines (other SIMD widths).
 
 NaN payloads: IEEE 754 leaves open which payload ``a + b`` carries when both are NaN, and numpy
 is not consistent about it (its vector loops return ``a``'s, its scalar tail loop, a
@@ -51,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from .methods import Fused
+from .dtypes import decode_f32
+from .methods import Fused, exact
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +124,14 @@ def available() -> bool:
     return not UNAVAILABLE_REASON
 
 
-def supports(form: Fused | None, src_dtypes: Sequence[str], out_dtype: str) -> bool:
-    """Whether :func:`fused_merge` handles this form, these source dtypes and the output."""
+def supports(form: Fused | None, src_dtypes: Sequence[str], out_dtype: str,
+             numel: int) -> bool:
+    """Whether :func:`fused_merge` handles this form, these source dtypes and the output for a
+    unit of ``numel`` elements."""
     return (form is not None and not UNAVAILABLE_REASON and out_dtype in DTYPES
-            and all(d in DTYPES for d in src_dtypes))
+            and all(d in DTYPES for d in src_dtypes)
+            and (form.order == "sequential"
+                 or exact.torch_sum_tail(numel, len(form.weights)) is not None))
 
 
 def _ro(buf: Any, dtype: str) -> np.ndarray:
@@ -192,6 +202,11 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
             pos = hi
         if pos < n:
             _accumulate(k, form.form, acc[pos:], w0[pos:], None, ref_dtype, c)
+    if form.order == "torch":
+        tail = exact.torch_sum_tail(n, len(form.weights))
+        assert tail is not None
+        if tail < n:
+            acc[tail:] = _torch_tail(w0, tail, inputs, form.weights)
     div = np.float32(1 if form.divisor is None else form.divisor)
     lam = np.float32(1 if form.scale is None else form.scale)
     args = (w0, acc, div, form.divisor is not None, lam, form.scale is not None,
@@ -205,6 +220,25 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
     return out.tobytes()
 
 
+def _torch_tail(w0: np.ndarray, tail: int, inputs: Sequence[Runs | None],
+                weights: Sequence[float]) -> np.ndarray:
+    """The input-axis sum of positions ``[tail, n)`` in torch's ``row_sum`` order (numpy: at
+    most 31 elements): ``sum_k (X_k - W0) * w_k``, each operation in float32."""
+    ref = w0[tail:]
+    xs = []
+    with np.errstate(all="ignore"):
+        for runs, w in zip(inputs, weights):
+            x = ref.copy()
+            for lo, buf, dtype in runs or ():
+                item = _RAW[dtype].itemsize
+                hi = lo + len(buf) // item
+                a = max(lo, tail)
+                if a < hi:
+                    x[a - tail:hi - tail] = decode_f32(memoryview(buf)[(a - lo) * item:], dtype)
+            xs.append((x - ref) * np.float32(w))
+        return exact.row_sum(xs)
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every kernel signature now, so that the first
     unit merged does not wait for the compiler."""
@@ -214,7 +248,8 @@ def warm_up() -> None:
         b = np.zeros(4, _RAW[src]).tobytes()
         for out in DTYPES:
             for form in (Fused("delta", (0.5, 0.25), 1.5, 0.5), Fused("fma", (0.5, 0.25), 0.75),
-                         Fused("delta", (0.5, 0.25))):
+                         Fused("delta", (0.5, 0.25)),
+                         Fused("delta", (0.5, 0.25), order="torch")):
                 _merge(form, b, src, [[(0, b, src)], [(1, b[:-_RAW[src].itemsize], src)]], out)
 
 

@@ -200,13 +200,75 @@ def test_fused_merge_equals_registry(method: str, n: int) -> None:
     assert exempted < checked // 10  # the exemption covers only NaN meetings
 
 
+def _torch_case(rng: np.random.Generator, n: int, numel: int, ref_dtype: str, out: str,
+                lam: float) -> None:
+    """The kernel's torch-order form against the registry's torch path (``_merge_torch``)."""
+    from mergefs.methods import gta
+
+    per = [{"weight": float(w)} for w in rng.uniform(-1.0, 1.5, n)]
+    g = {"normalize": False, "lambda": lam, "rescale": False, "int8_mask": False}
+    form = get("task_arithmetic").fused(g, per)  # type: ignore[union-attr]
+    assert form is not None and form.order == "torch"
+    src = list(rng.choice(list(kernels.DTYPES), n))
+    ref, inputs = _case(rng, "task_arithmetic", n, ref_dtype, src, numel, 0.02, numel > 8)
+    w0 = decode_f32(ref, ref_dtype)
+    values = []
+    for runs in inputs:
+        full = w0.copy()
+        for lo, buf, dtype in runs or ():
+            x = decode_f32(buf, dtype)
+            full[lo:lo + x.size] = x
+        values.append(full)
+    unit = Unit(tensor="t", shape=(numel,), elem_offset=0, base=w0, inputs=tuple(values),
+                params=g, input_params=tuple(per), expert_ids=tuple(range(n)))
+    with np.errstate(all="ignore"):
+        want = encode(np.ascontiguousarray(gta._merge_torch(unit, None, False).numpy()), out)
+    _, exempt = oracle("task_arithmetic", {**g, "lambda": 1.0}, per, ref, ref_dtype, inputs, out)
+    assert kernels.supports(form, [ref_dtype, *src], out, numel)
+    assert_same(kernels.fused_merge(form, ref, ref_dtype, inputs, out), want, exempt, out)
+
+
+@pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 15])
+def test_torch_order_form_equals_registry_torch_path(n: int) -> None:
+    """5..15 models: whole tensors through torch; sizes around every group, vector and thread
+    split boundary of torch's sum (multi-threaded from 32768 * n elements)."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(n)
+    sizes = [2, 3, 5, 7, 8, 9, 31, 32, 33, 63, 95, 4099, 16417, 65536 + 40]
+    for k, numel in enumerate(sizes):
+        _torch_case(rng, n, numel, kernels.DTYPES[k % 3], kernels.DTYPES[(k // 3) % 3],
+                    (1.0, 0.7)[k % 2])
+
+
+def test_torch_sum_model_equals_torch() -> None:
+    """exact.torch_sum_tail and row_sum against torch's own stack(...).sum(dim=0), on values
+    where input order and row_sum order give different sums, at every position."""
+    torch = pytest.importorskip("torch")
+    from mergefs.methods import exact
+
+    rng = np.random.default_rng(1)
+    for n in (5, 6, 8, 11, 15):
+        for numel in (2, 4, 6, 7, 8, 12, 31, 33, 40, 100, 1000, 40000 + 24):
+            xs = rng.normal(size=(n, numel)).astype(np.float32) * \
+                np.exp2(rng.integers(-20, 20, size=(n, numel))).astype(np.float32)
+            want = torch.from_numpy(xs).sum(dim=0).numpy()
+            tail = exact.torch_sum_tail(numel, n)
+            assert tail is not None
+            got = np.concatenate([exact.outer_sum_any(list(xs[:, :tail])),
+                                  exact.row_sum(list(xs[:, tail:]))])
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, numel)
+    assert exact.torch_sum_tail(1, 8) is None and exact.torch_sum_tail(100, 16) is None
+
+
 def test_fused_forms_are_declared_only_where_exact() -> None:
     """The registry declares a kernel form only where its numpy kernel is the arithmetic."""
     ta, lin = get("task_arithmetic"), get("linear")
     assert ta is not None and lin is not None
     g = {"normalize": False, "lambda": 1.0, "rescale": False, "int8_mask": False}
     assert ta.fused(g, [{"weight": 0.5}] * 4) == Fused("delta", (0.5,) * 4)
-    assert ta.fused(g, [{"weight": 0.5}] * 5) is None  # torch's sum order: whole tensors
+    assert ta.fused(g, [{"weight": 0.5}] * 5) == Fused("delta", (0.5,) * 5, order="torch")
+    assert ta.fused({**g, "normalize": True}, [{"weight": 0.5}] * 5) is None
+    assert ta.fused(g, [{"weight": 0.5}] * 16) is None  # torch's cascade levels
     assert lin.fused({"normalize": True}, [{"weight": 0.5}] * 7) == \
         Fused("fma", (0.5,) * 7, 3.5)
     assert lin.fused({"normalize": True}, [{"weight": 0.5}] * 8) is None
@@ -252,6 +314,32 @@ def test_engine_uses_the_kernel_and_equals_numpy(dtype: str, tmp_path: Path,
         assert got == want, method
         for f in (tmp_path / f"slow{k}").glob("*.safetensors"):
             assert f.read_bytes() == (tmp_path / f"fast{k}" / f.name).read_bytes()
+
+
+def test_engine_whole_tensors_in_torch_order(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """6 models: whole-tensor units; the kernel's bytes equal the registry's torch path."""
+    pytest.importorskip("torch")
+    fam = make_family(tmp_path / "fam", n_experts=6, dtype="bfloat16", seed=11)
+    spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic",
+                      [0.3, 0.61, -0.42, 0.73, 0.54, 0.34], {"lambda": 0.8},
+                      {"block_size": "4KiB", "index_dir": str(tmp_path / "idx"),
+                       "budget": "60%"})
+    outs = {}
+    for mode in ("kernel", "numpy"):
+        with monkeypatch.context() as mp:
+            if mode == "numpy":
+                mp.setattr(kernels, "UNAVAILABLE_REASON", "disabled by the test")
+            s = Session(load_spec(spec))
+            try:
+                outs[mode] = s.engine.materialise(tmp_path / mode)
+                fused = s.engine.units_fused
+                assert (fused > 0) == (mode == "kernel")
+                if mode == "kernel":
+                    assert fused == s.engine.units_merged - _base_only_units(s)
+            finally:
+                s.close()
+    assert outs["kernel"] == outs["numpy"]
 
 
 def _base_only_units(s: Session) -> int:

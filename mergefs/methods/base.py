@@ -150,12 +150,17 @@ class Fused:
       (when not None); ``S = S * scale`` (when not None); ``M = W0 + S``.
     - ``"fma"``: ``S = 0; S = fma(X_k, w_k, S)`` in input order (one rounding per step);
       ``M = S / divisor`` (when not None).
+
+    ``order="torch"`` (delta form, whole tensors only): the sum over inputs is torch's
+    ``stack(...).sum(dim=0)``: in input order up to :func:`.exact.torch_sum_tail`, then
+    :func:`.exact.row_sum`.
     """
 
     form: str  # "delta" | "fma"
     weights: tuple[float, ...]  # float32 values
     divisor: float | None = None  # a float32 value
     scale: float | None = None  # a float32 value
+    order: str = "sequential"  # "sequential" | "torch"
 
 
 @dataclass(frozen=True)

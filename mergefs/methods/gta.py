@@ -5,6 +5,7 @@ breadcrumbs, breadcrumbs_ties, della, della_linear. Pure; runs on any thread.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -144,17 +145,23 @@ def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-
 
 
 def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
-    """``_merge_numpy``'s arithmetic without sparsifier and consensus (task arithmetic, up to
-    SEQUENTIAL_SUM_MAX models: beyond, torch's input-axis sum is not sequential) as the
-    kernel's delta form."""
-    if not 1 <= len(per) <= SEQUENTIAL_SUM_MAX:
-        return None
+    """The arithmetic without sparsifier and consensus (task arithmetic) as the kernel's delta
+    form: ``_merge_numpy``'s up to SEQUENTIAL_SUM_MAX models; beyond (whole tensors,
+    ``_merge_torch``) up to TORCH_SUM_MAX models without normalize on x86, where torch's
+    input-axis sum is modelled (:func:`.exact.torch_sum_tail`)."""
+    n = len(per)
     w = [np.float32(p["weight"]) for p in per]
+    scale = float(np.float32(g["lambda"])) if g["lambda"] != 1 else None
+    if SEQUENTIAL_SUM_MAX < n <= exact.TORCH_SUM_MAX and not g["normalize"] \
+            and platform.machine().lower() in ("x86_64", "amd64"):
+        # whole tensors through _merge_torch: its input-axis sum in torch's order
+        return Fused("delta", tuple(float(x) for x in w), None, scale, order="torch")
+    if not 1 <= n <= SEQUENTIAL_SUM_MAX:
+        return None
     total = exact.small_sum(w)
     divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
     return Fused("delta", tuple(float(x) for x in w),
-                 float(divisor) if g["normalize"] else None,
-                 float(np.float32(g["lambda"])) if g["lambda"] != 1 else None)
+                 float(divisor) if g["normalize"] else None, scale)
 
 
 def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
