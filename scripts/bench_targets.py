@@ -43,7 +43,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import MERGEFS, MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+
+# ``-P``: never the current directory's mergefs (``python -m`` puts the cwd first on sys.path,
+# which made a --baseline run the cwd's code); PYTHONPATH says which tree runs: this script's
+# (set in main), or the baseline's (baseline_env)
+MERGEFS = [PY, "-P", "-m", "mergefs.cli"]
 
 FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
             "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"]}
@@ -509,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                     "beside this one in the load and serving sections, e.g. the code before")
     ap.add_argument("--baseline-sections", default="load,merge,serving",
                     help="sections that run the baseline too")
+    os.environ["PYTHONPATH"] = str(ROOT)  # the mergefs every command runs, unless a baseline's
     Targets(ap.parse_args(argv)).run()
     return 0
 
