@@ -469,12 +469,13 @@ class Engine:
                                                                       base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
         form = None if any(levels) else self._fused_form(name)
+        size = int(np.prod(self.out_tensors[name].shape, dtype=np.int64))
         if kernels.supports(form, [src_dtype, *(e.tensors[name].dtype for e, r
                                                 in zip(self.experts, runs) if r)], out_dtype,
-                            e1 - e0):
+                            size):
             assert form is not None
             data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
-                                     expert_bufs, e0, out_dtype)
+                                     expert_bufs, e0, out_dtype, size)
             return self._output(name, b0, b1, data, fused=True)
         w0 = decode_f32(base_buf, src_dtype)
         values: list[np.ndarray | None] = []  # per expert; None: the reference's values
@@ -507,14 +508,16 @@ class Engine:
             form = None
             if out_t is not None and name not in self.derived:
                 form = self.method.fused(out_t.params, out_t.input_params)
-                if form is not None and (form.order == "sequential") != self._elementwise(name):
-                    form = None  # sequential forms on elementwise units, torch's on tensors
+                if form is not None and form.order == "sequential" \
+                        and not self._elementwise(name):
+                    form = None  # a sequential form needs elementwise units
             self._fused[name] = form
         return self._fused[name]
 
     def _merge_fused(self, name: str, form: Fused, base_buf: memoryview, src_dtype: str,
                      runs: list[list[tuple[int, int]]], ranges: list[list[ReadRange]],
-                     expert_bufs: list[list[memoryview]], e0: int, out_dtype: str) -> bytes:
+                     expert_bufs: list[list[memoryview]], e0: int, out_dtype: str,
+                     tensor_size: int) -> bytes:
         """``merge_unit`` by :func:`mergefs.kernels.fused_merge`: the same reads, checks and
         manifest records, then one pass per input over the raw bytes."""
         lay = self.layout
@@ -528,7 +531,8 @@ class Engine:
                 for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i])])
         inputs = [None if k == REFERENCE or not planned[k] else planned[k]
                   for k in self.spec.input_order]
-        return kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype)
+        return kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype,
+                                   elem_offset=e0, tensor_size=tensor_size)
 
     # -- delta sidecars (issue 14) ---------------------------------------------------------
     def _level_blocks(self, i: int, b0: int, b1: int) -> list[tuple[int, int]]:
@@ -577,7 +581,8 @@ class Engine:
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
                     params=out_t.params, input_params=out_t.input_params,
-                    expert_ids=tuple(range(len(inputs))))
+                    expert_ids=tuple(range(len(inputs))),
+                    tensor_size=int(np.prod(self.out_tensors[name].shape, dtype=np.int64)))
         out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
         if not isinstance(out, np.ndarray):
             out = out.detach().numpy()

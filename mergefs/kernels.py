@@ -172,20 +172,22 @@ def _accumulate(k: Any, form: str, acc: np.ndarray, w0: np.ndarray, raw: np.ndar
 
 
 def fused_merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | None],
-                out_dtype: str) -> bytes:
+                out_dtype: str, elem_offset: int = 0, tensor_size: int = 0) -> bytes:
     """The merged bytes (``out_dtype``) of one unit.
 
     ``ref_buf``: the reference's (base's) bytes of the unit; ``inputs``: per input in mergekit's
     order, its planned runs (``Runs``; elements outside them hold the reference's values), or
-    None for the reference's values everywhere. Requires :func:`supports`.
+    None for the reference's values everywhere; ``elem_offset``: where the unit starts in its
+    tensor of ``tensor_size`` elements (0: the unit is the tensor; only the torch order needs
+    it). Requires :func:`supports`.
     """
-    data = _merge(form, ref_buf, ref_dtype, inputs, out_dtype)
+    data = _merge(form, ref_buf, ref_dtype, inputs, out_dtype, elem_offset, tensor_size)
     counters.add()
     return data
 
 
 def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | None],
-           out_dtype: str) -> bytes:
+           out_dtype: str, elem_offset: int = 0, tensor_size: int = 0) -> bytes:
     k = _kernels()
     w0 = _decode_ref(k, ref_buf, ref_dtype)
     n = w0.size
@@ -203,8 +205,9 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
         if pos < n:
             _accumulate(k, form.form, acc[pos:], w0[pos:], None, ref_dtype, c)
     if form.order == "torch":
-        tail = exact.torch_sum_tail(n, len(form.weights))
-        assert tail is not None
+        whole = exact.torch_sum_tail(tensor_size or n, len(form.weights))
+        assert whole is not None
+        tail = max(whole - elem_offset, 0)  # in this unit
         if tail < n:
             acc[tail:] = _torch_tail(w0, tail, inputs, form.weights)
     div = np.float32(1 if form.divisor is None else form.divisor)

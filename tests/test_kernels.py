@@ -13,6 +13,7 @@ there both results must be NaN.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -228,6 +229,42 @@ def _torch_case(rng: np.random.Generator, n: int, numel: int, ref_dtype: str, ou
     assert_same(kernels.fused_merge(form, ref, ref_dtype, inputs, out), want, exempt, out)
 
 
+@pytest.mark.parametrize("n", [5, 6, 8, 15])
+def test_torch_order_slices_equal_torch_on_whole_tensors(n: int) -> None:
+    """5-15 models in block units: the registry's numpy path and the kernel, slice by slice
+    (``elem_offset``, ``tensor_size``), equal torch's merge of the whole tensor."""
+    pytest.importorskip("torch")
+    from mergefs.methods import gta
+
+    rng = np.random.default_rng(50 + n)
+    m = get("task_arithmetic")
+    assert m is not None and m.elementwise(n, {"normalize": False, "lambda": 1.0})
+    for numel in (7, 40, 4099 + 32 * 7):
+        per = [{"weight": float(w)} for w in rng.uniform(-1.0, 1.5, n)]
+        g = {"normalize": False, "lambda": 0.9, "rescale": False, "int8_mask": False}
+        ref, inputs = _case(rng, "task_arithmetic", n, "BF16", ["BF16"] * n, numel, 0.0, False)
+        w0 = decode_f32(ref, "BF16")
+        xs = [decode_f32(r[0][1], "BF16") if r else w0 for r in inputs]
+        whole = Unit(tensor="t", shape=(numel,), elem_offset=0, base=w0, inputs=tuple(xs),
+                     params=g, input_params=tuple(per), expert_ids=tuple(range(n)))
+        want = gta._merge_torch(whole, None, False).numpy().view(np.uint32)
+        cuts = sorted({0, numel, *rng.integers(1, numel, 3).tolist(), numel - 5, numel - 33})
+        form = m.fused(g, per)
+        assert form is not None
+        for a, b in itertools.pairwise(cuts):
+            if not 0 <= a < b:
+                continue
+            part = Unit(tensor="t", shape=(b - a,), elem_offset=a, base=w0[a:b],
+                        inputs=tuple(x[a:b] for x in xs), params=g, input_params=tuple(per),
+                        expert_ids=tuple(range(n)), tensor_size=numel)
+            got = np.asarray(m.merge(part), dtype=np.float32).view(np.uint32)
+            assert np.array_equal(got, want[a:b]), (numel, a, b)
+            fused = kernels.fused_merge(form, ref[2 * a:2 * b], "BF16",
+                                        [[(0, r[0][1][2 * a:2 * b], "BF16")] if r else None
+                                         for r in inputs], "F32", a, numel)
+            assert np.frombuffer(fused, np.uint32).tolist() == want[a:b].tolist(), (a, b)
+
+
 @pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 15])
 def test_torch_order_form_equals_registry_torch_path(n: int) -> None:
     """5..15 models: whole tensors through torch; sizes around every group, vector and thread
@@ -316,9 +353,9 @@ def test_engine_uses_the_kernel_and_equals_numpy(dtype: str, tmp_path: Path,
             assert f.read_bytes() == (tmp_path / f"fast{k}" / f.name).read_bytes()
 
 
-def test_engine_whole_tensors_in_torch_order(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """6 models: whole-tensor units; the kernel's bytes equal the registry's torch path."""
+def test_engine_six_models_in_torch_order(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """6 models (block units, torch's sum order): kernel on and off give the same bytes."""
     pytest.importorskip("torch")
     fam = make_family(tmp_path / "fam", n_experts=6, dtype="bfloat16", seed=11)
     spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic",

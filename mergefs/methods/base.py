@@ -123,6 +123,8 @@ class Unit:
     params: Mapping[str, Any]  # global parameters, defaults filled in
     input_params: tuple[Mapping[str, Any], ...]  # per input (same order as ``inputs``)
     expert_ids: tuple[int, ...]  # per input: its index among the non-base models (mask keys)
+    #: elements of the whole tensor (0: the unit's own size): where a slice sits in it
+    tensor_size: int = 0
 
     def per_input(self, name: str) -> list[Any]:
         return [p[name] for p in self.input_params]
@@ -151,9 +153,9 @@ class Fused:
     - ``"fma"``: ``S = 0; S = fma(X_k, w_k, S)`` in input order (one rounding per step);
       ``M = S / divisor`` (when not None).
 
-    ``order="torch"`` (delta form, whole tensors only): the sum over inputs is torch's
-    ``stack(...).sum(dim=0)``: in input order up to :func:`.exact.torch_sum_tail`, then
-    :func:`.exact.row_sum`.
+    ``order="torch"`` (delta form): the sum over inputs is torch's ``stack(...).sum(dim=0)``
+    over the whole tensor: in input order up to :func:`.exact.torch_sum_tail` (a flat position
+    in the tensor), then :func:`.exact.row_sum`.
     """
 
     form: str  # "delta" | "fma"

@@ -99,6 +99,20 @@ def outer_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
     return outer_sum_any(xs)
 
 
+def torch_order_sum(xs: Sequence[np.ndarray], elem_offset: int, tensor_size: int) -> np.ndarray:
+    """torch's ``stack(...).sum(dim=0)`` of a whole tensor, on the flat slice of it that starts
+    at ``elem_offset`` (``xs``: the inputs' values there): input order, then :func:`row_sum`
+    from :func:`torch_sum_tail` on. Requires a modelled case (torch_sum_tail not None)."""
+    tail = torch_sum_tail(tensor_size, len(xs))
+    if tail is None:
+        raise ValueError("torch_order_sum: a case torch_sum_tail does not model")
+    out = outer_sum_any(xs)
+    lo = max(tail - elem_offset, 0)
+    if lo < out.size:
+        out[lo:] = row_sum([x[lo:] for x in xs])
+    return out
+
+
 def outer_sum_any(xs: Sequence[np.ndarray]) -> np.ndarray:
     """The sum of ``xs`` in input order from +0.0 (torch's order for up to 4 inputs, and before
     :func:`torch_sum_tail` for up to TORCH_SUM_MAX)."""
