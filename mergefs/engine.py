@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import __version__, memory
+from . import __version__, kernels, memory
 from . import tokenizer as tokenizers
 from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
 from .dtypes import decode_f32, encode
@@ -41,7 +41,7 @@ from .format import DTYPES, FLOAT_DTYPES, build_header
 from .index import BlockIndex, load_or_build
 from .lora import open_source
 from .manifest import SCHEMA_VERSION, ManifestWriter
-from .methods import Unit
+from .methods import Fused, Unit
 from .outdir import Staging
 from .plan import Plan, make_plan, selected_runs
 from .recipe import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
@@ -355,6 +355,12 @@ class Engine:
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
+        self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.kernels)
+        self._fused: dict[str, Fused | None] = {}
+        #: some unit's arithmetic has a compiled kernel form (used when numba is available)
+        self.fusable = any(self._fused_form(name) is not None for name in self.unit_outputs)
+        if self.fusable:
+            kernels.note_unavailable()
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
 
     def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -491,6 +497,15 @@ class Engine:
         if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
                                                                       base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
+        form = None if any(levels) else self._fused_form(name)
+        size = int(np.prod(self.out_tensors[name].shape, dtype=np.int64))
+        if kernels.supports(form, [src_dtype, *(e.tensors[name].dtype for e, r
+                                                in zip(self.experts, runs) if r)], out_dtype,
+                            size):
+            assert form is not None
+            data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
+                                     expert_bufs, e0, out_dtype, size)
+            return self._output(name, b0, b1, data, fused=True)
         w0 = decode_f32(base_buf, src_dtype)
         values: list[np.ndarray | None] = []  # per expert; None: the reference's values
         for i, src in enumerate(self.experts):
@@ -513,6 +528,40 @@ class Engine:
             values.append(full)
         merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    def _fused_form(self, name: str) -> Fused | None:
+        """The unit arithmetic of tensor ``name`` as a compiled kernel's form, or None (whole
+        tensors, vocabulary units, methods or parameters the kernel does not reproduce)."""
+        if name not in self._fused:
+            out_t = self.unit_outputs.get(name)
+            form = None
+            if out_t is not None and name not in self.derived:
+                form = self.method.fused(out_t.params, out_t.input_params)
+                if form is not None and form.order == "sequential" \
+                        and not self._elementwise(name):
+                    form = None  # a sequential form needs elementwise units
+            self._fused[name] = form
+        return self._fused[name]
+
+    def _merge_fused(self, name: str, form: Fused, base_buf: memoryview, src_dtype: str,
+                     runs: list[list[tuple[int, int]]], ranges: list[list[ReadRange]],
+                     expert_bufs: list[list[memoryview]], e0: int, out_dtype: str,
+                     tensor_size: int) -> bytes:
+        """``merge_unit`` by :func:`mergefs.kernels.fused_merge`: the same reads, checks and
+        manifest records, then one pass per input over the raw bytes."""
+        lay = self.layout
+        planned: list[kernels.Runs] = []
+        for i, src in enumerate(self.experts):
+            dtype = src.tensors[name].dtype
+            planned.append([
+                (int(lay.elem_start[r0]) - e0,
+                 self._check(src, self.labels[i], name, rng, raw, r0, r1,
+                             self.index.expert_hash[i]), dtype)
+                for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i])])
+        inputs = [None if k == REFERENCE or not planned[k] else planned[k]
+                  for k in self.spec.input_order]
+        return kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype,
+                                   elem_offset=e0, tensor_size=tensor_size)
 
     # -- delta sidecars (issue 14) ---------------------------------------------------------
     def _level_blocks(self, i: int, b0: int, b1: int) -> list[tuple[int, int]]:
@@ -561,7 +610,8 @@ class Engine:
         unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
                     base=ref if self.spec.has_base else None, inputs=inputs,
                     params=out_t.params, input_params=out_t.input_params,
-                    expert_ids=tuple(range(len(inputs))))
+                    expert_ids=tuple(range(len(inputs))),
+                    tensor_size=int(np.prod(self.out_tensors[name].shape, dtype=np.int64)))
         out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
         if not isinstance(out, np.ndarray):
             out = out.detach().numpy()
@@ -578,14 +628,15 @@ class Engine:
         return (self.method.caps.zero_delta_is_base and self.spec.has_base
                 and _is_identity(src_dtype, out_dtype, base_buf))
 
-    def add_merged(self, blocks: int, units: int) -> None:
+    def add_merged(self, blocks: int, units: int, fused: int = 0) -> None:
         """Count blocks and units merged (here, or by another process for this engine)."""
         with self._lock:
             self.blocks_merged += blocks
             self.units_merged += units
+            self.units_fused += fused
 
-    def _output(self, name: str, b0: int, b1: int, out: bytes) -> bytes:
-        self.add_merged(b1 - b0, 1)
+    def _output(self, name: str, b0: int, b1: int, out: bytes, fused: bool = False) -> bytes:
+        self.add_merged(b1 - b0, 1, int(fused))
         if self.manifest is not None:
             start, end = self.unit_out_range(name, b0, b1)
             self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
@@ -768,6 +819,17 @@ def _is_identity(src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
     kind, neg_zero, magnitude, inf = check
     u = np.frombuffer(base_buf, dtype=kind)
     return not (np.any(u == neg_zero) or np.any((u & magnitude) > inf))
+
+
+def may_use_kernels(spec: Spec) -> bool:
+    """Whether merging ``spec`` will likely run the compiled kernels (numba installed and the
+    spec-level parameters give a kernel form), without opening anything: to load them early."""
+    if not kernels.available():
+        return False
+    try:
+        return spec.method_def.fused(spec.parameters, spec.input_parameters()) is not None
+    except (TypeError, ValueError, KeyError):  # per-tensor parameters: known per unit only
+        return False
 
 
 def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ import pyfuse3
 import trio
 import xxhash
 
+from . import kernels
 from .cache import UnitCache
-from .engine import Session, open_family
+from .engine import Session, may_use_kernels, open_family
 from .errors import MergefsError
 from .fuse import Operations, mount_options, notify_store
 from .index import build_layout, index_bytes_total, load_or_build
@@ -279,6 +281,11 @@ def _redirect_output(log_file: Path) -> None:
 def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
           manifest: ManifestWriter | None = None) -> dict[str, Any]:
     """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
+    # load the compiled kernels (numba import, disk cache) while the session opens, not in the
+    # first read; only methods whose arithmetic has a kernel form use them
+    loader = threading.Thread(target=kernels.warm_up, name="mergefs-kernels", daemon=True)
+    if may_use_kernels(spec):
+        loader.start()
     if manifest is None:
         manifest = ManifestWriter.for_run(spec.manifest)
     try:
@@ -286,6 +293,8 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
             view = View(session, cache, readahead_units=cfg.readahead_units)
+            if loader.is_alive():
+                loader.join()  # ready means ready to merge at full speed
             try:
                 trio.run(_serve_fuse, view, cfg, ready)
             finally:

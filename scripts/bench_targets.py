@@ -15,6 +15,7 @@ in interleaved rounds so that a change in machine load hits every variant alike)
 
     python scripts/bench_targets.py --out results/targets            # ~20 minutes here
     python scripts/bench_targets.py --sections load,merge --repeats 3
+    python scripts/bench_targets.py --sections load,merge --experts 4,8 --baseline OLD
 
 Families (made once with scripts/make_family.py, then reused): ``small`` (150M parameters x
 (1 + 8), bf16, 2.7 GB) and ``tiny`` (40M x (1 + 8), 0.7 GB) under ``--families``. Results:
@@ -42,7 +43,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import MERGEFS, MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+
+# ``-P``: never the current directory's mergefs (``python -m`` puts the cwd first on sys.path,
+# which made a --baseline run the cwd's code); PYTHONPATH says which tree runs: this script's
+# (set in main), or the baseline's (baseline_env)
+MERGEFS = [PY, "-P", "-m", "mergefs.cli"]
 
 FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
             "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"]}
@@ -182,7 +188,8 @@ class Targets:
             out.append((f"merge {budget}", [[str(c) for c in MERGEFS + [
                 "merge", spec, o, "--budget", budget, "--force"]]], o,
                 lambda o=o: shutil.rmtree(o, ignore_errors=True)))
-        if self.args.baseline and warm:  # the same mount, code before issue 13
+        if warm and self.baseline_in("load"):
+            # the same mount, the baseline code
             for budget in budgets:
                 mnt = self.work / f"mnt-{fam.name}-{budget.strip('%')}-base"
                 mnt.mkdir(exist_ok=True)
@@ -211,57 +218,74 @@ class Targets:
                     cleanup()
         return results
 
+    def baseline_in(self, section: str) -> bool:
+        return bool(self.args.baseline) and section in self.args.baseline_sections.split(",")
+
+    def expert_counts(self) -> list[int]:
+        return [int(k) for k in self.args.experts.split(",")]
+
     def section_load(self) -> None:
+        for k in self.expert_counts():
+            self.load_rows(k)
+
+    def load_rows(self, n_experts: int) -> None:
         fam = self.family("small")
-        spec = self.spec(fam)
+        spec = self.spec(fam, n_experts)
         self.ensure_index(spec)
+        tag = f" ({n_experts} experts)"
         variants = self.load_variants(fam, spec, ("full", "10%"), warm=True, mergekit=True)
         res = self.run_loads(fam, spec, variants, self.args.repeats)
-        self.raw["load"] = res
+        self.raw[f"load-{n_experts}"] = res
         med = {k: median([r["total"] for r in v]) for k, v in res.items()}
         cmd = {v[0]: " && ".join(q(c) for c in v[1]) + " && from_pretrained(...)"
                for v in variants}
         for k, v in res.items():
-            self.row("load", f"{k} + from_pretrained", f"{med[k]:.2f} s (prepare "
+            self.row("load", f"{k} + from_pretrained{tag}", f"{med[k]:.2f} s (prepare "
                      f"{median([r['prepare'] for r in v]):.2f} + load "
                      f"{median([r['load'] for r in v]):.2f}; runs "
                      f"{', '.join(format(r['total'], '.2f') for r in v)})", "cold", cmd[k])
         sums = {k: v[0]["checksum"] for k, v in res.items()}
         same = len({sums[k] for k in sums if "mergekit" not in k and "full" in k}) == 1
-        self.row("load", "mount and merge load the same weights (full)",
+        self.row("load", f"mount and merge load the same weights (full){tag}",
                  "identical checksum" if same else "CHECKSUMS DIFFER", "-", "(same runs)",
                  "bit-identical", same)
         for mount in ("mount full", "mount --warm full"):
             r = med[mount] / med["merge full"]
-            self.row("load", f"{mount} + fp vs merge full + fp", f"{r:.2f}x the time", "cold",
+            self.row("load", f"{mount} + fp vs merge full + fp{tag}", f"{r:.2f}x the time", "cold",
                      "(ratio of the rows above)", "<= 0.8x", r <= 0.8)
         for mount in ("mount", "mount --warm"):
             r = med[f"{mount} 10%"] / med[f"{mount} full"]
-            self.row("load", f"{mount} 10% vs full (+ fp)", f"{r:.2f}", "cold",
+            self.row("load", f"{mount} 10% vs full (+ fp){tag}", f"{r:.2f}", "cold",
                      "(ratio of the rows above)", "<= 0.4", r <= 0.4)
         for budget in ("full", "10%"):
             if f"baseline mount {budget}" in med:
                 r = med[f"baseline mount {budget}"] / med[f"mount --warm {budget}"]
-                self.row("load", f"mount --warm {budget} vs the baseline mount (+ fp)",
+                self.row("load", f"mount --warm {budget} vs the baseline mount (+ fp){tag}",
                          f"{r:.2f}x faster", "cold", "(ratio of the rows above)")
         if "mergekit-yaml" in med:
             for mount in ("mount full", "mount --warm full"):
                 r = med["mergekit-yaml"] / med[mount]
-                self.row("load", f"{mount} + fp vs mergekit-yaml + fp", f"{r:.2f}x faster",
+                self.row("load", f"{mount} + fp vs mergekit-yaml + fp{tag}", f"{r:.2f}x faster",
                          "cold", "(ratio of the rows above)", ">= 5x faster", r >= 5)
 
     # -- merge -----------------------------------------------------------------------------------
     def section_merge(self) -> None:
+        for k in self.expert_counts():
+            self.merge_rows(k)
+
+    def merge_rows(self, n_experts: int) -> None:
         fam = self.family("small")
-        spec = self.spec(fam)
+        spec = self.spec(fam, n_experts)
         self.ensure_index(spec)
         gb = self.model_bytes(fam) / 1e9
+        tag = f" ({n_experts} experts)"
         variants: list[tuple[str, list[str], Path]] = []
         for budget in ("full", "10%"):
-            o = self.work / f"m-{budget.strip('%')}"
-            variants.append((f"mergefs merge --budget {budget}",
-                             [str(c) for c in MERGEFS + ["merge", spec, o, "--budget", budget,
-                                                         "--force"]], o))
+            for baseline in (False, True) if self.baseline_in("merge") else (False,):
+                o = self.work / f"m-{budget.strip('%')}{'-base' if baseline else ''}"
+                name = f"{'baseline ' if baseline else ''}mergefs merge --budget {budget}"
+                variants.append((name, [str(c) for c in MERGEFS + [
+                    "merge", spec, o, "--budget", budget, "--force"]], o))
         if self.mergekit:
             o = self.work / "mk"
             variants.append(("mergekit-yaml", self.mergekit_cmd(spec, o), o))
@@ -271,22 +295,27 @@ class Targets:
             for name, cmd, o in (variants if rnd % 2 == 0 else list(reversed(variants))):
                 shutil.rmtree(o, ignore_errors=True)
                 evict(fam)
-                p = run(cmd)
+                p = run(cmd, env=self.baseline_env(name.startswith("baseline")))
                 walls[name].append(p.wall)
                 cpus[name].append(p.cpu_seconds)
                 shutil.rmtree(o, ignore_errors=True)
-        self.raw["merge"] = {"walls": walls, "cpus": cpus}
+        self.raw[f"merge-{n_experts}"] = {"walls": walls, "cpus": cpus}
         for name, cmd, _ in variants:
-            self.row("merge", name, f"{median(walls[name]):.2f} s; CPU "
+            self.row("merge", name + tag, f"{median(walls[name]):.2f} s; CPU "
                      f"{median(cpus[name]) / gb:.2f} s per GB merged (runs "
                      f"{', '.join(f'{w:.2f}' for w in walls[name])})", "cold", q(cmd))
         if self.mergekit:
             mk = median(walls["mergekit-yaml"])
             for budget, target in (("full", 6), ("10%", 20)):
                 r = mk / median(walls[f"mergefs merge --budget {budget}"])
-                self.row("merge", f"merge --budget {budget} vs mergekit-yaml",
+                self.row("merge", f"merge --budget {budget} vs mergekit-yaml{tag}",
                          f"{r:.2f}x faster", "cold", "(ratio of the rows above)",
                          f">= {target}x faster", r >= target)
+        for budget in ("full", "10%") if self.baseline_in("merge") else ():
+            r = median(walls[f"baseline mergefs merge --budget {budget}"]) / \
+                median(walls[f"mergefs merge --budget {budget}"])
+            self.row("merge", f"merge --budget {budget} vs the baseline merge{tag}",
+                     f"{r:.2f}x faster", "cold", "(ratio of the rows above)")
 
     # -- serving ----------------------------------------------------------------------------------
     @staticmethod
@@ -479,8 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default=str(ROOT / "results" / "families"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sections", default="load,merge,serving,index,memory,scaling")
+    ap.add_argument("--experts", default="8", help="expert counts of the load and merge "
+                    "sections, e.g. 4,8 (task arithmetic's kernel runs up to 4)")
     ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
                     "beside this one in the load and serving sections, e.g. the code before")
+    ap.add_argument("--baseline-sections", default="load,merge,serving",
+                    help="sections that run the baseline too")
+    os.environ["PYTHONPATH"] = str(ROOT)  # the mergefs every command runs, unless a baseline's
     Targets(ap.parse_args(argv)).run()
     return 0
 

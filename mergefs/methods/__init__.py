@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from . import gta, linear, ram, simple, slerp, spherical, stock
-from .base import REQUIRED, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from .base import REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit
 
 __all__ = [
     "METHODS",
     "BasePolicy",
     "Capabilities",
+    "Fused",
     "Method",
     "ParamDef",
     "Scope",
@@ -63,10 +64,14 @@ def describe_methods() -> list[dict[str, Any]]:
 
 def blockwise_note(m: Method) -> str:
     """Whether the engine merges ``m`` block by block (else whole tensors), in words."""
+    from .exact import TORCH_SUM_MAX
     from .gta import SEQUENTIAL_SUM_MAX
 
-    if m.elementwise(SEQUENTIAL_SUM_MAX + 1, _defaults(m)):
+    if m.elementwise(TORCH_SUM_MAX + 1, _defaults(m)):
         return "yes"
+    if m.elementwise(SEQUENTIAL_SUM_MAX + 1, _defaults(m)):
+        return (f"yes, up to {TORCH_SUM_MAX} models (x86; with normalize, up to "
+                f"{SEQUENTIAL_SUM_MAX})")
     if m.elementwise(2, _defaults(m)):
         return f"yes, up to {SEQUENTIAL_SUM_MAX} models"
     if m.elementwise(2, {**_defaults(m), "rescale": False}):

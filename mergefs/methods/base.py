@@ -123,6 +123,8 @@ class Unit:
     params: Mapping[str, Any]  # global parameters, defaults filled in
     input_params: tuple[Mapping[str, Any], ...]  # per input (same order as ``inputs``)
     expert_ids: tuple[int, ...]  # per input: its index among the non-base models (mask keys)
+    #: elements of the whole tensor (0: the unit's own size): where a slice sits in it
+    tensor_size: int = 0
 
     def per_input(self, name: str) -> list[Any]:
         return [p[name] for p in self.input_params]
@@ -136,6 +138,31 @@ class Unit:
 
         return replace(self, base=None if self.base is None else conv(self.base),
                        inputs=tuple(conv(x) for x in self.inputs))
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A unit's arithmetic in one of the forms of mergefs' compiled kernel (mergefs.kernels),
+    operation for operation the method's numpy kernel, so the kernel's bytes are the method's.
+
+    With ``X_k`` the inputs (mergekit order; an omitted block holds the reference's values),
+    ``w_k`` = ``weights`` (float32) and every operation rounded to float32:
+
+    - ``"delta"``: ``S = 0; S = S + (X_k - W0) * w_k`` in input order; ``S = S / divisor``
+      (when not None); ``S = S * scale`` (when not None); ``M = W0 + S``.
+    - ``"fma"``: ``S = 0; S = fma(X_k, w_k, S)`` in input order (one rounding per step);
+      ``M = S / divisor`` (when not None).
+
+    ``order="torch"`` (delta form): the sum over inputs is torch's ``stack(...).sum(dim=0)``
+    over the whole tensor: in input order up to :func:`.exact.torch_sum_tail` (a flat position
+    in the tensor), then :func:`.exact.row_sum`.
+    """
+
+    form: str  # "delta" | "fma"
+    weights: tuple[float, ...]  # float32 values
+    divisor: float | None = None  # a float32 value
+    scale: float | None = None  # a float32 value
+    order: str = "sequential"  # "sequential" | "torch"
 
 
 @dataclass(frozen=True)
@@ -157,6 +184,10 @@ class Method:
         field(compare=False, default=None)
     summary: str = ""
     arithmetic: str = ""  # docs/operators.md text: the exact formula
+    #: the unit's arithmetic as a compiled kernel's form, for these global and per-input
+    #: parameters (None: the method merges the unit itself)
+    fused: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], Fused | None] = \
+        field(compare=False, default=lambda g, per: None)
 
     def param(self, name: str) -> ParamDef | None:
         return next((p for p in self.params if p.name == name), None)

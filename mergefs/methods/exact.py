@@ -53,10 +53,69 @@ def small_sum(values: Sequence[float | np.float32]) -> np.float32:
     return total
 
 
+#: the most inputs whose sum over the input axis torch computes without its cascade levels
+#: (``multi_row_sum`` adds levels from 16 rows on)
+TORCH_SUM_MAX = 15
+#: columns that torch's outer sum adds in input order per group: 4 vectors of 8 floats (its
+#: sum kernel runs at AVX2 width on x86, AVX512 machines included; chunks of a multi-threaded
+#: reduction start at multiples of 128 bytes, i.e. of this group)
+TORCH_SUM_GROUP = 32
+
+
+def torch_sum_tail(numel: int, n: int) -> int | None:
+    """Where the tail begins in torch's ``stack(xs).sum(dim=0)`` of ``n`` contiguous float32
+    tensors of ``numel`` elements (x86, ATen's ``SumKernel.cpp``, ``vectorized_outer_sum``):
+    flat positions before it are sums in input order from +0.0, positions from it on are
+    ``row_sum`` (:func:`row_sum`). None: a case this does not model (one element and 8 or more
+    inputs: torch then sums along the contiguous input axis; more than TORCH_SUM_MAX inputs)."""
+    if n > TORCH_SUM_MAX or (numel == 1 and n >= 8) or numel < 1:
+        return None
+    if numel >= 8:
+        return numel - numel % TORCH_SUM_GROUP
+    return numel - numel % 4  # scalar_outer_sum: 4 columns at a time, then row_sum
+
+
+def row_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
+    """torch's ``row_sum`` over inputs, elementwise: four interleaved partial sums from +0.0
+    (input ``i`` of the first ``4 * (n // 4)`` into partial ``i % 4``, the rest into the first),
+    then the partials added in order. :func:`small_sum` is the same on scalars."""
+    partial = [np.zeros_like(xs[0]) for _ in range(4)]
+    full = len(xs) // 4
+    for i in range(full):
+        for k in range(4):
+            partial[k] = partial[k] + xs[4 * i + k]
+    for i in range(4 * full, len(xs)):
+        partial[0] = partial[0] + xs[i]
+    total = partial[0]
+    for k in range(1, 4):
+        total = total + partial[k]
+    return total
+
+
 def outer_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
     """torch's ``stack(xs).sum(dim=0)`` for up to 4 inputs: sequential from +0.0."""
     if len(xs) > 4:
         raise ValueError("outer_sum: more than 4 inputs")
+    return outer_sum_any(xs)
+
+
+def torch_order_sum(xs: Sequence[np.ndarray], elem_offset: int, tensor_size: int) -> np.ndarray:
+    """torch's ``stack(...).sum(dim=0)`` of a whole tensor, on the flat slice of it that starts
+    at ``elem_offset`` (``xs``: the inputs' values there): input order, then :func:`row_sum`
+    from :func:`torch_sum_tail` on. Requires a modelled case (torch_sum_tail not None)."""
+    tail = torch_sum_tail(tensor_size, len(xs))
+    if tail is None:
+        raise ValueError("torch_order_sum: a case torch_sum_tail does not model")
+    out = outer_sum_any(xs)
+    lo = max(tail - elem_offset, 0)
+    if lo < out.size:
+        out[lo:] = row_sum([x[lo:] for x in xs])
+    return out
+
+
+def outer_sum_any(xs: Sequence[np.ndarray]) -> np.ndarray:
+    """The sum of ``xs`` in input order from +0.0 (torch's order for up to 4 inputs, and before
+    :func:`torch_sum_tail` for up to TORCH_SUM_MAX)."""
     acc = np.zeros_like(xs[0])
     for x in xs:
         acc = acc + x

@@ -5,6 +5,7 @@ breadcrumbs, breadcrumbs_ties, della, della_linear. Pure; runs on any thread.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,18 @@ import numpy as np
 
 from . import exact, prng
 from . import sparsify as sp
-from .base import INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight
+from .base import (
+    INT8_MASK,
+    BasePolicy,
+    Capabilities,
+    Fused,
+    Method,
+    ParamDef,
+    Scope,
+    Unit,
+    flag,
+    weight,
+)
 
 #: Sums over the input axis are sequential (input order, from +0.0) in torch's CPU kernels for
 #: up to this many inputs at every element; beyond, the order depends on the element's position
@@ -39,7 +51,10 @@ Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
    else -1`; `mask_i = sign(X_i) == majority`; `mixed = sum_i X_i * mask_i`,
    `divisor = sum_i w_i * mask_i`, 1 where 0. Otherwise `mixed = sum_i X_i`,
    `divisor = sum_i w_i` (1 where `|divisor| < 1e-8`). Sums run over the input axis in order from
-   +0.0 (torch's order for up to 4 models; more models make the units whole tensors).
+   +0.0 (torch's order for up to 4 models; for 5-15 models without sparsifier, consensus or
+   normalize, torch's order is input order except in the last `numel % 32` elements of the
+   tensor, which use 4 interleaved partial sums (mergefs models it on x86); other cases with
+   more models make the units whole tensors).
 4. `mixed /= divisor` if normalize; `mixed *= lambda` if lambda != 1.
 5. `M = W0 + mixed`.
 """
@@ -66,8 +81,9 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
         divisor = exact.outer_sum([wk * m for wk, m in zip(w, masks)])
         divisor[divisor == 0] = 1
     else:
-        mixed = exact.outer_sum(xs)
-        total = exact.small_sum(w)
+        mixed = (exact.outer_sum(xs) if len(xs) <= SEQUENTIAL_SUM_MAX else
+                 exact.torch_order_sum(xs, u.elem_offset, u.tensor_size or base.size))
+        total = exact.small_sum(w) if len(w) <= exact.SMALL_SUM_MAX else np.float32(0)
         divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
     if g["normalize"]:
         mixed = mixed / divisor
@@ -127,9 +143,37 @@ def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-
                                                 and not u.params["rescale"])) \
                 and len(u.inputs) <= SEQUENTIAL_SUM_MAX:
             return _merge_numpy(u, sparsifier, consensus)
+        if u.inputs and _torch_order(sparsifier, consensus, len(u.inputs), u.params) and \
+                exact.torch_sum_tail(u.tensor_size or u.base.size, len(u.inputs)) is not None:
+            return _merge_numpy(u, sparsifier, consensus)  # torch's sum order, modelled
         return _merge_torch(u, sparsifier, consensus)
 
     return merge
+
+
+def _torch_order(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any]) -> bool:
+    """Task arithmetic with 5-15 models without normalize on x86: torch's input-axis sum is
+    modelled (:func:`.exact.torch_sum_tail`), so units may be slices of tensors."""
+    return (sparsifier is None and not consensus and SEQUENTIAL_SUM_MAX < n <= exact.TORCH_SUM_MAX
+            and not g.get("normalize") and platform.machine().lower() in ("x86_64", "amd64"))
+
+
+def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
+    """The arithmetic without sparsifier and consensus (task arithmetic) as the kernel's delta
+    form: ``_merge_numpy``'s up to SEQUENTIAL_SUM_MAX models; beyond (whole tensors,
+    ``_merge_torch``) up to TORCH_SUM_MAX models without normalize on x86, where torch's
+    input-axis sum is modelled (:func:`.exact.torch_sum_tail`)."""
+    n = len(per)
+    w = [np.float32(p["weight"]) for p in per]
+    scale = float(np.float32(g["lambda"])) if g["lambda"] != 1 else None
+    if _torch_order(None, False, n, g):  # _merge_numpy with torch's input-axis sum order
+        return Fused("delta", tuple(float(x) for x in w), None, scale, order="torch")
+    if not 1 <= n <= SEQUENTIAL_SUM_MAX:
+        return None
+    total = exact.small_sum(w)
+    divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
+    return Fused("delta", tuple(float(x) for x in w),
+                 float(divisor) if g["normalize"] else None, scale)
 
 
 def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -147,6 +191,10 @@ def _della_check(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> str 
             return (f"model {k}: density {d} +/- epsilon {e} must lie in (0, 1) "
                     "(mergekit refuses it too)")
     return None
+
+
+def _no_fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
+    return None  # masks and sign consensus: the method merges its units itself
 
 
 def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, rescale: bool,
@@ -177,7 +225,7 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
     def elementwise(n: int, g: Mapping[str, Any]) -> bool:
         if sparsifier == "random" and g.get("rescale"):
             return False  # the L1 rescale needs whole tensors
-        return blockwise and n <= SEQUENTIAL_SUM_MAX
+        return blockwise and (n <= SEQUENTIAL_SUM_MAX or _torch_order(sparsifier, consensus, n, g))
 
     return Method(
         name=name, family="gta", params=tuple(params),
@@ -186,7 +234,8 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
                           random=sparsifier in ("random", "della_magprune"),
                           elementwise=elementwise, zero_delta_is_base=True),
         merge=_merge(sparsifier, consensus), coefficients=_coefficients,
-        check=_della_check if sparsifier == "della_magprune" else None, summary=summary, arithmetic=ARITHMETIC)
+        check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
+        arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused)
 
 
 METHODS = (

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import exact
-from .base import BasePolicy, Capabilities, Method, Scope, Unit, flag, weight
+from .base import BasePolicy, Capabilities, Fused, Method, Scope, Unit, flag, weight
 
 ARITHMETIC = """\
 Inputs `W_m` are the models in `models:` order, then `base_model` if it is set and not listed
@@ -53,6 +53,15 @@ def _merge_torch(u: Unit) -> Any:
     return result.reshape(first.shape)
 
 
+def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
+    """``_merge``'s numpy arithmetic (up to SMALL_SUM_MAX inputs) as the kernel's fma form."""
+    if not 1 <= len(per) <= exact.SMALL_SUM_MAX:
+        return None
+    w32 = [np.float32(p["weight"]) for p in per]
+    divisor = float(exact.small_sum(w32)) if g["normalize"] else None
+    return Fused("fma", tuple(float(w) for w in w32), divisor)
+
+
 def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
     """``c_m = w_m / n`` for every input, ``n = sum w`` when normalize, else 1."""
     total = sum(float(p["weight"]) for p in per)
@@ -73,6 +82,6 @@ METHODS = (
                 weight(Scope.MODEL)),
         caps=Capabilities(base=BasePolicy.IGNORED, min_inputs=1, max_inputs=None,
                           additive=True, elementwise=lambda n, g: True),
-        merge=_merge, coefficients=_coefficients, check=_check,
+        merge=_merge, coefficients=_coefficients, check=_check, fused=_fused,
         summary="weighted average sum w_m W_m / sum w_m (model soup)", arithmetic=ARITHMETIC),
 )
