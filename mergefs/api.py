@@ -105,6 +105,7 @@ class Merge:
 
         spec = self._spec(budget)
         out = Path(outdir)
+        manifest = Path(manifest) if manifest else None
         self._check_writes(outdir=out, index_dir=spec.index_dir,
                            manifest=manifest or spec.manifest)
         check_outside(out, spec=spec.source, manifest=manifest or spec.manifest,
@@ -194,7 +195,7 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
         from .spec import parse_spec
 
         return Merge(parse_spec(json.loads(json.dumps(spec)), Path(base_dir or ".").resolve()))
-    return Merge(load_spec(spec))
+    return Merge(load_spec(Path(spec)))
 
 
 def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
@@ -203,4 +204,4 @@ def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None 
     :class:`mergefs.replayer.ReplayResult`, raises on any difference."""
     from .replayer import replay as _replay
 
-    return _replay(manifest, out, overwrite=force)
+    return _replay(Path(manifest), Path(out) if out is not None else None, overwrite=force)

@@ -162,12 +162,13 @@ def _parse_path(value: Any, where: str) -> ModelPath:
         if extra:
             raise _err(f"{where}.{sorted(extra)[0]}", "unknown key (a model path has 'path' and "
                        "'revision')")
-        path, rev = value.get("path"), value.get("revision")
-        if not isinstance(path, str) or not path:
-            raise _err(f"{where}.path", f"expected a path or Hub id, got {path!r}")
-        if rev is not None and (not isinstance(rev, str) or not rev):
-            raise _err(f"{where}.revision", f"expected a branch, tag or commit, got {rev!r}")
-        return ModelPath(path, rev)
+        given, revision = value.get("path"), value.get("revision")
+        if not isinstance(given, str) or not given:
+            raise _err(f"{where}.path", f"expected a path or Hub id, got {given!r}")
+        if revision is not None and (not isinstance(revision, str) or not revision):
+            raise _err(f"{where}.revision", f"expected a branch, tag or commit, got "
+                       f"{revision!r}")
+        return ModelPath(given, revision)
     raise _err(where, f"expected a path or Hub id, got {value!r}")
 
 
