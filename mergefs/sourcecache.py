@@ -148,6 +148,12 @@ class SourceBlockCache:
             self._bytes -= len(old)
             self.evictions += 1
 
+    def clear(self) -> None:
+        """Drop every cached block (reads in flight finish and are not cached twice)."""
+        with self._lock:
+            self._lru.clear()
+            self._bytes = 0
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"capacity_bytes": self.capacity_bytes, "bytes_cached": self._bytes,

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import __version__
 from .cache import UnitCache
-from .errors import MergefsError
+from .errors import MergefsError, SourceChanged
 from .pages import StoreFn
 from .sweepsession import SweepSession, VariantRecorder, VariantState
 from .units import Segment, Stream, UnitReader, WeightFile
@@ -61,12 +61,21 @@ class VariantReader(UnitReader):
     (an output record marked shared), and the in-memory fast path serves only units already
     recorded for this variant (the first serving of a shared unit takes the worker path)."""
 
-    def __init__(self, state: VariantState, cache: UnitCache, **options: Any) -> None:
+    def __init__(self, state: VariantState, cache: UnitCache, source_cache: Any = None,
+                 **options: Any) -> None:
         super().__init__(state.session, cache, **options)
         self.recorder: VariantRecorder = state.recorder
+        self.source_cache = source_cache
 
     def segment_bytes(self, wf: WeightFile, seg: Segment) -> bytes:
-        data = super().segment_bytes(wf, seg)
+        try:
+            data = super().segment_bytes(wf, seg)
+        except SourceChanged:
+            # the shared source blocks may hold the changed bytes: dropped, so that a source
+            # restored to its indexed bytes is served again (as a plain mount recovers)
+            if self.source_cache is not None:
+                self.source_cache.clear()
+            raise
         if seg.merged and seg.tensor is not None:
             self.recorder.note_served(seg.key, seg.tensor, seg.b0, seg.b1,
                                       seg.start - seg.tensor_start, seg.end - seg.tensor_start,
@@ -135,7 +144,7 @@ class SweepView(View):
 
     # -- variants ---------------------------------------------------------------------------
     def _add(self, st: VariantState) -> None:
-        reader = VariantReader(st, self.cache, **self._reader_options)
+        reader = VariantReader(st, self.cache, self.sweep.source_cache, **self._reader_options)
         entries = model_entries(st.session.engine, self._weights_mtime, st.key_of)
         with self._insert_lock:
             self.readers[st.name] = reader

@@ -268,3 +268,50 @@ def test_units_from_an_earlier_mounts_disk_cache_keep_the_manifest_replayable(
     with pytest.raises(ManifestError, match="no variant of the sweep was read; nothing to "
                                             "verify"):  # as a plain mount's manifest
         replay(tmp_path / "m2.jsonl")
+
+
+def test_a_source_restored_after_a_change_is_served_again(tmp_path: Path, fam: Family) -> None:
+    """A changed expert block fails the read (never wrong bytes); once the file holds its
+    indexed bytes again, every variant serves it again: the shared source blocks do not keep
+    the changed bytes (review finding: EIO until evicted)."""
+    import shutil
+
+    from mergefs.cache import UnitCache
+    from mergefs.errors import SourceChanged
+    from mergefs.manifest import ManifestWriter
+    from mergefs.sweepsession import SweepSession
+    from mergefs.sweepview import SweepView
+
+    local = tmp_path / "fam"
+    shutil.copytree(fam.root, local)
+    fam2 = Family(local / "base", [local / e.name for e in fam.experts], local, fam.dtype,
+                  fam.tensor_names)
+    spec = sweep_spec(tmp_path / "sweep.yaml", fam2, {"weight": [0.3, 0.7]})
+    weights = fam2.experts[0] / "model.safetensors"
+    original = weights.read_bytes()
+    st = weights.stat()
+    sw = SweepSession(spec, ManifestWriter(tmp_path / "m.jsonl"), 64 << 20)
+    view = SweepView(sw, UnitCache(0, None, None))  # no merged-unit cache: every read merges
+    try:
+        names = list(sw.variants)
+        import json
+
+        n = int.from_bytes(original[:8], "little")
+        lm_head = json.loads(original[8:8 + n])["lm_head.weight"]["data_offsets"]
+        changed = bytearray(original)
+        changed[8 + n + (lm_head[0] + lm_head[1]) // 2] ^= 0xFF  # inside lm_head's data
+        weights.write_bytes(bytes(changed))
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        for n in names:
+            with pytest.raises(SourceChanged):
+                view.read_path(f"{n}/model.safetensors")
+        weights.write_bytes(original)
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        got = {n: view.read_path(f"{n}/model.safetensors") for n in names}
+    finally:
+        view.close()
+        sw.finish()
+        sw.close()
+    for n in names:
+        merge_variant(spec, n, tmp_path / f"out-{n}")
+        assert got[n] == (tmp_path / f"out-{n}" / "model.safetensors").read_bytes()
