@@ -97,10 +97,12 @@ class RangeHTTPServer:
                 self._serve(head=False)
 
             def _empty(self, status: int, path: str, method: str) -> None:
+                # logged before the response leaves: a client that has its answer (and a test
+                # that then resets the log) never races the server's bookkeeping
+                server.log.add(Served(method, path, status))
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
-                server.log.add(Served(method, path, status))
 
             def _serve(self, head: bool) -> None:
                 method = "HEAD" if head else "GET"
@@ -132,23 +134,25 @@ class RangeHTTPServer:
                     self.send_header("ETag", f'"{st.st_mtime_ns:x}-{size:x}"')
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-                self.end_headers()
                 if head:
-                    server.log.add(Served(method, path, status))
+                    server.log.add(Served(method, path, status))  # before the answer leaves
+                    self.end_headers()
                     return None
                 with open(target, "rb") as f:
                     f.seek(start)
                     body = f.read(end - start)
                 if fault == "reset":  # half the body, then a TCP reset
+                    server.log.add(Served(method, path, 0))
+                    self.end_headers()
                     self.wfile.write(body[: len(body) // 2])
                     self.wfile.flush()
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                                struct.pack("ii", 1, 0))
                     self.close_connection = True
-                    server.log.add(Served(method, path, 0))
                     return None
+                server.log.add(Served(method, path, status, start, end))  # before it leaves
+                self.end_headers()
                 self.wfile.write(body)
-                server.log.add(Served(method, path, status, start, end))
                 return None
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
