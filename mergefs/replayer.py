@@ -207,8 +207,19 @@ def _replay_sweep(manifest_path: str | Path) -> ReplayResult:
     # a unit one variant served from another's merge was read under the other's records:
     # source ranges are facts about the sources, so every variant checks against all of them
     reads = [r for c in sweep.variants.values() for r in c.reads]
+    seen: dict[tuple[Any, ...], str] = {}
     for rec in reads:
         _check_fields(manifest_path, "read", rec)
+        key = (rec["source"], rec["file"], rec["start"], rec["end"])
+        if seen.setdefault(key, rec["xxh3"]) != rec["xxh3"]:  # one range, two contents
+            raise ManifestError(f"{manifest_path}: the read {key} is recorded twice with "
+                                "different hashes (the manifest was altered or corrupted)")
+    listed = sweep.totals.get("variants")
+    if isinstance(listed, list) and sorted(listed) != sorted(sweep.variants):
+        missing = sorted(set(listed) - set(sweep.variants))
+        raise ManifestError(f"{manifest_path}: the totals list variants the manifest has no "
+                            f"records of: {', '.join(missing) or '(none)'}; extra: "
+                            f"{', '.join(sorted(set(sweep.variants) - set(listed))) or '(none)'}")
     done: list[tuple[str, ReplayResult]] = []
     unread: list[str] = []
     for name, contents in sorted(sweep.variants.items()):

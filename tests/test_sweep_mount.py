@@ -315,3 +315,47 @@ def test_a_source_restored_after_a_change_is_served_again(tmp_path: Path, fam: F
     for n in names:
         merge_variant(spec, n, tmp_path / f"out-{n}")
         assert got[n] == (tmp_path / f"out-{n}" / "model.safetensors").read_bytes()
+
+
+def test_replay_of_a_sweep_refuses_altered_records(tmp_path: Path, fam: Family) -> None:
+    """A read two variants both recorded, altered in one; a variant's records deleted: replay
+    fails for both (review finding: the last record of a range won, deletions went unseen)."""
+    import json
+
+    from mergefs.cache import UnitCache
+    from mergefs.errors import ManifestError
+    from mergefs.manifest import ManifestWriter
+    from mergefs.replayer import replay
+    from mergefs.sweepsession import SweepSession
+    from mergefs.sweepview import SweepView
+
+    spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"weight": [0.3, 0.7]})
+    manifest = tmp_path / "m.jsonl"
+    sw = SweepSession(spec, ManifestWriter(manifest), 0)  # no source cache: both variants read
+    view = SweepView(sw, UnitCache(0, None, None))
+    try:
+        for name in sw.variants:
+            view.read_path(f"{name}/model.safetensors")
+    finally:
+        view.close()
+        sw.finish()
+        sw.close()
+    replay(manifest)
+    recs = [json.loads(line) for line in manifest.read_text().splitlines()]
+    by_range: dict[tuple[Any, ...], list[int]] = {}
+    for i, r in enumerate(recs):
+        if r.get("type") == "read":
+            by_range.setdefault((r["source"], r["file"], r["start"], r["end"]), []).append(i)
+    twice = next(v for v in by_range.values() if len(v) > 1)
+    altered = [dict(r) for r in recs]
+    altered[twice[-1]]["xxh3"] = "0" * 16
+    bad = tmp_path / "altered.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in altered))
+    with pytest.raises(ManifestError, match="recorded twice with different hashes"):
+        replay(bad)
+    gone = recs[-1]["variants"][-1] if recs[-1].get("type") == "totals" else None
+    assert gone is not None
+    kept = [r for r in recs if r.get("variant") != gone or r.get("kind") == "sweep"]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with pytest.raises(ManifestError, match=f"no records of: {gone}"):
+        replay(bad)
