@@ -17,8 +17,11 @@ An input the plan omits in a range holds the reference's values there, as in the
 it rather than skipping it). With 5 to 15 models (whole tensors, the registry's torch path) the
 sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends on the element's
 position (ATen's ``SumKernel.cpp``: input order in groups of 32 columns, 4-way interleaved
-partial sums in the last ``numel % 32``, whatever the thread count, since a multi-threaded
-reduction splits at multiples of 32 columns): the kernel sums in input order, then recomputes
+partial sums in the last ``numel % 32``; a multi-threaded reduction splits at multiples of 32
+columns, so this holds for any thread count below 47 — with 47 or more torch threads, a last
+chunk of fewer than 8 columns is summed by another routine, which differs for small tensors with
+``numel % 32`` in 4..7: a mergekit run with that many threads can differ there in the last
+elements): the kernel sums in input order, then recomputes
 those tail elements in torch's order with numpy (:func:`mergefs.methods.exact.torch_sum_tail`;
 tested against torch). Not fused, the registry's path runs: normalize with more than 4 models
 (torch's sum of the weights is not modelled), more than 15 models (torch adds cascade levels),
@@ -102,10 +105,33 @@ def _kernels() -> Any:
             raise RuntimeError(UNAVAILABLE_REASON)
         with _load_lock:
             if _nb is None:
+                import numba
+
+                if getattr(numba.config, "DISABLE_JIT", False):  # fma has no pure-Python form
+                    raise RuntimeError("NUMBA_DISABLE_JIT is set")
                 from . import _numba_kernels
 
                 _nb = _numba_kernels
     return _nb
+
+
+def _usable() -> bool:
+    """The kernels load (numba imports, JIT on); else, once, the reason is recorded and logged
+    and the numpy path is used (a numba built for another numpy fails at import)."""
+    global UNAVAILABLE_REASON
+    if UNAVAILABLE_REASON:
+        return False
+    if _nb is not None:
+        return True
+    try:
+        _kernels()
+    except Exception as exc:  # noqa: BLE001 - any failure to load means: use numpy
+        UNAVAILABLE_REASON = (f"numba is installed but unusable ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); mergefs "
+                              "merges with numpy: same bytes, slower")
+        note_unavailable()
+        return False
+    return True
 
 
 _noted = False
@@ -128,10 +154,11 @@ def supports(form: Fused | None, src_dtypes: Sequence[str], out_dtype: str,
              numel: int) -> bool:
     """Whether :func:`fused_merge` handles this form, these source dtypes and the output for a
     unit of ``numel`` elements."""
-    return (form is not None and not UNAVAILABLE_REASON and out_dtype in DTYPES
+    return (form is not None and out_dtype in DTYPES
             and all(d in DTYPES for d in src_dtypes)
             and (form.order == "sequential"
-                 or exact.torch_sum_tail(numel, len(form.weights)) is not None))
+                 or exact.torch_sum_tail(numel, len(form.weights)) is not None)
+            and _usable())
 
 
 def _ro(buf: Any, dtype: str) -> np.ndarray:
@@ -244,16 +271,24 @@ def _torch_tail(w0: np.ndarray, tail: int, inputs: Sequence[Runs | None],
 
 def warm_up() -> None:
     """Compile (or load from the disk cache) every kernel signature now, so that the first
-    unit merged does not wait for the compiler."""
-    if UNAVAILABLE_REASON:
+    unit merged does not wait for the compiler. A kernel that fails to compile turns the
+    kernels off (the numpy path merges; logged once) instead of failing reads later."""
+    global UNAVAILABLE_REASON
+    if not _usable():
         return
-    for src in DTYPES:
-        b = np.zeros(4, _RAW[src]).tobytes()
-        for out in DTYPES:
-            for form in (Fused("delta", (0.5, 0.25), 1.5, 0.5), Fused("fma", (0.5, 0.25), 0.75),
-                         Fused("delta", (0.5, 0.25)),
-                         Fused("delta", (0.5, 0.25), order="torch")):
-                _merge(form, b, src, [[(0, b, src)], [(1, b[:-_RAW[src].itemsize], src)]], out)
+    try:
+        for src in DTYPES:
+            b = np.zeros(4, _RAW[src]).tobytes()
+            for out in DTYPES:
+                for form in (Fused("delta", (0.5, 0.25), 1.5, 0.5),
+                             Fused("fma", (0.5, 0.25), 0.75), Fused("delta", (0.5, 0.25)),
+                             Fused("delta", (0.5, 0.25), order="torch")):
+                    _merge(form, b, src, [[(0, b, src)], [(1, b[:-_RAW[src].itemsize], src)]],
+                           out)
+    except Exception as exc:  # noqa: BLE001 - a compiler failure of this numba/LLVM
+        UNAVAILABLE_REASON = (f"the numba kernels failed to compile ({type(exc).__name__}); "
+                              "mergefs merges with numpy: same bytes, slower")
+        note_unavailable()
 
 
 def encode_f16(values: np.ndarray, out: np.ndarray) -> None:

@@ -422,3 +422,32 @@ def test_merges_without_numba(tmp_path: Path) -> None:
         session.close()
     for f in (tmp_path / "np").glob("*.safetensors"):
         assert f.read_bytes() == (tmp_path / "nb" / f.name).read_bytes()
+
+
+def test_a_numba_that_fails_to_import_falls_back_to_numpy(tmp_path: Path) -> None:
+    """numba installed but broken (built for another numpy: its import raises): the merge runs
+    on numpy with the same bytes, saying why once (review finding: merge crashed, mount EIO)."""
+    fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=4)
+    spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic", [0.7, 0.4], None,
+                      {"block_size": "4KiB", "index_dir": str(tmp_path / "idx")})
+    code = ("import builtins, sys\n"
+            "real = builtins.__import__\n"
+            "def fake(name, *a, **k):\n"
+            "    if name == 'numba' or name.startswith('numba.'):\n"
+            "        raise ImportError('Numba needs NumPy 2.2 or less (simulated)')\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = fake\n"
+            "from mergefs import cli, kernels\n"
+            "rc = cli.main(['merge', sys.argv[1], sys.argv[2]])\n"
+            "assert kernels.counters.units == 0\n"
+            "sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code, str(spec), str(tmp_path / "np")],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("numba is installed but unusable (ImportError") == 1
+    from mergefs import cli
+
+    assert cli.main(["merge", str(spec), str(tmp_path / "nb")]) == 0
+    assert kernels.counters.units > 0  # here, the kernel ran
+    for f in (tmp_path / "np").glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "nb" / f.name).read_bytes()

@@ -95,6 +95,10 @@ probabilities). `seed` is a mergefs parameter (default 0).
 - Random masks are mergefs' own (above); with the same mask mergekit gives the same bytes.
 - arcee_fusion sorts every element for its quantiles; mergekit samples 10^6 elements with
   replacement above 10^6 elements (not reproducible).
+- task_arithmetic with 5-15 models follows torch's input-axis sum order as it is for fewer
+  than 47 torch threads (mergefs/methods/exact.py: torch_sum_tail); a mergekit run with 47 or
+  more threads can differ in the last elements of small tensors whose size is 4-7 past a
+  multiple of 32.
 - mergekit's full-tensor reductions (norms, L1 sums) split work across torch's threads; mergefs
   uses the same kernels and thread count, so a machine with a different SIMD width or thread
   count can round those sums differently, in mergekit as in mergefs.
