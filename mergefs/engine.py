@@ -249,7 +249,16 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
             built, vocab = _tokenizer(spec, opened)
             recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
                                   _configs(spec, opened))
-            roles = [RoleSource(recipe, r, opened) for r in range(1 + len(experts))]
+            # a base-alone module slice names the base in the expert roles too: those roles
+            # get their own handle on it, so their counters count their own reads only
+            aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
+            roles = [RoleSource(recipe, 0, opened)]
+            for r in range(1, 1 + len(experts)):
+                own = dict(opened)
+                for p in aliased:
+                    own[p] = opened[f"\0{r}:{p}"] = open_source(p, spec.source_options(p),
+                                                                 base)
+                roles.append(RoleSource(recipe, r, own))
         except BaseException:
             for c in opened.values():
                 c.close()
@@ -493,6 +502,11 @@ class Engine:
         fetched = iter(got[1:])
         expert_bufs = [next(fetched) if rs else [] for rs in ranges]
         out_dtype = self.out_tensors[name].dtype
+        u = self.unit_outputs.get(name)
+        if u is not None and u.ref_only:  # the base alone: cast, as mergekit returns it
+            data = bytes(base_buf) if out_dtype == src_dtype else \
+                encode(decode_f32(base_buf, src_dtype), out_dtype)
+            return self._output(name, b0, b1, data)
         levels = [self._level_blocks(i, b0, b1) for i in range(len(self.experts))]
         if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
                                                                       base_buf):

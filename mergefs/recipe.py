@@ -51,6 +51,9 @@ class OutputTensor:
     #: a vocabulary tensor of a tokenizer merge: rows permuted per model (mergefs.tokenizer),
     #: read whole, not indexed
     vocab: bool = False
+    #: the reference's tensor cast to the output dtype (a base-alone module slice,
+    #: :attr:`mergefs.spec.SliceDef.ref_only`): no expert is read, no method runs
+    ref_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class Recipe:
         out = np.zeros((len(spec.experts), len(tensors)))
         for t, key in enumerate(tensors):
             u = units[key]
+            if u.ref_only:
+                continue  # no expert contributes
             per_input = spec.method_def.coefficients(u.params, u.input_params)
             for k, c in zip(spec.input_order, per_input):
                 if k != REFERENCE:
@@ -119,6 +124,8 @@ class _Resolver:
         spec, m = self.spec, self.m
         glob_levels = (sl.settings, sl.module_settings, spec.settings)
         params = {p.name: self._value(p, glob_levels, name, t, name) for p in m.global_params}
+        if sl.ref_only:
+            return params, tuple({} for _ in spec.input_order)
         per_input = []
         for k in spec.input_order:
             r = 0 if k == REFERENCE else k + 1
@@ -209,10 +216,11 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
     for name, models, srcs, t, sl, roles in rows:
         params, per_input = res.resolve(name, sl, roles, srcs, t)
         is_vocab = srcs[0] in vocab
-        sig = json.dumps([models, srcs, params, per_input, is_vocab], sort_keys=True,
-                         default=str)
+        sig = json.dumps([models, srcs, params, per_input, is_vocab, sl.ref_only],
+                         sort_keys=True, default=str)
         key = keys.setdefault(sig, name)
-        outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab))
+        outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab,
+                                    sl.ref_only))
     return Recipe(tuple(outputs), tuple(layers) if layers is not None else None, layer_counts)
 
 

@@ -213,6 +213,11 @@ class SliceDef:
     module: str | None = None
     #: the module's own parameters (precedence below the slice's, above the global ones)
     module_settings: Mapping[str, Any] = field(default_factory=dict)
+    #: a module slice of the base alone, for a method whose output is the base when it has
+    #: no other input (mergekit's task-arithmetic family returns the base tensor): its expert
+    #: roles are the base itself (nothing to read), its output the base cast to the output
+    #: dtype
+    ref_only: bool = False
 
 
 #: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
@@ -624,12 +629,36 @@ def _models_slice(m: Method, inputs: list[_Model], base: str, has_base: bool, so
     return SliceDef(ref, experts, {})
 
 
+def _is_ref_only(m: Method, sl: _Slice, base_given: str | None) -> bool:
+    """A ``modules:`` slice whose only source is the base, for the task-arithmetic family
+    (mergekit returns the base tensor when a group has no other model)."""
+    b = sl.base if sl.base is not None else base_given
+    return (sl.module is not None and m.family == "gta" and b is not None
+            and len(sl.sources) == 1 and sl.sources[0][0].path == b)
+
+
+def _lead(m: Method, slices: list[_Slice], base_given: str | None) -> _Slice:
+    """The slice whose models are the spec's roles: the first that is not the base alone."""
+    return next((sl for sl in slices if not _is_ref_only(m, sl, base_given)), slices[0])
+
+
 def _slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has_base: bool,
                 source: str, lenient: _Lenient) -> tuple[SliceDef, ...]:
-    """Each slice by role; every slice must have slice 0's roles (count and reference place)."""
+    """Each slice by role; every slice must have the lead slice's roles (count and reference
+    place), but for a base-only module slice (:func:`_is_ref_only`)."""
     out: list[SliceDef] = []
-    ref_place = None
+    lead = _lead(m, slices, base_given)
+    lead_paths = [x.path for x, _ in lead.sources]
+    lead_base = lead.base if lead.base is not None else base_given
+    ref_place = lead_paths.index(lead_base) if lead_base in lead_paths else 0
     for sl in slices:
+        if _is_ref_only(m, sl, base_given) and sl is not lead:
+            (x, lr), = sl.sources
+            ref = SliceSource(x.path, lr, {})
+            out.append(SliceDef(ref, tuple(SliceSource(x.path, lr, {})
+                                           for _ in range(len(lead.sources) - 1)),
+                                {}, sl.module, {}, ref_only=True))
+            continue
         paths = [x.path for x, _ in sl.sources]
         sbase = sl.base if sl.base is not None else base_given
         if has_base and sbase not in paths:
@@ -639,11 +668,10 @@ def _slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has_bas
             place = paths.index(sbase) if sbase in paths else 0
         else:
             place = paths.index(sbase) if sbase in paths else 0
-        if ref_place is None:
-            ref_place = place
-        elif place != ref_place or len(paths) != len(slices[0].sources):
+        if place != ref_place or len(paths) != len(lead.sources):
             raise _err(source, sl.key, "every slice must have the same number of sources "
-                       "with the base in the same place as slices[0] (not supported otherwise)")
+                       f"with the base in the same place as {lead.key} (not supported "
+                       "otherwise)")
         for name in sl.params_raw:
             if m.param(name) is None:
                 lenient.ignore(f"{sl.key}.parameters.{name}", f"{m.name} has no parameter "
@@ -678,21 +706,24 @@ def _slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_module_roles(slices: list[_Slice], base_given: str | None, source: str) -> None:
+def _check_module_roles(m: Method, slices: list[_Slice], base_given: str | None,
+                        source: str) -> None:
     """mergefs merges every slice of every module with the same roles: as many models, the
-    base in the same place. Refused otherwise, naming the first slice that differs."""
+    base in the same place; a slice of the base alone is the base (task-arithmetic family).
+    Refused otherwise, naming the first slice that differs."""
     def shape(sl: _Slice) -> str:
         paths = [x.path for x, _ in sl.sources]
         b = sl.base if sl.base is not None else base_given
         where = f"the base at {paths.index(b)}" if b in paths else "no base"
         return f"{len(paths)} model(s), {where}"
 
-    first = shape(slices[0])
-    for sl in slices[1:]:
-        if shape(sl) != first:
-            raise _err(source, sl.key, f"{shape(sl)}, where {slices[0].key} has {first}: "
+    lead = _lead(m, slices, base_given)
+    first = shape(lead)
+    for sl in slices:
+        if sl is not lead and not _is_ref_only(m, sl, base_given) and shape(sl) != first:
+            raise _err(source, sl.key, f"{shape(sl)}, where {lead.key} has {first}: "
                        "mergefs merges every module with the same models in the same order "
-                       "(a module that keeps only the base's tensors is not supported yet)")
+                       "(or, for the task-arithmetic family, the base alone)")
 
 
 def _modules_raw(slices: list[_Slice], hub_records: dict[str, Any]) -> dict[str, Any]:
@@ -916,7 +947,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                          hub_records)
     else:
         slices = []
-    models = [m for m, _ in slices[0].sources] if sliced else _models(
+    lead = _lead(mdef, slices, base_given) if sliced else None
+    models = [m for m, _ in lead.sources] if lead is not None else _models(
         data, base_dir, source, hub_config, hub_records)
     model_options = {x.path: x.options for x in models if x.options is not None}
     for sl in slices:  # a model's options given in any slice (module) of the spec
@@ -926,21 +958,22 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 raise _err(source, f"{x.key}.storage_options", f"{x.path} is given "
                            "different storage_options elsewhere in the spec")
     if slices and slices[0].module is not None:
-        _check_module_roles(slices, base_given, source)
+        _check_module_roles(mdef, slices, base_given, source)
     method_base = base_given
     if sliced and mdef.caps.base == BasePolicy.IGNORED and base_given not in {
             x.path for x in models}:
         method_base = None  # the inputs of a slice are its sources, exactly
     method_data = data
     if sliced:  # parameters a slice sets count as given (resolved per tensor by the recipe)
-        method_data = {**data, "parameters": {**slices[0].params_raw,
-                                              **slices[0].module_params_raw,
+        assert lead is not None
+        method_data = {**data, "parameters": {**lead.params_raw,
+                                              **lead.module_params_raw,
                                               **(data.get("parameters") or {})}}
     glob, inputs, per_input, has_base = _resolve_method(mdef, method_data, models, method_base,
                                                         source, lenient)
     base = method_base if method_base is not None else models[0].path
     if sliced and has_base and base not in {x.path for x in models}:
-        raise _err(source, f"{slices[0].key}.sources", f"the base model {base} must be one of the "
+        raise _err(source, f"{lead.key if lead else 'slices'}.sources", f"the base model {base} must be one of the "
                    "slice's sources (mergekit refuses a slice without its base)")
     glob_settings = _own_settings(mdef, data.get("parameters") or {}, "parameters", source,
                                   lenient, scopes=None)

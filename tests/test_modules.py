@@ -180,16 +180,26 @@ def test_modules_with_slices_and_models_both_refused(fam: dict[str, Path],
         parse_spec(cfg, tmp_path)
 
 
+def base_alone(fam: dict[str, Path]) -> dict[str, Any]:
+    return {"merge_method": "task_arithmetic", "base_model": str(fam["base"]),
+            "out_dtype": "float16", "modules": {
+                "text_decoder": {"models": [{"model": str(fam["e1"]),
+                                             "parameters": {"weight": 0.5}}]},
+                "vision_tower": {"models": [{"model": str(fam["base"])}]}}}
+
+
 @pytest.mark.mount
 @needs_fuse
+@pytest.mark.parametrize("which", ["task_arithmetic", "base_alone"])
 def test_mount_of_a_modules_spec_equals_merge(fam: dict[str, Path], tmp_path: Path,
-                                              mounts: Any) -> None:
+                                              mounts: Any, which: str) -> None:
     import yaml
     from test_mount import merge, sha256
     from viewcases import tree
 
+    cfg = task_arithmetic(fam) if which == "task_arithmetic" else base_alone(fam)
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({**task_arithmetic(fam), "block_size": "4KiB",
+    spec.write_text(yaml.safe_dump({**cfg, "block_size": "4KiB",
                                     "budget": "50%", "index_dir": str(tmp_path / "index")}))
     out = merge(spec, tmp_path / "out")
     m = mounts.start(spec)
@@ -242,11 +252,43 @@ def test_modules_with_different_models_are_refused_naming_the_module(
     cfg = {"merge_method": "task_arithmetic", "base_model": str(fam["base"]),
            "modules": {"text_decoder": {"models": [{"model": str(fam["e1"])},
                                                    {"model": str(fam["e2"])}]},
-                       "vision_tower": {"models": [{"model": str(fam["base"])}]}}}
-    with pytest.raises(SpecError, match=r"modules\.vision_tower\.models: 1 model\(s\), the "
-                                        r"base at 0, where modules\.text_decoder\.models has 3 "
+                       "vision_tower": {"models": [{"model": str(fam["e1"])}]}}}
+    with pytest.raises(SpecError, match=r"modules\.vision_tower\.models: 2 model\(s\), the "
+                                        r"base at 1, where modules\.text_decoder\.models has 3 "
                                         r"model\(s\), the base at 2"):
         parse_spec(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_a_module_of_the_base_alone_equals_mergekit(fam: dict[str, Path], tmp_path: Path,
+                                                    out_dtype: str) -> None:
+    """The common multimodal recipe: merge the text decoder, keep the base's vision tower and
+    projector (mergekit's task-arithmetic family returns the base tensor for a group without
+    other models); listed first, so the lead slice is not the first."""
+    cfg = {"merge_method": "ties", "base_model": str(fam["base"]), "dtype": "float32",
+           "out_dtype": out_dtype, "parameters": {"density": 1.0},
+           "modules": {
+               "vision_tower": {"slices": [{"sources": [
+                   {"model": str(fam["base"]), "layer_range": [0, VISION_LAYERS]}]}]},
+               "text_decoder": {"models": [
+                   {"model": str(fam["e1"]), "parameters": {"weight": 0.7}},
+                   {"model": str(fam["e2"]), "parameters": {"weight": 0.4}}]},
+               "multi_modal_projector": {"models": [{"model": str(fam["base"])}]},
+           }}
+    mk = run_mergekit(cfg, tmp_path / "mk")
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    assert set(mk) == set(fs)
+    assert_identical(mk, fs)
+    base = load_file_f32(fam["base"])
+    assert all(torch.equal(fs[n].float(), base[n]) for n in fs if n.startswith("vision_tower."))
+    assert any(not torch.equal(fs[n].float(), base[n]) for n in fs
+               if n.startswith("language_model."))
+
+
+def load_file_f32(model: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(str(model / "model.safetensors")).items()}
 
 
 def test_tokenizer_merge_of_a_modules_spec_is_refused(fam: dict[str, Path],
