@@ -253,12 +253,12 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
             # get their own handle on it, so their counters count their own reads only
             aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
             roles = [RoleSource(recipe, 0, opened)]
-            for r in range(1, 1 + len(experts)):
+            for k in range(1, 1 + len(experts)):
                 own = dict(opened)
                 for p in aliased:
-                    own[p] = opened[f"\0{r}:{p}"] = open_source(p, spec.source_options(p),
+                    own[p] = opened[f"\0{k}:{p}"] = open_source(p, spec.source_options(p),
                                                                  base)
-                roles.append(RoleSource(recipe, r, own))
+                roles.append(RoleSource(recipe, k, own))
         except BaseException:
             for c in opened.values():
                 c.close()

@@ -92,24 +92,29 @@ def connect(address: str | None) -> Any:
     return ray
 
 
+#: how long a failed run waits for its other tasks to finish before it reports the failure
+DRAIN_SECONDS = 120.0
+
+
 def completed(ray: Any, tasks: dict[Any, T], what: Callable[[T], str]
               ) -> Iterator[tuple[T, Any]]:
     """``(item, result)`` of each task of ``tasks`` (object ref -> item) as it finishes; a
-    failed task raises one error naming ``what(item)``; on any error, or when the caller stops
-    early, the tasks still pending are cancelled."""
+    failed task raises one error naming ``what(item)``, once the tasks still pending have
+    finished (up to ``DRAIN_SECONDS``; their results are dropped, a merge's shard files with its
+    staging directory). They are not cancelled: Ray 2.60's force-cancel of a task racing its
+    own completion aborts the driver process ("Tried to complete task that was not pending",
+    seen in our CI)."""
     pending = list(tasks)
-    try:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            item = tasks[done[0]]
-            try:
-                res = ray.get(done[0])
-            except (ray.exceptions.RayError, MergefsError, OSError) as exc:
-                raise task_error(exc, what(item)) from None
-            yield item, res
-    finally:
-        for ref in pending:
-            ray.cancel(ref, force=True)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        item = tasks[done[0]]
+        try:
+            res = ray.get(done[0])
+        except (ray.exceptions.RayError, MergefsError, OSError) as exc:
+            if pending:  # nothing of theirs may land after the caller cleans up
+                ray.wait(pending, num_returns=len(pending), timeout=DRAIN_SECONDS)
+            raise task_error(exc, what(item)) from None
+        yield item, res
 
 
 def refuse_unsupported(spec: Any) -> None:
