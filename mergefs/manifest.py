@@ -236,12 +236,30 @@ def iter_records(path: str | Path) -> Iterator[dict[str, Any] | None]:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
 
 
+class _Parts:
+    """One manifest's (or one sweep variant's) records by type, as read."""
+
+    def __init__(self) -> None:
+        self.header: dict[str, Any] | None = None
+        self.totals: dict[str, Any] | None = None
+        self.lists: dict[str, list[dict[str, Any]]] = {"read": [], "output": [], "tensor": []}
+
+    def add(self, kind: Any, rec: dict[str, Any]) -> None:
+        if kind == "header":
+            self.header = rec
+        elif kind == "totals":
+            self.totals = rec
+        elif kind in self.lists:
+            self.lists[kind].append(rec)
+
+    def contents(self, torn: int) -> ManifestContents:
+        assert self.header is not None
+        return ManifestContents(self.header, self.lists["read"], self.lists["output"],
+                                self.lists["tensor"], self.totals, torn)
+
+
 def read_manifest(path: str | Path) -> ManifestContents:
-    header = None
-    reads: list[dict[str, Any]] = []
-    outputs: list[dict[str, Any]] = []
-    tensors: list[dict[str, Any]] = []
-    totals = None
+    parts = _Parts()
     torn = 0
     for k, rec in enumerate(iter_records(path)):
         if rec is None:
@@ -256,18 +274,12 @@ def read_manifest(path: str | Path) -> ManifestContents:
                                     "read_sweep_manifest")
             if rec.get("schema") != SCHEMA_VERSION:
                 raise ManifestError(f"{path}: unsupported manifest schema {rec.get('schema')!r}")
-            header = rec
-        elif kind == "read":
-            reads.append(rec)
-        elif kind == "output":
-            outputs.append(rec)
-        elif kind == "tensor":
-            tensors.append(rec)
-        elif kind == "totals":
-            totals = rec
-    if header is None:
+            parts.add(kind, rec)
+        elif kind != "header":
+            parts.add(kind, rec)
+    if parts.header is None:
         raise ManifestError(f"{path}: empty manifest (no header record)")
-    return ManifestContents(header, reads, outputs, tensors, totals, torn)
+    return parts.contents(torn)
 
 
 def manifest_schema(path: str | Path) -> int | None:
@@ -293,7 +305,7 @@ class SweepContents:
 
 def read_sweep_manifest(path: str | Path) -> SweepContents:
     header = None
-    parts: dict[str, dict[str, Any]] = {}
+    parts: dict[str, _Parts] = {}
     totals = None
     torn = 0
     for k, rec in enumerate(iter_records(path)):
@@ -313,18 +325,12 @@ def read_sweep_manifest(path: str | Path) -> SweepContents:
             continue
         if not isinstance(name, str):
             raise ManifestError(f"{path}: a record names the variant {name!r}")
-        part = parts.setdefault(name, {"header": None, "read": [], "output": [], "tensor": [],
-                                       "totals": None})
-        if kind in ("header", "totals"):
-            part[kind] = rec
-        elif kind in ("read", "output", "tensor"):
-            part[kind].append(rec)
+        parts.setdefault(name, _Parts()).add(kind, rec)
     if header is None:
         raise ManifestError(f"{path}: empty manifest (no header record)")
     variants = {}
     for name, part in parts.items():
-        if part["header"] is None:
+        if part.header is None:
             raise ManifestError(f"{path}: variant {name!r} has records but no header")
-        variants[name] = ManifestContents(part["header"], part["read"], part["output"],
-                                          part["tensor"], part["totals"], 0)
+        variants[name] = part.contents(0)
     return SweepContents(header, variants, totals, torn)
