@@ -62,6 +62,12 @@ def test_readahead_window_is_widened(tmp_path: Path, index_dir: Path, family_f32
     knob = Path(f"/sys/class/bdi/{dev[0]}:{dev[1]}/read_ahead_kb")
     if os.geteuid() != 0:
         pytest.skip("only root may set the readahead window")
+    import time
+
+    # set by the server once the kernel routes requests to it (after the first stat): poll
+    deadline = time.monotonic() + 10
+    while int(knob.read_text()) != READ_AHEAD_KB and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert int(knob.read_text()) == READ_AHEAD_KB
     assert "readahead window" in m.log.read_text()
 
