@@ -46,7 +46,17 @@ from .index import BlockIndex
 
 log = logging.getLogger(__name__)
 
-LOWRANK_GROUPS = ((1 / 48, 8), (1 / 16, 4), (1 / 6, 3), (1 / 3, 2))  # (share of rank, bits)
+#: dense ladder: (cumulative share of the rank, bits) per low-rank level, then the residual's
+#: quant levels (bits). Chosen on the MiniLM full fine-tunes (docs/benchmarks.md, issue 14): at
+#: 1.6 and 3.2 bits per element this keeps 0-3% more of a layer's delta than the Delta-CoMe
+#: style 8/4/3/2 groups with a 1+2 bit residual, because more components at 2 bits beat fewer
+#: at 8 when singular values decay slowly
+LOWRANK_GROUPS = ((1 / 48, 4), (1 / 12, 3), (1 / 6, 2), (1 / 3, 2))
+QUANT_LADDER = (1, 1, 2)
+#: ``rows`` route: at most this share of the rows changed, and most elements of those changed
+ROWS_SHARE = 0.5
+ROWS_DENSITY = 0.5
+ROWS_LADDER = (1, 1, 2, 2)
 EXACT_RANK_TOL = 1e-4
 SPARSE_DENSITY = 0.1
 
@@ -136,6 +146,27 @@ def _quant(r: np.ndarray, bits: int, rows: list[tuple[int, int]]
     return blocks, contrib
 
 
+def _rows(r: np.ndarray, changed: np.ndarray, bits: int, rows: list[tuple[int, int]]
+          ) -> tuple[list[bytes], np.ndarray]:
+    """(block ranges, contribution) of a ``rows`` level: :func:`_quant` on the changed rows."""
+    sub = r[changed]
+    blocks_sub, contrib_sub = _quant(sub, bits, [(0, sub.shape[0])]) if sub.size else \
+        ([b""], np.zeros_like(sub))
+    contrib = np.zeros_like(r)
+    contrib[changed] = contrib_sub
+    step = np.frombuffer(blocks_sub[0], dtype="<f4", count=sub.shape[0])
+    codes = dl.quantise(sub, bits, step.astype(np.float64)[:, None]) if bits > 1 else \
+        (sub >= 0).astype(np.uint8)
+    pos = np.cumsum(changed) - changed  # index of each changed row among the changed
+    blocks = []
+    for r0, r1 in rows:
+        mask = changed[r0:r1]
+        sel = pos[r0:r1][mask]
+        blocks.append(dl.pack_bits(mask, 1) + step[sel].astype("<f4").tobytes()
+                      + dl.pack_bits(codes[sel], bits))
+    return blocks, contrib
+
+
 def _sparse(wi: np.ndarray, mask: np.ndarray, rows: list[tuple[int, int]], cols: int
             ) -> list[bytes]:
     out = []
@@ -174,6 +205,14 @@ def _top_share(sv: np.ndarray, p: int) -> float:
     total = float((sv**2).sum())
     k = max(1, round(LOWRANK_GROUPS[0][0] * p))
     return float((sv[:k] ** 2).sum()) / total if total else 0.0
+
+
+def _row_sparse(d: np.ndarray) -> bool:
+    """Few rows changed, and those mostly densely (seen tokens' embedding rows)."""
+    changed = (d != 0).any(axis=1)
+    n = int(changed.sum())
+    return 0 < n <= ROWS_SHARE * d.shape[0] and \
+        np.count_nonzero(d[changed]) >= ROWS_DENSITY * n * d.shape[1]
 
 
 def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
@@ -215,6 +254,12 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
         r = r - contrib
         blocks, contrib = _quant(r, 2, rows)
         add("quant", 2, 0, None, blocks)
+    elif _row_sparse(d32):
+        changed = (d32 != 0).any(axis=1)
+        for bits in ROWS_LADDER:
+            blocks, contrib = _rows(r, changed, bits, rows)
+            add("rows", bits, 0, None, blocks)
+            r = r - contrib
     elif density < SPARSE_DENSITY and _top_share(sv, p) < 0.5:
         mag = np.abs(d32)
         nz = mag > 0
@@ -232,7 +277,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
             add("lowrank", bits, k, shared, blocks)
             r = r - contrib
             done += k
-        for bits in (1, 2):
+        for bits in QUANT_LADDER:
             blocks, contrib = _quant(r, bits, rows)
             add("quant", bits, 0, None, blocks)
             r = r - contrib

@@ -14,6 +14,11 @@ refinement of the previous ones:
 ``quant`` (``bits``: 1, 2 or 3)
     the residual quantised per element; a block's range holds one float32 step per row, then
     the packed codes.
+``rows`` (``bits``: 1, 2 or 3)
+    ``quant`` on the changed rows only (a fine-tune's word embeddings change only the rows of
+    tokens it saw): a block's range holds a bitmap of the block's rows (1: changed), then one
+    float32 step per changed row, then the packed codes of the changed rows; the other rows'
+    residual is exactly zero.
 ``ulp`` (``k``: 1 for bfloat16, 2 for float16 experts over a base of the same dtype)
     the delta in units in the last place: a block's range holds a bitmap of the elements whose
     16-bit pattern moved by at most ``2**(bits-1)`` (same sign), then a code of ``bits`` bits
@@ -52,7 +57,9 @@ from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
 
-DELTA_VERSION = "1"
+DELTA_VERSION = "2"
+#: versions this reader opens: 1 has the same layout without the ``rows`` kind
+READABLE_VERSIONS = ("1", "2")
 META_KEY = "mergefs_delta"
 #: uniform quantiser step per bit width, in units of the RMS (near-optimal for Gaussian values)
 GAUSS_STEP = {1: 0.0, 2: 0.996, 3: 0.586, 4: 0.335}
@@ -205,6 +212,29 @@ def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.n
     return u.reshape(rows_b, k) * uscale[None, :]
 
 
+def rows_block_size(changed: int, rows_b: int, cols: int, bits: int) -> int:
+    return packed_size(rows_b, 1) + 4 * changed + packed_size(changed * cols, bits)
+
+
+def rows_mask(block: memoryview, rows_b: int) -> np.ndarray:
+    """The changed rows (bool, rows_b) of a ``rows`` level's block range."""
+    return unpack_bits(block, 1, rows_b).astype(bool)
+
+
+def _add_rows(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
+              block: memoryview) -> np.ndarray:
+    """``acc + fl32(code value * step)`` on the changed rows of a ``rows`` level."""
+    out = np.zeros((rows_b, cols), np.float32) if acc is None else acc
+    if len(block) == 0:
+        return out
+    mask = rows_mask(block, rows_b)
+    changed = int(mask.sum())
+    sub = _add_quant(None, Level("quant", level.bits), changed, cols,
+                     block[packed_size(rows_b, 1):])
+    out[mask] += sub
+    return out
+
+
 def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarray:
     step = np.frombuffer(block, dtype="<f4", count=rows_b)
     codes = dequant(block[4 * rows_b:], level.bits, rows_b * cols)
@@ -293,6 +323,8 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
     for level, block in zip(levels, blocks):
         if level.kind == "quant":
             acc = _add_quant(acc, level, rows_b, cols, block)
+        elif level.kind == "rows":
+            acc = _add_rows(acc, level, rows_b, cols, block)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     for level, block in zip(levels, blocks):
         if level.kind == "ulp" and level.k == 1 and _ulp_bf16_nb is not None:
@@ -502,8 +534,11 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
     if not isinstance(hdr, dict):
         raise DeltaError(f"{path}: header is not a JSON object")
     meta = json.loads(hdr.get("__metadata__", {}).get(META_KEY, "null") or "null")
-    if not isinstance(meta, dict) or meta.get("version") != DELTA_VERSION:
-        raise DeltaError(f"{path}: not a mergefs delta sidecar of version {DELTA_VERSION}")
+    if not isinstance(meta, dict) or "version" not in meta:
+        raise DeltaError(f"{path}: not a mergefs delta sidecar")
+    if meta["version"] not in READABLE_VERSIONS:
+        raise DeltaError(f"{path}: delta sidecar of version {meta['version']}, this mergefs reads "
+                         f"versions {', '.join(READABLE_VERSIONS)}: re-run `mergefs compress`")
     table: dict[str, np.ndarray] = {}
     kinds = {"range_start": "<i8", "range_end": "<i8", "range_xxh3": "<u8",
              "range_resid": "<f8"}

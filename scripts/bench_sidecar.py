@@ -169,7 +169,7 @@ def layers_only_plan(spec: Any, pct: float, sidecars: bool) -> tuple[Any, int]:
         from mergefs.deltas import find
 
         found = find(base, experts, index)
-    plan = make_plan(spec, masked, budget, found)
+    plan = make_plan(spec, masked, budget, sidecars=found)
     for c in [base, *experts]:
         c.close()
     return plan, budget
