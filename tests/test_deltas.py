@@ -168,11 +168,14 @@ def test_lora_merged_deltas_are_nearly_exact_in_few_bytes(tmp_path: Path, dtype:
     _check_residuals(fam, base, experts, index, found)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "rows"])
 def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    fam = _lora_family(tmp_path / "fam", dtype) if dtype == "bfloat16" else \
-        make_family(tmp_path / "fam", dtype=dtype, seed=8)
+    if dtype == "rows":  # float32, row-sparse deltas: the rows levels
+        fam = _row_sparse_family(tmp_path / "fam")
+    else:
+        fam = _lora_family(tmp_path / "fam", dtype) if dtype == "bfloat16" else \
+            make_family(tmp_path / "fam", dtype=dtype, seed=8)
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
     sc = deltas.find(base, experts, index)[0]
@@ -200,3 +203,117 @@ def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
     assert len(fast) == len(slow) > 0
     for a, b in zip(fast, slow):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _row_sparse_family(root: Path) -> Family:
+    """Experts that change only scattered rows (about 15%) of every 2-D tensor, densely there
+    (as a fine-tune changes only the seen tokens' embedding rows)."""
+    fam = make_family(root, seed=9, n_experts=2)
+    rng = np.random.default_rng(1)
+    base = load_file(str(fam.base / "model.safetensors"))
+    for e in fam.experts:
+        tensors = dict(base)
+        for name, w0 in base.items():
+            if w0.ndim != 2 or w0.dtype != np.float32:
+                continue
+            rows = rng.random(w0.shape[0]) < 0.15
+            rows[rng.integers(w0.shape[0])] = True
+            d = np.zeros_like(w0)
+            d[rows] = rng.normal(0, 2e-3, (int(rows.sum()), w0.shape[1]))
+            tensors[name] = w0 + d
+        save_file(tensors, str(e / "model.safetensors"), metadata={"format": "pt"})
+    return fam
+
+
+def _numpy_rows_decode(w0: np.ndarray, levels, blocks, rows_b: int, cols: int) -> np.ndarray:
+    """An independent decoder of ``rows`` levels: bitmap, float32 steps, packed codes."""
+    acc = np.zeros((rows_b, cols), np.float32)
+    for lv, buf in zip(levels, blocks):
+        raw = np.frombuffer(bytes(buf), dtype=np.uint8)
+        nmask = (rows_b + 7) // 8
+        mask = np.unpackbits(raw[:nmask], bitorder="little")[:rows_b].astype(bool)
+        changed = int(mask.sum())
+        step = raw[nmask:nmask + 4 * changed].view("<f4")
+        bits = np.unpackbits(raw[nmask + 4 * changed:], bitorder="little")
+        bits = bits[:changed * cols * lv.bits].reshape(-1, lv.bits)
+        codes = (bits * (1 << np.arange(lv.bits))).sum(axis=1)
+        vals = 2.0 * codes - 1 if lv.bits == 1 else codes - ((1 << lv.bits) - 1) / 2
+        acc[mask] += vals.reshape(changed, cols).astype(np.float32) * step[:, None]
+    return w0 + acc.reshape(-1)
+
+
+def test_rows_levels_decode_like_an_independent_numpy_decoder(tmp_path: Path) -> None:
+    fam = _row_sparse_family(tmp_path / "fam")
+    _, base, experts, index = _open(fam, tmp_path)
+    compress.publish(base, experts, index)
+    found = deltas.find(base, experts, index)
+    assert sorted(found) == [0, 1]
+    w0s = _load_f32(fam.base / "model.safetensors")
+    lay = index.layout
+    decoded = 0
+    for i, sc in found.items():
+        wis = _load_f32(fam.experts[i] / "model.safetensors")
+        for tl in sc.tensors.values():
+            assert [lv.kind for lv in tl.levels] == ["rows"] * len(compress.ROWS_LADDER)
+            w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
+            changed = (wis[tl.name].reshape(tl.rows, tl.cols) != w0).any(axis=1)
+            for j, b in enumerate(lay.blocks_of(tl.t)):
+                if index.zero[i, b]:
+                    continue
+                r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
+                w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
+                for n_lv in range(1, len(tl.levels) + 1):
+                    levels = tl.levels[:n_lv]
+                    bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]
+                    assert len(bufs[-1]) == deltas.rows_block_size(
+                        int(changed[r0:r1].sum()), r1 - r0, tl.cols, levels[-1].bits)
+                    got = deltas.reconstruct(w0b, levels, bufs, [None] * n_lv, r1 - r0, tl.cols)
+                    want = _numpy_rows_decode(w0b, levels, bufs, r1 - r0, tl.cols)
+                    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+                    # unchanged rows are reconstructed exactly (zero residual there)
+                    same = np.repeat(~changed[r0:r1], tl.cols)
+                    assert np.array_equal(got[same], w0b[same])
+                    decoded += 1
+    assert decoded > 20
+    assert _check_residuals(fam, base, experts, index, found) == decoded
+
+
+def test_rows_levels_keep_most_energy_in_few_bytes(tmp_path: Path) -> None:
+    """Row-sparse deltas: the first two levels (about 2 bits per changed element) keep more
+    than 80% of each tensor's delta energy, in less than a sixth of its bf16 bytes."""
+    fam = _row_sparse_family(tmp_path / "fam")
+    _, base, experts, index = _open(fam, tmp_path)
+    compress.publish(base, experts, index)
+    for i, sc in deltas.find(base, experts, index).items():
+        for tl in sc.tensors.values():
+            blocks = index.layout.blocks_of(tl.t)
+            lv = tl.levels[1]
+            r = sc.range_resid[lv.first_range:lv.first_range + len(blocks)]
+            energy = 1 - (r**2).sum() / (index.norms[i, blocks.start:blocks.stop] ** 2).sum()
+            assert energy > 0.8
+            nbytes = sum(int(sc.range_bytes()[v.first_range:v.first_range + len(blocks)].sum())
+                         for v in tl.levels[:2])
+            assert nbytes < 2 * tl.rows * tl.cols / 6
+
+
+def test_sidecar_version_is_checked(tmp_path: Path) -> None:
+    """Version 1 (same layout, without ``rows``) is still read; an unknown version is refused
+    with one line that says to re-run ``mergefs compress``."""
+    import json
+
+    fam = make_family(tmp_path / "fam", seed=10, n_experts=1)
+    _, base, experts, index = _open(fam, tmp_path)
+    path = Path(compress.publish(base, experts, index)[0])
+    loaded = load_file(str(path))
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        meta = json.loads(f.metadata()[deltas.META_KEY])
+    for version, ok in (("1", True), ("99", False)):
+        meta["version"] = version
+        save_file(loaded, str(path), metadata={deltas.META_KEY: json.dumps(meta)})
+        if ok:
+            assert deltas.open_sidecar(path).meta["version"] == "1"
+        else:
+            with pytest.raises(deltas.DeltaError, match=r"version 99.*re-run `mergefs compress`"):
+                deltas.open_sidecar(path)
