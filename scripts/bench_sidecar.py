@@ -12,6 +12,9 @@ bytes, with and without sidecars (exact row blocks), and reports per row:
 - bytes read (exact expert bytes, sidecar bytes) and wall time of the merge,
 - with ``--layers-only``, the same with the budget and the plan restricted to the layers.
 
+``--rate-distortion`` prints, instead, what ideal coders would keep at 5/10/20% of bf16 bytes
+(:func:`rate_distortion`), to compare the sidecars' figures with.
+
 Decode speed is measured separately (``decode`` section): the time to reconstruct every block of
 every expert at its deepest level from sidecar bytes already in memory, against the time to
 read the same blocks' exact bytes cold.
@@ -175,6 +178,80 @@ def layers_only_plan(spec: Any, pct: float, sidecars: bool) -> tuple[Any, int]:
     return plan, budget
 
 
+#: Lloyd-Max scalar quantiser of a unit Gaussian: mean squared error at 0, 1, 2, ... bits
+LLOYD_MAX = np.array([1, 0.3634, 0.1175, 0.03454, 0.009497, 0.002499, 0.000642, 0.000163,
+                      4.11e-5, 1.03e-5, 2.6e-6, 6.5e-7, 1.6e-7])
+
+
+def rate_distortion(spec: Any, pcts: list[float]) -> list[dict[str, Any]]:
+    """Energy of the merge update an ideal coder keeps at ``pct`` of the experts' bf16 bytes.
+
+    Each 2-D delta ``c_i D_i`` (of the changed rows only, when fewer than half change) is taken
+    as a Gaussian source: ``p = min(m, n)`` components of ``N = max(m, n)`` coefficients of
+    variance ``s_k^2 / N`` from its singular values ``s_k``; the experts' errors add (the
+    planner's model). 1-D tensors are read exactly (32 bits per element). Three coders share
+    one bit budget over all tensors in scope: reverse water-filling (the rate-distortion
+    bound; ideal vector coding, the singular basis free), transform coding with integer-bit
+    Lloyd-Max scalar quantisers per coefficient (basis free), and low rank with both factors at
+    Lloyd-Max bits (the basis paid: ``m + n`` values per component and bit).
+    """
+    base = {k: v for k, v in load_f64(Path(spec.base)).items()}
+    experts = [load_f64(Path(e.path)) for e in spec.experts]
+    coeffs = spec.expert_coefficients()
+    out = []
+    for scope in ("layers", "model"):
+        lam, cnt, fac = [], [], []
+        elems = n1 = 0
+        e1 = tot = 0.0
+        for name in sorted(base):
+            if scope == "layers" and not LAYER.search(name):
+                continue
+            for c, e in zip(coeffs, experts):
+                d = c * (e[name] - base[name])
+                tot += float((d ** 2).sum())
+                elems += d.size
+                if d.ndim < 2 or min(d.shape) < 2:
+                    e1 += float((d ** 2).sum())
+                    n1 += d.size
+                    continue
+                d = d.reshape(d.shape[0], -1)
+                changed = (d != 0).any(axis=1)
+                if changed.mean() < 0.5:
+                    d = d[changed]
+                if d.size == 0:
+                    continue
+                sv = np.linalg.svd(d, compute_uv=False)
+                lam.append(sv ** 2 / max(d.shape))
+                cnt.append(np.full(sv.size, max(d.shape), dtype=np.float64))
+                fac.append(np.full(sv.size, sum(d.shape), dtype=np.float64))
+        lam_a, cnt_a, fac_a = np.concatenate(lam), np.concatenate(cnt), np.concatenate(fac)
+        for pct in pcts:
+            bits = pct * 16 * elems - 32 * n1
+            lo, hi = 1e-300, float(lam_a.max())
+            for _ in range(300):
+                th = (lo * hi) ** 0.5
+                rate = float((cnt_a * 0.5 * np.log2(np.maximum(lam_a / th, 1))).sum())
+                lo, hi = (th, hi) if rate > bits else (lo, th)
+            wf = 1 - (float((cnt_a * np.minimum(lam_a, th)).sum()) + 0.0) / tot
+            gain = (lam_a[:, None] * (LLOYD_MAX[:-1] - LLOYD_MAX[1:])[None, :]).ravel()
+            cost = np.repeat(cnt_a, LLOYD_MAX.size - 1)
+            o = np.argsort(-gain, kind="stable")
+            take = o[np.cumsum(cost[o]) <= bits]
+            sq = (float((gain[take] * cost[take]).sum()) + e1) / tot
+            err = 1 - (1 - LLOYD_MAX) ** 2  # both factors quantised
+            g2 = ((lam_a * cnt_a)[:, None] * (err[:-1] - err[1:])[None, :]).ravel()
+            c2 = np.repeat(fac_a, LLOYD_MAX.size - 1)
+            o = np.argsort(-(g2 / c2), kind="stable")
+            take = o[np.cumsum(c2[o]) <= bits]
+            lr = (float(g2[take].sum()) + e1) / tot
+            out.append({"row": "rate-distortion", "scope": scope, "budget": round(pct * 100, 2),
+                        "bits_per_element": round(pct * 16, 2), "water_filling": round(wf, 4),
+                        "lloyd_max_transform": round(sq, 4),
+                        "lowrank_lloyd_max": round(lr, 4)})
+            print(json.dumps(out[-1]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", type=Path, required=True)
@@ -185,7 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--embed-metric", action="store_true",
                    help="MiniLM: mean cosine of sentence embeddings to the full merge's")
+    p.add_argument("--rate-distortion", action="store_true",
+                   help="print what ideal coders keep at the budgets, and stop")
     args = p.parse_args(argv)
+    if args.rate_distortion:
+        rd = rate_distortion(load_spec(str(args.family / args.spec)),
+                             [float(b) / 100 for b in args.budgets.split(",") if b != "full"])
+        if args.json:
+            args.json.write_text(json.dumps(rd, indent=1) + "\n")
+        return 0
     from mergefs.engine import Engine
 
     Engine._reconstruct = _timed_reconstruct(Engine._reconstruct)  # type: ignore[method-assign]
