@@ -10,14 +10,17 @@ not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for t
 - *a rounding pattern* (base and expert in one 16-bit dtype, most changed elements moved by at
   most 8 ulp, as small deltas rounded to bf16 leave them): the moves (a 1-bit map and a 2, 3 or
   4-bit code per moved element), then the other changed values exactly;
+- *row-sparse* (at most half of the rows changed, those mostly densely: a fine-tune's word
+  embeddings change only the rows of tokens it saw): ``rows`` levels, the changed rows'
+  residual at 1, 1, 2 and 2 bits (:data:`ROWS_LADDER`), the other rows exact for free;
 - *sparse* (fewer than 10% of the elements changed, and the first low-rank level would hold
   less than half of the energy): the largest quarter of the changed values exactly, then the
-  rest (an Adam fine-tune's word embeddings change only seen tokens' rows, but are nearly rank 1:
-  they take the dense route);
+  rest;
 - *dense* (full fine-tunes): four low-rank levels, each the top singular vectors of what is
-  left, quantised at 8, 4, 3, 2 bits (more bits for larger singular values, as Delta-CoMe), the
-  left factors least-squares refitted to the quantised right ones; then the residual at 1 bit
-  (sign and a per-row step) and that level's residual at 2 bits.
+  left, quantised at 4, 3, 2, 2 bits (more bits for larger singular values, as Delta-CoMe;
+  :data:`LOWRANK_GROUPS`), the left factors least-squares refitted to the quantised right ones;
+  then the residual at 1 bit (sign and a per-row step), that level's residual at 1 bit, and
+  that one's at 2 bits (:data:`QUANT_LADDER`).
 
 Per (level, row block) the residual norm is computed with :func:`mergefs.deltas.reconstruct`,
 the decoder the engine runs, so the planner's bounds use exact errors. Blocking; worker threads
