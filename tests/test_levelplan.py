@@ -189,3 +189,44 @@ def test_mount_serves_the_same_reconstructed_merge(tmp_path: Path, mounts: Any) 
     got = {rel: sha256(p) for rel, p in tree(m.path).items()}
     assert got == want
     assert "manifest.jsonl" in os.listdir(m.path / ".mergefs")
+
+
+def test_rows_levels_plan_within_budget_and_bound(tmp_path: Path) -> None:
+    """Row-sparse experts (``rows`` levels): at small budgets the plan reads levels, stays within
+    the budget, its tight bound is not below the measured error, and it keeps far more of the
+    update than exact blocks; at the full budget the merge is the reference's, bit for bit."""
+    from test_deltas import _row_sparse_family
+
+    fam = _row_sparse_family(tmp_path / "fam")
+    spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[0.6, -0.4],
+                           extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
+    spec = load_spec(str(spec_path))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    compress.publish(base, experts, index)
+    for c in [base, *experts]:
+        c.close()
+    want = reference_merge_dir(spec_path)
+    w0 = load_file(str(fam.base / "model.safetensors"))
+    names = [k for k in want if want[k].dtype.kind == "f"]
+    upd = sum(float(((want[k].astype(np.float64) - w0[k]) ** 2).sum()) for k in names)
+    probe = Session(spec, budget_bytes=0)
+    total = probe.plan.total_expert_bytes
+    probe.close()
+    for frac in (0.02, 0.05):
+        kept = {}
+        for sidecars in (False, True):
+            s, got = _merge(spec_path, tmp_path / f"out-{frac}-{sidecars}", int(frac * total),
+                            sidecars=sidecars)
+            p = s.plan
+            assert s.totals_record()["expert_bytes_read"] <= int(frac * total)
+            err = float(np.sqrt(sum(((got[k].astype(np.float64) - want[k]) ** 2).sum()
+                                    for k in names)))
+            assert p.bound_tight is not None and err <= p.bound_tight * (1 + 1e-6) + 1e-7
+            kept[sidecars] = 1 - err**2 / upd
+            if sidecars:
+                assert p.levels is not None and int((p.levels > 0).sum()) > 0
+        assert kept[True] > kept[False] + 0.3
+    _, got = _merge(spec_path, tmp_path / "full", None)
+    for k in want:
+        assert np.array_equal(got[k].view(np.uint8), np.ascontiguousarray(want[k]).view(np.uint8))
