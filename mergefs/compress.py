@@ -55,7 +55,10 @@ log = logging.getLogger(__name__)
 #: style 8/4/3/2 groups with a 1+2 bit residual, because more components at 2 bits beat fewer
 #: at 8 when singular values decay slowly
 LOWRANK_GROUPS = ((1 / 48, 4), (1 / 12, 3), (1 / 6, 2), (1 / 3, 2))
-QUANT_LADDER = (1, 1, 2)
+#: "vq": 1 bit per element as one byte per VQ_DIM elements (cols a multiple of VQ_DIM), else
+#: the 1-bit scalar quant level
+QUANT_LADDER: tuple[int | str, ...] = ("vq", "vq", 2)
+VQ_DIM = 8
 #: ``rows`` route: at most this share of the rows changed, and most elements of those changed
 ROWS_SHARE = 0.5
 ROWS_DENSITY = 0.5
@@ -170,6 +173,56 @@ def _rows(r: np.ndarray, changed: np.ndarray, bits: int, rows: list[tuple[int, i
     return blocks, contrib
 
 
+_CODEBOOK: np.ndarray | None = None
+
+
+def vq_codebook() -> np.ndarray:
+    """(256, VQ_DIM) float16: a Lloyd (k-means) codebook for unit Gaussian vectors, trained once
+    per process on seeded samples (stored in every sidecar that uses it, so the decoder never
+    retrains: reproducibility across machines does not matter). Mean squared error about
+    0.326 per element at 1 bit, against 0.363 for the sign quantiser."""
+    global _CODEBOOK
+    if _CODEBOOK is None:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((65536, VQ_DIM))
+        cb = x[rng.choice(x.shape[0], 256, replace=False)].copy()
+        for _ in range(25):
+            near = _nearest(x, cb)
+            count = np.bincount(near, minlength=256)
+            total = np.zeros_like(cb)
+            np.add.at(total, near, x)
+            cb = np.where(count[:, None] > 0, total / np.maximum(count, 1)[:, None], cb)
+        _CODEBOOK = cb.astype(np.float16)
+    return _CODEBOOK
+
+
+def _nearest(x: np.ndarray, cb: np.ndarray) -> np.ndarray:
+    """Index of the nearest codeword for every row of x (in slices, to bound memory)."""
+    out = np.empty(x.shape[0], dtype=np.intp)
+    norms = (cb * cb).sum(axis=1)
+    for s0 in range(0, x.shape[0], 1 << 16):
+        xs = x[s0:s0 + (1 << 16)]
+        out[s0:s0 + xs.shape[0]] = (norms[None, :] - 2.0 * xs @ cb.T).argmin(axis=1)
+    return out
+
+
+def _vq(r: np.ndarray, rows: list[tuple[int, int]]) -> tuple[bytes, list[bytes], np.ndarray]:
+    """(codebook range, block ranges, contribution) of a ``vq`` level on residual r: each row
+    scaled to unit RMS, every VQ_DIM elements coded by their nearest codeword, then the row's
+    scale refitted by least squares to the codewords chosen."""
+    cb16 = vq_codebook()
+    cb = cb16.astype(np.float64)
+    m, n = r.shape
+    rms = np.sqrt(np.mean(r * r, axis=1))
+    rms = np.where(rms > 0, rms, 1.0)
+    codes = _nearest((r / rms[:, None]).reshape(-1, VQ_DIM), cb).astype(np.uint8)
+    c = cb[codes].reshape(m, n)
+    scale = ((r * c).sum(axis=1) / np.maximum((c * c).sum(axis=1), 1e-300)).astype(np.float32)
+    codes2 = codes.reshape(m, n // VQ_DIM)
+    blocks = [scale[r0:r1].astype("<f4").tobytes() + codes2[r0:r1].tobytes() for r0, r1 in rows]
+    return cb16.astype("<f2").tobytes(), blocks, c * scale.astype(np.float64)[:, None]
+
+
 def _sparse(wi: np.ndarray, mask: np.ndarray, rows: list[tuple[int, int]], cols: int
             ) -> list[bytes]:
     out = []
@@ -280,9 +333,14 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
             add("lowrank", bits, k, shared, blocks)
             r = r - contrib
             done += k
-        for bits in QUANT_LADDER:
-            blocks, contrib = _quant(r, bits, rows)
-            add("quant", bits, 0, None, blocks)
+        for q in QUANT_LADDER:
+            if q == "vq" and n % VQ_DIM == 0:
+                shared, blocks, contrib = _vq(r, rows)
+                add("vq", 1, VQ_DIM, shared, blocks)
+            else:
+                bits = 1 if q == "vq" else int(q)
+                blocks, contrib = _quant(r, bits, rows)
+                add("quant", bits, 0, None, blocks)
             r = r - contrib
     built.resid = _residuals(w0, d32, built, rows, n)
     return built
@@ -291,9 +349,9 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
 def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[int, int]],
                cols: int) -> list[list[float]]:
     """``||D_b - fl(W_hat_b - W0_b)||`` after each level prefix, with the engine's decoder."""
-    levels = [dl.Level(kind, bits, k, 0 if kind == "lowrank" else -1)
-              for kind, bits, k in built.kinds]
-    shared = [dl._lowrank_v(memoryview(s), lv.k, cols, lv.bits) if s is not None else None
+    levels = [dl.Level(kind, bits, k, 0 if s is not None else -1)
+              for (kind, bits, k), s in zip(built.kinds, built.shared)]
+    shared = [dl.shared_value(lv, memoryview(s), cols) if s is not None else None
               for s, lv in zip(built.shared, levels)]
     out: list[list[float]] = [[0.0] * len(rows) for _ in levels]
     for j, (r0, r1) in enumerate(rows):
@@ -320,6 +378,7 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
     payloads: list[bytes] = []
     resid: list[float] = []
     tensors = []
+    codebook_id = -1  # the one shared range of every vq level
     for t, name in enumerate(lay.tensors):
         shape = base.tensors[name].shape
         blocks = lay.blocks_of(t)
@@ -337,7 +396,13 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
         levels = []
         for lvl, (kind, bits, k) in enumerate(built.kinds):
             shared_id = -1
-            if built.shared[lvl] is not None:
+            if kind == "vq":
+                if codebook_id < 0:
+                    codebook_id = len(payloads)
+                    payloads.append(built.shared[lvl])  # type: ignore[arg-type]
+                    resid.append(math.nan)
+                shared_id = codebook_id
+            elif built.shared[lvl] is not None:
                 shared_id = len(payloads)
                 payloads.append(built.shared[lvl])  # type: ignore[arg-type]
                 resid.append(math.nan)

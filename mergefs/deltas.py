@@ -19,6 +19,11 @@ refinement of the previous ones:
     tokens it saw): a block's range holds a bitmap of the block's rows (1: changed), then one
     float32 step per changed row, then the packed codes of the changed rows; the other rows'
     residual is exactly zero.
+``vq`` (``bits``: 1, ``k``: 8, the dimension; ``bits * k`` is 8: one byte per code)
+    the residual vector-quantised, ``k`` consecutive elements of a row per code: a *shared*
+    range (one per sidecar, used by every ``vq`` level) holds the codebook, ``2**(bits * k)``
+    float16 words of ``k`` values; a block's range holds one float32 scale per row, then one
+    ``bits * k``-bit code per ``k`` elements (``cols`` a multiple of ``k``).
 ``ulp`` (``k``: 1 for bfloat16, 2 for float16 experts over a base of the same dtype)
     the delta in units in the last place: a block's range holds a bitmap of the elements whose
     16-bit pattern moved by at most ``2**(bits-1)`` (same sign), then a code of ``bits`` bits
@@ -203,6 +208,15 @@ def _lowrank_v(shared: memoryview, k: int, cols: int, bits: int) -> tuple[np.nda
     return scales[:k].copy(), v.reshape(k, cols) * scales[k:, None]
 
 
+def shared_value(level: Level, shared: memoryview | bytes, cols: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """A level's shared range, decoded: (U column scales, V) for ``lowrank``, (codebook,
+    empty) for ``vq``."""
+    if level.kind == "vq":
+        return vq_codebook(shared, level), np.zeros(0, np.float32)
+    return _lowrank_v(memoryview(shared), level.k, cols, level.bits)
+
+
 def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.ndarray:
     k = level.k
     if level.bits == 16:
@@ -233,6 +247,27 @@ def _add_rows(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
                      block[packed_size(rows_b, 1):])
     out[mask] += sub
     return out
+
+
+def vq_block_size(rows_b: int, cols: int, level: Level) -> int:
+    return 4 * rows_b + rows_b * cols // level.k  # one byte per code: bits * k == 8
+
+
+def vq_codebook(shared: memoryview | bytes, level: Level) -> np.ndarray:
+    """The codebook (2**(bits*k), k) float32 of a ``vq`` level's shared range."""
+    words = 1 << (level.bits * level.k)
+    return np.frombuffer(shared, dtype="<f2", count=words * level.k).astype(
+        np.float32).reshape(words, level.k)
+
+
+def _add_vq(acc: np.ndarray | None, level: Level, rows_b: int, cols: int, block: memoryview,
+            codebook: np.ndarray) -> np.ndarray:
+    """``acc + fl32(codeword value * scale)`` per element of a ``vq`` level."""
+    scale = np.frombuffer(block, dtype="<f4", count=rows_b)
+    codes = np.frombuffer(block, dtype=np.uint8, offset=4 * rows_b,
+                          count=rows_b * cols // level.k)
+    q = codebook[codes].reshape(rows_b, cols) * scale[:, None]
+    return q if acc is None else acc + q
 
 
 def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarray:
@@ -320,9 +355,12 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             vs.append(sh[1])
     if us:
         acc = np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]
-    for level, block in zip(levels, blocks):
+    for level, block, sh in zip(levels, blocks, shared):
         if level.kind == "quant":
             acc = _add_quant(acc, level, rows_b, cols, block)
+        elif level.kind == "vq":
+            assert sh is not None
+            acc = _add_vq(acc, level, rows_b, cols, block, sh[0])
         elif level.kind == "rows":
             acc = _add_rows(acc, level, rows_b, cols, block)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
@@ -490,8 +528,8 @@ class DeltaSidecar:
         with self._shared_lock:  # read (and counted, and recorded) once
             got = self._shared.get(level.shared)
             if got is None:
-                got = _lowrank_v(self.read(level.shared, level.shared + 1, tensor), level.k,
-                                 cols, level.bits)
+                got = shared_value(level, self.read(level.shared, level.shared + 1, tensor),
+                                   cols)
                 self._shared[level.shared] = got
         return got
 

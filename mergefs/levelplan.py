@@ -7,8 +7,8 @@ expert's block bytes, residual 0). The energy an option removes is
 removed) give upgrades of decreasing energy per byte; all upgrades of all pairs are taken
 greedily by energy per byte (ties: tensor, block, expert), each only if its pair is in the
 upgrade's starting option and its bytes still fit. A level's *shared* range (the right factors
-of a low-rank level, once per tensor) is amortised over the tensor's non-zero blocks for the
-ranking and charged in full by the first block that needs it, so the running total, and the
+of a low-rank level, once per tensor; a vq codebook, once per sidecar) is amortised over the
+non-zero blocks of the tensors that use it for the ranking and charged in full by the first block that needs it, so the running total, and the
 plan, never exceed the budget.
 
 For additive methods the bound is ``||E|| <= sqrt(sum_b (sum_i |c_i| r_ib)^2)`` with ``r_ib``
@@ -93,15 +93,17 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
     opts: dict[int, tuple[np.ndarray, list]] = {i: _options(sc, index, i)
                                                  for i, sc in sidecars.items()}
     shared_bytes = {i: sc.range_bytes() for i, sc in sidecars.items()}
-    # amortise shared ranges over the non-zero blocks of their tensor
-    share_of: dict[tuple[int, int], float] = {}
+    # amortise shared ranges over the non-zero blocks of the tensors that use them (a vq
+    # codebook serves every tensor of the sidecar)
+    live_of: dict[tuple[int, int], int] = {}
     for i, sc in sidecars.items():
         for tl in sc.tensors.values():
             blocks = lay.blocks_of(tl.t)
-            live = max(1, int((~index.zero[i, blocks.start:blocks.stop]).sum()))
-            for lv in tl.levels:
-                if lv.shared >= 0:
-                    share_of[(i, lv.shared)] = float(shared_bytes[i][lv.shared]) / live
+            live = int((~index.zero[i, blocks.start:blocks.stop]).sum())
+            for sid in {lv.shared for lv in tl.levels if lv.shared >= 0}:
+                live_of[(i, sid)] = live_of.get((i, sid), 0) + live
+    share_of = {(i, sid): float(shared_bytes[i][sid]) / max(1, live)
+                for (i, sid), live in live_of.items()}
     segments = []  # (-slope, tensor, block, expert, from, to)
     block_cost: dict[tuple[int, int], list[int]] = {}
     for i in range(n):

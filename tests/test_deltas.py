@@ -317,3 +317,75 @@ def test_sidecar_version_is_checked(tmp_path: Path) -> None:
         else:
             with pytest.raises(deltas.DeltaError, match=r"version 99.*re-run `mergefs compress`"):
                 deltas.open_sidecar(path)
+
+
+def _np_codes(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """Values (float32, in steps) of n little-endian packed codes: midrise, 1 bit is +-1."""
+    b = np.unpackbits(raw, bitorder="little")[:n * bits].reshape(n, bits)
+    codes = (b.astype(np.int64) * (1 << np.arange(bits))).sum(axis=1)
+    return (2.0 * codes - 1 if bits == 1 else codes - ((1 << bits) - 1) / 2).astype(np.float32)
+
+
+def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
+                        cols: int) -> np.ndarray:
+    """An independent decoder of the dense ladder (lowrank, vq, quant levels) from raw bytes."""
+    us, vs = [], []
+    for lv, buf, sh in zip(levels, blocks, shared_raw):
+        if lv.kind != "lowrank":
+            continue
+        raw = np.frombuffer(bytes(sh), dtype=np.uint8)
+        scales = raw[:8 * lv.k].view("<f4")
+        v = _np_codes(raw[8 * lv.k:], lv.bits, lv.k * cols).reshape(lv.k, cols)
+        vs.append(v * scales[lv.k:, None])
+        u = _np_codes(np.frombuffer(bytes(buf), dtype=np.uint8), lv.bits, rows_b * lv.k)
+        us.append(u.reshape(rows_b, lv.k) * scales[None, :lv.k])
+    acc = (np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]) if us else None
+    for lv, buf, sh in zip(levels, blocks, shared_raw):
+        raw = np.frombuffer(bytes(buf), dtype=np.uint8)
+        if lv.kind == "vq":
+            book = np.frombuffer(bytes(sh), dtype="<f2").astype(np.float32).reshape(-1, lv.k)
+            q = book[raw[4 * rows_b:]].reshape(rows_b, cols) * raw[:4 * rows_b].view("<f4")[:, None]
+        elif lv.kind == "quant":
+            q = _np_codes(raw[4 * rows_b:], lv.bits, rows_b * cols).reshape(rows_b, cols) \
+                * raw[:4 * rows_b].view("<f4")[:, None]
+        else:
+            continue
+        acc = q if acc is None else acc + q
+    return w0.copy() if acc is None else w0 + acc.reshape(-1)
+
+
+def test_dense_ladder_decodes_like_an_independent_numpy_decoder(tmp_path: Path) -> None:
+    """Low-rank, vq and quant levels (every prefix of every block) decode bit for bit as an
+    independent reading of the bytes; the vq codebook is one range shared by all tensors."""
+    fam = make_family(tmp_path / "fam", seed=12, n_experts=1)
+    _, base, experts, index = _open(fam, tmp_path)
+    compress.publish(base, experts, index)
+    sc = deltas.find(base, experts, index)[0]
+    w0s = _load_f32(fam.base / "model.safetensors")
+    lay = index.layout
+    kinds: set[str] = set()
+    books = set()
+    for tl in sc.tensors.values():
+        w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
+        shared_raw = [sc.read(lv.shared, lv.shared + 1) if lv.shared >= 0 else None
+                      for lv in tl.levels]
+        books.update(lv.shared for lv in tl.levels if lv.kind == "vq")
+        for j, b in enumerate(lay.blocks_of(tl.t)):
+            if index.zero[0, b]:
+                continue
+            r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
+            w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
+            for n_lv in range(1, len(tl.levels) + 1):
+                levels = tl.levels[:n_lv]
+                bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]
+                if levels[-1].kind == "vq":
+                    assert len(bufs[-1]) == deltas.vq_block_size(r1 - r0, tl.cols, levels[-1])
+                got = deltas.reconstruct(w0b, levels, bufs,
+                                         [sc.shared(lv, tl.cols) for lv in levels],
+                                         r1 - r0, tl.cols)
+                want = _numpy_dense_decode(w0b, levels, bufs, shared_raw[:n_lv], r1 - r0,
+                                           tl.cols)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+                kinds.add(levels[-1].kind)
+    assert {"lowrank", "vq", "quant"} <= kinds
+    assert len(books) == 1  # one codebook range for the whole sidecar
