@@ -19,8 +19,9 @@ not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for t
 - *dense* (full fine-tunes): four low-rank levels, each the top singular vectors of what is
   left, quantised at 4, 3, 2, 2 bits (more bits for larger singular values, as Delta-CoMe;
   :data:`LOWRANK_GROUPS`), the left factors least-squares refitted to the quantised right ones;
-  then the residual at 1 bit (sign and a per-row step), that level's residual at 1 bit, and
-  that one's at 2 bits (:data:`QUANT_LADDER`).
+  then the residual at 1 bit twice, each a ``vq`` level (8 elements per one-byte code of a
+  Gaussian Lloyd codebook, a per-row scale; sign and step when the columns are not a multiple
+  of 8), and that residual at 2 bits (:data:`QUANT_LADDER`).
 
 Per (level, row block) the residual norm is computed with :func:`mergefs.deltas.reconstruct`,
 the decoder the engine runs, so the planner's bounds use exact errors. Blocking; worker threads
