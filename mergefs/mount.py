@@ -238,9 +238,10 @@ def run_mount(args: argparse.Namespace, spec: Spec,
                   f"umount {cfg.mountpoint}` unmounts); manifest {manifest.path}", flush=True)
 
         totals = serve_it(ready)
+        of = f" of {human_bytes(totals['total_expert_bytes'])}" \
+            if "total_expert_bytes" in totals else ""  # (a sweep's totals have no one total)
         print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
-              f" of {human_bytes(totals['total_expert_bytes'])} expert bytes; manifest "
-              f"{manifest.path}", flush=True)
+              f"{of} expert bytes; manifest {manifest.path}", flush=True)
         return 0
     return _daemonize(what, cfg, manifest, serve_it)
 
