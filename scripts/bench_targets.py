@@ -219,6 +219,8 @@ class Targets:
                 try:
                     results[name].append(self.timed_load(cmds, target,
                                                          name.startswith("baseline")))
+                    self.log(f"round {rnd + 1}: {name} + from_pretrained: "
+                             f"{results[name][-1]['total']:.2f} s")  # partial results survive
                 finally:
                     cleanup()
         return results
@@ -306,6 +308,7 @@ class Targets:
                 p = run(cmd, env=self.baseline_env(name.startswith("baseline")))
                 walls[name].append(p.wall)
                 cpus[name].append(p.cpu_seconds)
+                self.log(f"round {rnd + 1}: {name}: {p.wall:.2f} s (CPU {p.cpu_seconds:.2f} s)")
                 shutil.rmtree(o, ignore_errors=True)
         self.raw[f"merge-{n_experts}"] = {"walls": walls, "cpus": cpus}
         for name, cmd, _ in variants:
