@@ -222,7 +222,7 @@ def run_mount(args: argparse.Namespace, spec: Spec,
     # Validated now, created by the server at its first record (never truncating anything).
     manifest = ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
     opened: Opened | None = ensure_index(spec)
-    if not args.foreground and not forks_safely(spec):
+    if opened is not None and not args.foreground and not forks_safely(spec):
         opened.close()  # the server opens its own
         opened = None
 
