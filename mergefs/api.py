@@ -99,7 +99,8 @@ class Merge:
         """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier
         merge output as a whole). ``manifest``: an exact path that must not exist; default a
         new timestamped manifest beside the spec's ``manifest`` path."""
-        from .engine import Session, open_family
+        from . import kernels
+        from .engine import Session, may_use_kernels, open_family
         from .manifest import ManifestWriter
         from .outdir import check_outdir, check_outside, check_source_files
 
@@ -111,6 +112,8 @@ class Merge:
         check_outside(out, spec=spec.source, manifest=manifest or spec.manifest,
                       index_dir=spec.index_dir, cache_dir=spec.cache_dir)
         check_outdir(out, force)
+        if may_use_kernels(spec):  # numba and the kernel module load while the family opens
+            kernels.start_warm_up(full=False)
         family = open_family(spec)
         try:
             check_source_files(out, [family[0], *family[1]])

@@ -314,6 +314,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     check_outside(out, spec=spec.source, manifest=args.manifest or spec.manifest,
                   index_dir=spec.index_dir, cache_dir=spec.cache_dir)
     check_outdir(out, args.force)
+    if args.ray is None:  # numba and the kernel module load while the family opens
+        from . import kernels
+        from .engine import may_use_kernels
+
+        if may_use_kernels(spec):
+            kernels.start_warm_up(full=False)
     family = open_family(spec)
     check_source_files(out, [family[0], *family[1]])
     manifest = _open_manifest(spec, args.manifest)

@@ -279,59 +279,84 @@ def _quant(level: Level, rows_b: int, cols: int, block: memoryview) -> np.ndarra
 def _add_quant(acc: np.ndarray | None, level: Level, rows_b: int, cols: int,
                block: memoryview) -> np.ndarray:
     """``acc + fl32(code value * step)`` per element (a new array when ``acc`` is None)."""
-    if _quant_add_nb is None:
+    quant_add = _compiled("_quant_add_nb")
+    if quant_add is None:
         q = _quant(level, rows_b, cols, block)
         return q if acc is None else acc + q
     out = np.zeros((rows_b, cols), np.float32) if acc is None else acc
     step = np.frombuffer(block, dtype="<f4", count=rows_b)
     raw = np.frombuffer(block, dtype=np.uint8, offset=4 * rows_b)
-    _quant_add_nb(out.reshape(-1), raw, level.bits, step, cols)
+    quant_add(out.reshape(-1), raw, level.bits, step, cols)
     return out
 
 
-_quant_add_nb: Any
-_ulp_bf16_nb: Any
-try:  # optional compiled decode: one pass instead of four numpy passes (same float32 results)
-    import numba
+_LAZY: Any = object()
+# optional compiled decode: one pass instead of four numpy passes (same float32 results);
+# compiled (or loaded from numba's disk cache) at the first reconstruction, not at import
+# (importing numba costs ~0.15 s, which a mount or merge without sidecars need not pay).
+# None: numba is missing (tests set None to force the numpy path).
+_quant_add_nb: Any = _LAZY
+_ulp_bf16_nb: Any = _LAZY
+_nb_lock = threading.Lock()
 
-    @numba.njit(cache=True, nogil=True)
-    def _quant_add_nb(acc, raw, bits, step, cols):  # type: ignore[no-untyped-def]
-        mask = (1 << bits) - 1
-        half = np.float32(((1 << bits) - 1) / 2.0)
-        for e in range(acc.size):
-            bit = e * bits
-            byte = bit >> 3
-            sh = bit & 7
-            v = np.int32(raw[byte]) >> sh
-            if sh + bits > 8:
-                v |= np.int32(raw[byte + 1]) << (8 - sh)
-            code = v & mask
-            if bits == 1:
-                val = np.float32(2 * code - 1)
-            else:
-                val = np.float32(code) - half
-            acc[e] += val * step[e // cols]
-    @numba.njit(cache=True, nogil=True)
-    def _ulp_bf16_nb(out, w0, raw, bits):  # type: ignore[no-untyped-def]
-        n = w0.size
-        half = 1 << (bits - 1)
-        mask = (1 << bits) - 1
-        pos = ((n + 7) >> 3) * 8  # bit position of the first code
-        for e in range(n):
-            if (raw[e >> 3] >> (e & 7)) & 1:
-                byte = pos >> 3
-                sh = pos & 7
+
+def _compiled(name: str) -> Any:
+    """``_quant_add_nb`` or ``_ulp_bf16_nb``, defined on first use (None without numba)."""
+    global _quant_add_nb, _ulp_bf16_nb
+    if globals()[name] is _LAZY:
+        with _nb_lock:
+            if globals()[name] is _LAZY:
+                quant, ulp = _define_compiled()
+                if _quant_add_nb is _LAZY:
+                    _quant_add_nb = quant
+                if _ulp_bf16_nb is _LAZY:
+                    _ulp_bf16_nb = ulp
+    return globals()[name]
+
+
+def _define_compiled() -> tuple[Any, Any]:
+    try:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def _quant_add_nb(acc, raw, bits, step, cols):  # type: ignore[no-untyped-def]
+            mask = (1 << bits) - 1
+            half = np.float32(((1 << bits) - 1) / 2.0)
+            for e in range(acc.size):
+                bit = e * bits
+                byte = bit >> 3
+                sh = bit & 7
                 v = np.int32(raw[byte]) >> sh
                 if sh + bits > 8:
                     v |= np.int32(raw[byte + 1]) << (8 - sh)
                 code = v & mask
-                move = code - half + (1 if code >= half else 0)
-                b16 = np.int32(w0[e] >> 16) + move
-                out[e] = np.uint32(b16 & 0xFFFF) << 16
-                pos += bits
-except ImportError:
-    _quant_add_nb = None
-    _ulp_bf16_nb = None
+                if bits == 1:
+                    val = np.float32(2 * code - 1)
+                else:
+                    val = np.float32(code) - half
+                acc[e] += val * step[e // cols]
+
+        @numba.njit(cache=True, nogil=True)
+        def _ulp_bf16_nb(out, w0, raw, bits):  # type: ignore[no-untyped-def]
+            n = w0.size
+            half = 1 << (bits - 1)
+            mask = (1 << bits) - 1
+            pos = ((n + 7) >> 3) * 8  # bit position of the first code
+            for e in range(n):
+                if (raw[e >> 3] >> (e & 7)) & 1:
+                    byte = pos >> 3
+                    sh = pos & 7
+                    v = np.int32(raw[byte]) >> sh
+                    if sh + bits > 8:
+                        v |= np.int32(raw[byte + 1]) << (8 - sh)
+                    code = v & mask
+                    move = code - half + (1 if code >= half else 0)
+                    b16 = np.int32(w0[e] >> 16) + move
+                    out[e] = np.uint32(b16 & 0xFFFF) << 16
+                    pos += bits
+    except ImportError:
+        return None, None
+    return _quant_add_nb, _ulp_bf16_nb
 
 
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
@@ -365,8 +390,9 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             acc = _add_rows(acc, level, rows_b, cols, block)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     for level, block in zip(levels, blocks):
-        if level.kind == "ulp" and level.k == 1 and _ulp_bf16_nb is not None:
-            _ulp_bf16_nb(w_hat.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
+        ulp_bf16 = _compiled("_ulp_bf16_nb") if level.kind == "ulp" and level.k == 1 else None
+        if ulp_bf16 is not None:
+            ulp_bf16(w_hat.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
                          np.frombuffer(block, dtype=np.uint8), level.bits)
         elif level.kind == "ulp":
             n = w0.size

@@ -892,13 +892,16 @@ class Session:
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
                  sidecars: bool = True, index: BlockIndex | None = None,
-                 index_runner: Any = None) -> None:
+                 index_runner: Any = None, reset_counters: bool | None = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
         sidecars when they have matching ones (:mod:`mergefs.deltas`). ``index``: the family's
         index, loaded by the caller (a sweep's variants share one; counters are then left
         alone, as other sessions may be counting on the same sources). ``index_runner``:
-        where an index build computes its chunks (:data:`mergefs.index.ChunkRunner`)."""
+        where an index build computes its chunks (:data:`mergefs.index.ChunkRunner`).
+        ``reset_counters``: zero the sources' counters once the session is open, so that they
+        count its merge reads only (default: when the session loaded the index itself; a
+        mount that loaded it for this session alone passes True)."""
         self.spec = spec
         self.started = time.monotonic()
         self.base, self.experts = family if family is not None else open_family(spec)
@@ -910,7 +913,9 @@ class Session:
                 runner=index_runner)
         self.recipe = recipe_of(spec, self.base)
         self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
-        if index is None:  # (with a caller's index, other sessions may be counting on them)
+        if reset_counters is None:  # a shared index: other sessions may count on the sources
+            reset_counters = index is None
+        if reset_counters:
             for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
                 c.counters.reset()  # looking for sidecars
         self.plan = plan if plan is not None else make_plan(

@@ -40,7 +40,8 @@ f32 -> bf16 rounds to nearest even (NaN -> ``0x7fc0`` with its sign), f32 -> f16
 ``npy_floatbits_to_halfbits``.
 
 numba is optional: the kernels are compiled on first use and cached on disk (``cache=True``);
-:func:`warm_up` loads them (the mount calls it while it opens). When numba cannot be imported,
+:func:`warm_up` loads them (the mount and the merge start loading on a thread while they
+open: :func:`start_warm_up`). When numba cannot be imported,
 :func:`available` is False with the reason in :data:`UNAVAILABLE_REASON`, and the engine merges
 with the registry's numpy kernels (the same bytes, slower). :data:`counters` counts the units
 merged here, so tests can tell that the kernel ran.
@@ -153,12 +154,14 @@ def available() -> bool:
 def supports(form: Fused | None, src_dtypes: Sequence[str], out_dtype: str,
              numel: int) -> bool:
     """Whether :func:`fused_merge` handles this form, these source dtypes and the output for a
-    unit of ``numel`` elements."""
-    return (form is not None and out_dtype in DTYPES
+    unit of ``numel`` elements (waits for a warm-up in progress: :func:`start_warm_up`)."""
+    if not (form is not None and out_dtype in DTYPES
             and all(d in DTYPES for d in src_dtypes)
             and (form.order == "sequential"
-                 or exact.torch_sum_tail(numel, len(form.weights)) is not None)
-            and _usable())
+                 or exact.torch_sum_tail(numel, len(form.weights)) is not None)):
+        return False
+    _wait_for_warm_up()
+    return _usable()
 
 
 def _ro(buf: Any, dtype: str) -> np.ndarray:
@@ -267,6 +270,31 @@ def _torch_tail(w0: np.ndarray, tail: int, inputs: Sequence[Runs | None],
                     x[a - tail:hi - tail] = decode_f32(memoryview(buf)[(a - lo) * item:], dtype)
             xs.append((x - ref) * np.float32(w))
         return exact.row_sum(xs)
+
+
+_warming: threading.Thread | None = None  # start_warm_up's thread
+_warming_lock = threading.Lock()
+
+
+def start_warm_up(full: bool = True) -> threading.Thread:
+    """Load the kernels on a background (daemon) thread, once per process, while the caller
+    opens the family: :func:`warm_up` (``full``: every signature, the mount) or only numba and
+    the kernel module (a merge, which compiles the few signatures it uses on first call).
+    :func:`supports` waits for that thread, so a unit never starts on a kernel the warm-up is
+    about to find broken: numba broken -> numpy, the same bytes, as without the thread."""
+    global _warming
+    with _warming_lock:
+        if _warming is None:
+            _warming = threading.Thread(target=warm_up if full else _usable,
+                                        name="mergefs-kernels", daemon=True)
+            _warming.start()
+        return _warming
+
+
+def _wait_for_warm_up() -> None:
+    t = _warming
+    if t is not None and t is not threading.current_thread():
+        t.join()
 
 
 def warm_up() -> None:

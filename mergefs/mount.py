@@ -26,7 +26,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from .cache import UnitCache
 from .engine import Session, may_use_kernels, open_family
 from .errors import MergefsError
 from .fuse import Operations, mount_options, notify_store
-from .index import build_layout, index_bytes_total, load_or_build
+from .index import BlockIndex, build_layout, index_bytes_total, load_or_build
 from .manifest import ManifestWriter
 from .outdir import check_writes, pid_alive
 from .progress import byte_progress
@@ -50,6 +49,7 @@ from .spec import Spec, human_bytes, parse_size
 from .view import STATE_DIR, STATS_NAME, View
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .variants import Variant
 
 log = logging.getLogger(__name__)
@@ -169,19 +169,43 @@ def check_mountpoint(path: str | Path) -> Path:
 
 
 # -- mount ---------------------------------------------------------------------------------
-def ensure_index(spec: Spec, progress: bool = True) -> None:
-    """Build the block index now if needed, so the session opens fast and its counters only
-    count the mount's own reads."""
+@dataclass
+class Opened:
+    """A spec's family and block index, opened once before the mount starts serving and
+    handed to its session (which then owns and closes them)."""
+
+    base: Checkpoint
+    experts: list[Checkpoint]
+    index: BlockIndex
+
+    def close(self) -> None:
+        for c in [self.base, *self.experts]:
+            c.close()
+
+
+def ensure_index(spec: Spec, progress: bool = True) -> Opened:
+    """Open the family and load its block index, building it now if needed (with a progress
+    bar, before the mount returns), so the session opens fast and its counters only count the
+    mount's own reads. The caller closes what it gets, or hands it to :func:`serve`."""
     base, experts = open_family(spec)
     try:
         total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
-            _, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
+            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
         if built:
             log.info("index built in %s", spec.index_dir)
-    finally:
+    except BaseException:
         for c in [base, *experts]:
             c.close()
+        raise
+    return Opened(base, experts, index)
+
+
+def forks_safely(spec: Spec) -> bool:
+    """Whether the family opened before the daemon forks can be used by it: local files
+    are (descriptors and parsed headers carry over); remote sources are not (their I/O runs
+    on fsspec's event loop thread, which does not exist in the forked child)."""
+    return not spec.remote_sources
 
 
 def run_mount(args: argparse.Namespace, spec: Spec,
@@ -197,12 +221,15 @@ def run_mount(args: argparse.Namespace, spec: Spec,
     check_mountpoint(cfg.mountpoint)
     # Validated now, created by the server at its first record (never truncating anything).
     manifest = ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
-    ensure_index(spec)
+    opened: Opened | None = ensure_index(spec)
+    if opened is not None and not args.foreground and not forks_safely(spec):
+        opened.close()  # the server opens its own
+        opened = None
 
     def serve_it(ready: Callable[[], None]) -> dict[str, Any]:
         if variants is not None:
-            return serve_sweep(spec.source, variants, cfg, ready, manifest)
-        return serve(spec, cfg, ready, manifest)
+            return serve_sweep(spec.source, variants, cfg, ready, manifest, opened)
+        return serve(spec, cfg, ready, manifest, opened)
 
     what = spec.source if variants is None else f"{spec.source} ({len(variants)} variants)"
     if args.foreground:
@@ -211,9 +238,10 @@ def run_mount(args: argparse.Namespace, spec: Spec,
                   f"umount {cfg.mountpoint}` unmounts); manifest {manifest.path}", flush=True)
 
         totals = serve_it(ready)
+        of = f" of {human_bytes(totals['total_expert_bytes'])}" \
+            if "total_expert_bytes" in totals else ""  # (a sweep's totals have no one total)
         print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
-              f" of {human_bytes(totals['total_expert_bytes'])} expert bytes; manifest "
-              f"{manifest.path}", flush=True)
+              f"{of} expert bytes; manifest {manifest.path}", flush=True)
         return 0
     return _daemonize(what, cfg, manifest, serve_it)
 
@@ -279,22 +307,26 @@ def _redirect_output(log_file: Path) -> None:
 
 
 def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
-          manifest: ManifestWriter | None = None) -> dict[str, Any]:
-    """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals."""
-    # load the compiled kernels (numba import, disk cache) while the session opens, not in the
-    # first read; only methods whose arithmetic has a kernel form use them
-    loader = threading.Thread(target=kernels.warm_up, name="mergefs-kernels", daemon=True)
+          manifest: ManifestWriter | None = None, opened: Opened | None = None
+          ) -> dict[str, Any]:
+    """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals.
+    ``opened``: the family and index :func:`ensure_index` opened (owned from here on)."""
+    # load the compiled kernels (numba import, disk cache) on a thread from now on: the mount
+    # is ready before they are (listing, config.json and headers need no merge) and the first
+    # unit merged waits for them (kernels.supports); only methods with a kernel form use them
     if may_use_kernels(spec):
-        loader.start()
+        kernels.start_warm_up()
     if manifest is None:
         manifest = ManifestWriter.for_run(spec.manifest)
     try:
-        session = Session(spec, manifest=manifest)
+        if opened is not None:
+            session = Session(spec, manifest=manifest, family=(opened.base, opened.experts),
+                              index=opened.index, reset_counters=True)
+        else:
+            session = Session(spec, manifest=manifest)
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
             view = View(session, cache, readahead_units=cfg.readahead_units)
-            if loader.is_alive():
-                loader.join()  # ready means ready to merge at full speed
             try:
                 trio.run(_serve_fuse, view, cfg, ready)
             finally:
@@ -313,15 +345,19 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
 
 
 def serve_sweep(spec_path: str, variants: Sequence[tuple[Variant, Spec]], cfg: MountConfig,
-                ready: Callable[[], None], manifest: ManifestWriter) -> dict[str, Any]:
+                ready: Callable[[], None], manifest: ManifestWriter,
+                opened: Opened | None = None) -> dict[str, Any]:
     """Serve every variant of a sweep spec from one mount; SIGHUP (``mergefs reload``) adds
-    the variants the changed spec file lists. Returns the sweep's totals."""
+    the variants the changed spec file lists. Returns the sweep's totals. ``opened``: the
+    first variant's family and index (:func:`ensure_index`; owned from here on)."""
     from .sweepsession import SweepSession
     from .sweepview import SweepView
 
     try:
         sweep = SweepSession(spec_path, manifest, cfg.source_cache_bytes, strict=cfg.strict,
-                             found=variants)
+                             found=variants,
+                             family=None if opened is None else (opened.base, opened.experts),
+                             index=None if opened is None else opened.index)
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir,
                               xxhash.xxh3_64_hexdigest(f"sweep\x00{sweep.index.key}".encode()))

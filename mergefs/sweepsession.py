@@ -185,21 +185,34 @@ class SweepSession:
 
     def __init__(self, spec_path: str | Path, manifest: ManifestWriter,
                  source_cache_bytes: int, strict: bool = False,
-                 found: Sequence[tuple[Variant, Spec]] | None = None) -> None:
+                 found: Sequence[tuple[Variant, Spec]] | None = None,
+                 family: tuple[Checkpoint, list[Checkpoint]] | None = None,
+                 index: BlockIndex | None = None) -> None:
+        """``family`` and ``index``: the first variant's, if the caller opened them already
+        (the mount's ``ensure_index``; the session then owns and closes them)."""
         self.spec_path = Path(spec_path)
         self.strict = strict
         self.started = time.monotonic()
-        found = list(found) if found is not None else load_variants(spec_path, strict)
-        first = found[0][1]
-        self.first = first
-        self.manifest = manifest
-        self.base, self.experts = open_family(first)
         self._lock = threading.Lock()  # serialises add/reload
         self._merged_here: set[str] = set()  # unit keys merged in this mount (VariantRecorder)
         self.variants: dict[str, VariantState] = {}
         try:
-            self.index, self.index_built = load_or_build(
-                self.base, self.experts, first.block_size, first.index_dir)
+            found = list(found) if found is not None else load_variants(spec_path, strict)
+        except BaseException:
+            if family is not None:
+                for c in [family[0], *family[1]]:
+                    c.close()
+            raise
+        first = found[0][1]
+        self.first = first
+        self.manifest = manifest
+        self.base, self.experts = family if family is not None else open_family(first)
+        try:
+            if index is not None:
+                self.index, self.index_built = index, False
+            else:
+                self.index, self.index_built = load_or_build(
+                    self.base, self.experts, first.block_size, first.index_dir)
             self.source_cache = self._install_cache(source_cache_bytes)
             manifest.write(self._header())
             for v, spec in found:

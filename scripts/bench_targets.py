@@ -16,9 +16,12 @@ in interleaved rounds so that a change in machine load hits every variant alike)
     python scripts/bench_targets.py --out results/targets            # ~20 minutes here
     python scripts/bench_targets.py --sections load,merge --repeats 3
     python scripts/bench_targets.py --sections load,merge --experts 4,8 --baseline OLD
+    python scripts/bench_targets.py --sections load,merge --family large --repeats 1
 
 Families (made once with scripts/make_family.py, then reused): ``small`` (150M parameters x
-(1 + 8), bf16, 2.7 GB) and ``tiny`` (40M x (1 + 8), 0.7 GB) under ``--families``. Results:
+(1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 8), 0.7 GB) and ``large`` (the issue's size:
+500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge sections on it) under
+``--families``. Results:
 ``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table for docs/benchmarks.md).
 This script is not imported by mergefs.
 """
@@ -51,7 +54,9 @@ from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
 MERGEFS = [PY, "-P", "-m", "mergefs.cli"]
 
 FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
-            "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"]}
+            "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"],
+            # the issue's size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
+            "large": ["--params", "500M", "--layers", "24", "--vocab", "32000"]}
 
 LOAD_CODE = """
     import json, os, subprocess, sys, time
@@ -214,9 +219,14 @@ class Targets:
                 try:
                     results[name].append(self.timed_load(cmds, target,
                                                          name.startswith("baseline")))
+                    self.log(f"round {rnd + 1}: {name} + from_pretrained: "
+                             f"{results[name][-1]['total']:.2f} s")  # partial results survive
                 finally:
                     cleanup()
         return results
+
+    def family_tag(self) -> str:
+        return "" if self.args.family == "small" else f", {self.args.family}"
 
     def baseline_in(self, section: str) -> bool:
         return bool(self.args.baseline) and section in self.args.baseline_sections.split(",")
@@ -229,10 +239,10 @@ class Targets:
             self.load_rows(k)
 
     def load_rows(self, n_experts: int) -> None:
-        fam = self.family("small")
+        fam = self.family(self.args.family)
         spec = self.spec(fam, n_experts)
         self.ensure_index(spec)
-        tag = f" ({n_experts} experts)"
+        tag = f" ({n_experts} experts{self.family_tag()})"
         variants = self.load_variants(fam, spec, ("full", "10%"), warm=True, mergekit=True)
         res = self.run_loads(fam, spec, variants, self.args.repeats)
         self.raw[f"load-{n_experts}"] = res
@@ -274,11 +284,11 @@ class Targets:
             self.merge_rows(k)
 
     def merge_rows(self, n_experts: int) -> None:
-        fam = self.family("small")
+        fam = self.family(self.args.family)
         spec = self.spec(fam, n_experts)
         self.ensure_index(spec)
         gb = self.model_bytes(fam) / 1e9
-        tag = f" ({n_experts} experts)"
+        tag = f" ({n_experts} experts{self.family_tag()})"
         variants: list[tuple[str, list[str], Path]] = []
         for budget in ("full", "10%"):
             for baseline in (False, True) if self.baseline_in("merge") else (False,):
@@ -298,6 +308,7 @@ class Targets:
                 p = run(cmd, env=self.baseline_env(name.startswith("baseline")))
                 walls[name].append(p.wall)
                 cpus[name].append(p.cpu_seconds)
+                self.log(f"round {rnd + 1}: {name}: {p.wall:.2f} s (CPU {p.cpu_seconds:.2f} s)")
                 shutil.rmtree(o, ignore_errors=True)
         self.raw[f"merge-{n_experts}"] = {"walls": walls, "cpus": cpus}
         for name, cmd, _ in variants:
@@ -510,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="load,merge,serving,index,memory,scaling")
     ap.add_argument("--experts", default="8", help="expert counts of the load and merge "
                     "sections, e.g. 4,8 (task arithmetic's kernel runs up to 4)")
+    ap.add_argument("--family", default="small", choices=sorted(FAMILIES),
+                    help="the family of the load and merge sections (large: the issue's "
+                    "~0.5B parameters per model, ~9 GB with 8 experts)")
     ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
                     "beside this one in the load and serving sections, e.g. the code before")
     ap.add_argument("--baseline-sections", default="load,merge,serving",
