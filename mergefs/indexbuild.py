@@ -22,6 +22,7 @@ import numpy as np
 
 from .blockstats import block_views, gram_terms, hash_blocks, zero_blocks
 from .checkpoint import Checkpoint, ReadRange, read_many
+from .errors import SourceChanged, SourceError
 from .format import DTYPES
 from .memory import keep_freed_memory
 
@@ -38,6 +39,40 @@ def source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> Rea
     item = DTYPES[loc.dtype][0]  # the source's own dtype: experts may differ from the base
     return ReadRange(loc.file, loc.start + int(layout.elem_start[b0]) * item,
                      loc.start + int(layout.elem_end[b1 - 1]) * item)
+
+
+_local = threading.local()
+
+
+def _buffer(slot: int, size: int) -> memoryview:
+    """This thread's read buffer number ``slot``, at least ``size`` bytes, reused from chunk to
+    chunk (no allocation or fresh-page faults per read): valid until the thread's next chunk."""
+    bufs: dict[int, np.ndarray] = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get(slot)
+    if buf is None or buf.size < size:
+        buf = bufs[slot] = np.empty(max(size, CHUNK_BYTES + (1 << 20)), dtype=np.uint8)
+    return memoryview(buf)[:size]
+
+
+def read_into(src: Checkpoint, r: ReadRange, slot: int) -> memoryview:
+    """Range ``r`` of a local checkpoint read with ``os.preadv`` into this thread's buffer
+    ``slot`` (counted as ``src.read_ranges`` counts; the same errors)."""
+    fd = src.fds()[r.file]
+    view = _buffer(slot, r.end - r.start)
+    got = 0
+    try:
+        while got < len(view):
+            k = os.preadv(fd, [view[got:]], r.start + got)
+            if k == 0:
+                break
+            got += k
+    except OSError as exc:
+        raise SourceError(f"{src.path_of(r.file)}: read failed: {exc.strerror}") from None
+    src.counters.add(got)
+    if got != len(view):
+        raise SourceChanged(f"{src.path_of(r.file)}: short read at [{r.start}, {r.end}): file "
+                            "was truncated")
+    return view
 
 
 def chunks(layout: BlockLayout) -> list[tuple[int, int]]:
@@ -198,6 +233,23 @@ class Pass:
                 self.on_bytes(n)
         return got
 
+    def _read_full(self, srcs: list[Checkpoint], b0: int, b1: int) -> list[list[memoryview]]:
+        """Blocks [b0, b1) of each source: plain local files into this thread's reused buffers
+        (:func:`read_into`), others (remote, LoRA, range-cached) as ``read_many`` reads."""
+        plain = all(type(src) is Checkpoint and src.range_cache is None for src in srcs)
+        if not plain:
+            return self._read([(src, [source_ranges(src, self.layout, b0, b1)]) for src in srcs])
+        got = [[read_into(src, source_ranges(src, self.layout, b0, b1), k)]
+               for k, src in enumerate(srcs)]
+        n = sum(len(v[0]) for v in got)
+        with self.lock:
+            for src, views in zip(srcs, got):
+                self.report.bytes_read[str(src.root)] = \
+                    self.report.bytes_read.get(str(src.root), 0) + len(views[0])
+            if self.on_bytes is not None and n:
+                self.on_bytes(n)
+        return got
+
     def chunk(self, b0: int, b1: int) -> None:
         lay = self.layout
         name = lay.tensors[int(lay.tensor_of[b0])]
@@ -211,8 +263,7 @@ class Pass:
         zero = {i: z[b0:b1] for i, z in self.zero_known.items()}
         base_blocks: list[memoryview | None] = [None] * nb
         if self.full:
-            got = self._read([(src, [source_ranges(src, lay, b0, b1)])
-                              for src in [self.base, *(self.experts[i] for i in self.own)]])
+            got = self._read_full([self.base, *(self.experts[i] for i in self.own)], b0, b1)
             base_buf = got[0][0]
             base_blocks = list(block_views(spans, base_buf, bdt))
             bh = hash_blocks(spans, base_buf, bdt)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIECES_VERSION = "2"
+PIECES_VERSION = "3"  # 3: the Gram terms in blockstats' fixed summation order (ORDER_VERSION)
 PIECES_DIR = "pieces"
 
 
