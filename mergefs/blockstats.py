@@ -97,23 +97,26 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
     """
     out = np.zeros((len(pairs), len(sizes)), dtype=np.float64)
     k = kernels.index_kernels()
-    for b, n in enumerate(sizes):
-        have = (lambda r: base[b] is not None if r == BASE else experts[r][b] is not None)
-        want = [p for p, (r, s) in enumerate(pairs) if have(r) and have(s)]
-        if not want:
-            continue
-        rows = sorted({x for p in want for x in pairs[p]})
-        slot = {r: q for q, r in enumerate(rows)}
-        d = _scratch(len(rows), -(-n // LANES) * LANES)
-        w0 = _decode(k, base[b], base_dtype, n)  # type: ignore[arg-type]
-        for r in rows:
-            if r == BASE:
-                d[slot[r], :n] = w0
-            else:
-                _delta(k, experts[r][b], dtypes[r], w0, d[slot[r], :n])  # type: ignore[arg-type]
-        idx = np.asarray([(slot[pairs[p][0]], slot[pairs[p][1]]) for p in want], dtype=np.int64)
-        acc = np.zeros((len(want), LANES), dtype=np.float64)
-        with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):  # infinities and NaNs are values here
+        for b, n in enumerate(sizes):
+            have = {BASE: base[b] is not None} | {r: e[b] is not None
+                                                  for r, e in enumerate(experts)}
+            want = [p for p, (r, s) in enumerate(pairs) if have[r] and have[s]]
+            if not want:
+                continue
+            rows = sorted({x for p in want for x in pairs[p]})
+            slot = {r: q for q, r in enumerate(rows)}
+            d = _scratch(len(rows), -(-n // LANES) * LANES)
+            w0 = _decode(k, base[b], base_dtype, n)  # type: ignore[arg-type]
+            for r in rows:
+                if r == BASE:
+                    d[slot[r], :n] = w0
+                else:
+                    _delta(k, experts[r][b], dtypes[r], w0,  # type: ignore[arg-type]
+                           d[slot[r], :n])
+            idx = np.asarray([(slot[pairs[p][0]], slot[pairs[p][1]]) for p in want],
+                             dtype=np.int64)
+            acc = np.zeros((len(want), LANES), dtype=np.float64)
             if k is not None:
                 k.gram_lanes(d, idx, acc)
             else:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .blockstats import block_views, gram_terms, hash_blocks, zero_blocks
+from .blockstats import BASE, block_views, gram_terms, hash_blocks, zero_blocks
 from .checkpoint import Checkpoint, ReadRange, read_many
 from .errors import SourceChanged, SourceError
 from .format import DTYPES
@@ -214,6 +214,7 @@ class PassPart:
     zero: np.ndarray
     gram: np.ndarray
     bytes_read: dict[str, int]
+    base_sq: np.ndarray | None = None  # ||W0_b||^2 where the pass reads the base in full
 
 
 #: Runs a pass's chunks elsewhere: given the pass (its ``own``, ``pairs``, ``zero_known`` and
@@ -232,7 +233,8 @@ class Pass:
     """One pass over the layout's chunks, on worker threads.
 
     ``own`` experts are read in full and described (block hashes, zero flags); the Gram terms
-    of ``pairs`` (``(i, i)``: expert i's squared norms) are computed. The base is read in full
+    of ``pairs`` (``(i, i)``: expert i's squared norms) are computed, and with the base read
+    in full its squared block norms ``base_sq`` (``||W0_b||^2``, in the same order). The base is read in full
     with ``own`` experts or when ``describe_base``; otherwise, like experts outside ``own``
     (whose zero flags ``zero_known`` holds), only the blocks where some pair has two non-zero
     deltas are read.
@@ -249,6 +251,7 @@ class Pass:
         self.rows = {i: r for r, i in enumerate([*self.own, *self.others])}
         nb = layout.n_blocks
         self.base_hash = np.zeros(nb, dtype=np.uint64)
+        self.base_sq = np.zeros(nb, dtype=np.float64)  # ||W0_b||^2, when full
         self.expert_hash = np.zeros((len(own), nb), dtype=np.uint64)
         self.zero = np.zeros((len(own), nb), dtype=bool)
         self.gram = np.zeros((len(pairs), nb), dtype=np.float64)
@@ -337,13 +340,15 @@ class Pass:
         lo, hi = runs[0][0], runs[-1][1]
         return PassPart(lo, self.base_hash[lo:hi].copy(), self.expert_hash[:, lo:hi].copy(),
                         self.zero[:, lo:hi].copy(), self.gram[:, lo:hi].copy(),
-                        dict(self.report.bytes_read))
+                        dict(self.report.bytes_read), self.base_sq[lo:hi].copy())
 
     def put(self, part: PassPart) -> None:
         """Take the columns a runner's task computed (as :meth:`chunk` writes them)."""
         lo, hi = part.lo, part.lo + part.base_hash.size
         self.base_hash[lo:hi], self.expert_hash[:, lo:hi] = part.base_hash, part.expert_hash
         self.zero[:, lo:hi], self.gram[:, lo:hi] = part.zero, part.gram
+        if part.base_sq is not None:
+            self.base_sq[lo:hi] = part.base_sq
         n = 0
         with self.lock:
             for root, k in part.bytes_read.items():
@@ -437,6 +442,10 @@ class Pass:
             else:
                 blocks[i] = out
         order = [*self.own, *self.others]
-        self.gram[:, b0:b1] = gram_terms(
-            [e - s for s, e in spans], base_blocks, bdt, [blocks[i] for i in order],
-            [dtypes[i] for i in order], [(self.rows[r], self.rows[s]) for r, s in self.pairs])
+        pairs = [(self.rows[r], self.rows[s]) for r, s in self.pairs]
+        terms = gram_terms([e - s for s, e in spans], base_blocks, bdt,
+                           [blocks[i] for i in order], [dtypes[i] for i in order],
+                           pairs + [(BASE, BASE)] * self.full)  # the base norms: same order
+        self.gram[:, b0:b1] = terms[:len(pairs)]
+        if self.full:
+            self.base_sq[b0:b1] = terms[-1]

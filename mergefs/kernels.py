@@ -296,7 +296,10 @@ def index_kernels() -> Any:
     :mod:`mergefs._numba_kernels`; what they compute: :mod:`mergefs.blockstats`), or None when
     numba cannot be used (then :mod:`mergefs.blockstats` computes the same bits with numpy,
     logged once)."""
-    return _kernels() if _usable() else (note_unavailable() or None)
+    if _usable():
+        return _kernels()
+    note_unavailable()
+    return None
 
 
 def encode_f16(values: np.ndarray, out: np.ndarray) -> None:
