@@ -336,9 +336,9 @@ def test_plan_json_non_additive(equal_family: Family, tmp_path: Path,
 def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
     """The index keeps per-tensor delta norms; check them against plain numpy."""
     import numpy as np
-
     from families import write_spec
     from reference import read_tensor
+
     from mergefs.engine import open_family
     from mergefs.index import load_or_build
     from mergefs.spec import load_spec
@@ -357,6 +357,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
 
 def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
     from families import write_spec
+
     from mergefs.cli import main
 
     spec = write_spec(tmp_path / "s.yaml", family_f32, extra={
