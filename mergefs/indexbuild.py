@@ -34,9 +34,9 @@ from .memory import keep_freed_memory
 if TYPE_CHECKING:
     from .index import BlockLayout
 
-CHUNK_BYTES = 8 << 20  # read granularity while indexing, per source
+CHUNK_BYTES = 4 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
-READ_SETS = 3  # buffer sets of the reader thread: one being read, one queued, one computed
+READ_SETS = 6  # buffer sets of the reader: one being read, READ_SETS - 2 queued, one computed
 
 
 def source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
@@ -287,10 +287,11 @@ class Pass:
                 fut.result()
 
     def _pipeline(self, runs: list[tuple[int, int]]) -> None:
-        """The reader thread reads chunk k + 1 (:class:`Reader`) while this thread
-        computes chunk k: the disk is kept busy, and the reads' copies run on the other core.
-        Each chunk's bytes go into buffer set ``k % READ_SETS``: with one chunk queued, the set
-        being read is never the one being computed."""
+        """The reader thread reads chunks ahead (:class:`Reader`) while this thread computes
+        them in order: the disk is kept busy, the reads' CPU runs on the other core, and up to
+        READ_SETS - 2 chunks queue up while the computing thread waits for a core. Chunk k's
+        bytes go into buffer set ``k % READ_SETS``: the sets being read, queued and computed
+        are always distinct (at most READ_SETS - 2 queued, one read, one computed)."""
         srcs = self._full_sources()
         rd = Reader()
         ready: queue.Queue[tuple[int, list[list[memoryview]]] | BaseException | None] = \
