@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 4 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
 READ_SETS = 6  # buffer sets of the reader: one being read, READ_SETS - 2 queued, one computed
+READ_STREAMS = 3  # a chunk's sources are read this many at a time (a deeper disk queue)
 
 
 def source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
@@ -96,6 +97,7 @@ class Reader:
     def __init__(self) -> None:
         self.bufs: dict[int, mmap.mmap] = {}
         self.direct: dict[tuple[int, str], int | None] = {}  # (id(src), file) -> fd or None
+        self.lock = threading.Lock()
 
     def close(self) -> None:
         for fd in self.direct.values():
@@ -112,6 +114,11 @@ class Reader:
 
     def _direct_fd(self, src: Checkpoint, file: str, fd: int) -> int | None:
         key = (id(src), file)
+        with self.lock:
+            return self._open_direct(key, src, file, fd)
+
+    def _open_direct(self, key: tuple[int, str], src: Checkpoint, file: str, fd: int
+                     ) -> int | None:
         if key not in self.direct:
             dfd: int | None = None
             if hasattr(os, "O_DIRECT"):
@@ -143,8 +150,11 @@ class Reader:
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    os.close(dfd)  # this filesystem refuses the alignment: buffered from now on
-                    self.direct[(id(src), r.file)] = dfd = None
+                    with self.lock:  # this filesystem refuses the alignment: buffered from now on
+                        if self.direct.get((id(src), r.file)) == dfd:
+                            os.close(dfd)
+                            self.direct[(id(src), r.file)] = None
+                    dfd = None
                     break
                 if k <= pos - d0:
                     break  # end of file
@@ -300,14 +310,18 @@ class Pass:
 
         def reader() -> None:
             try:
-                for k, (b0, b1) in enumerate(runs):
-                    if stop.is_set():
-                        return
-                    got = [[rd.read(src, source_ranges(src, self.layout, b0, b1),
-                                    (k % READ_SETS) * len(srcs) + q)]
-                           for q, src in enumerate(srcs)]
-                    self._count(srcs, got)
-                    ready.put((k, got))
+                with ThreadPoolExecutor(max_workers=READ_STREAMS,
+                                        thread_name_prefix="mergefs-index-read") as pool:
+                    for k, (b0, b1) in enumerate(runs):
+                        if stop.is_set():
+                            return
+                        got = [[v] for v in pool.map(
+                            lambda q: rd.read(srcs[q], source_ranges(srcs[q], self.layout,
+                                                                     b0, b1),  # noqa: B023
+                                              (k % READ_SETS) * len(srcs) + q),  # noqa: B023
+                            range(len(srcs)))]
+                        self._count(srcs, got)
+                        ready.put((k, got))
                 ready.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the computing thread
                 ready.put(exc)
