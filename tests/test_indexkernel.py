@@ -4,6 +4,7 @@ block sizes that are not multiples of the lane count; without numba an index has
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,53 @@ def test_numba_blocked_builds_the_same_index(tmp_path: Path) -> None:
 
 def test_lane_count_is_a_power_of_two() -> None:
     assert LANES & (LANES - 1) == 0 and blockstats.GRAM_ROWS >= 1
+
+
+def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Sources evicted from the page cache are read with O_DIRECT (aligned reads into the
+    reader's buffers): the index equals one built from cached files, bytes counted alike."""
+    from mergefs import indexbuild
+    from mergefs.checkpoint import open_checkpoint
+    from mergefs.index import BuildReport, load_or_build
+
+    fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=12)
+    files = [p for d in [fam.base, *fam.experts] for p in d.glob("*.safetensors")]
+
+    def build(where: str) -> tuple[object, BuildReport]:
+        base = open_checkpoint(fam.base)
+        ex = [open_checkpoint(p) for p in fam.experts]
+        report = BuildReport()
+        try:
+            index, _ = load_or_build(base, ex, 4096, tmp_path / where, report=report)
+        finally:
+            for c in [base, *ex]:
+                c.close()
+        return index, report
+
+    cached, cached_report = build("warm")
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            evicted = not indexbuild._resident(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if not evicted:
+            pytest.skip("this filesystem keeps the files in memory (no cold read to test)")
+    opened: list[int | None] = []
+    real = indexbuild.Reader._open_direct
+
+    def spy(self: indexbuild.Reader, *a: object) -> int | None:
+        opened.append(real(self, *a))  # type: ignore[arg-type]
+        return opened[-1]
+
+    monkeypatch.setattr(indexbuild.Reader, "_open_direct", spy)
+    cold, cold_report = build("cold")
+    assert opened and all(fd is not None for fd in opened)  # every source read O_DIRECT
+    assert cold_report.bytes_read == cached_report.bytes_read
+    for name in ("base_hash", "expert_hash", "norms", "zero", "gram", "base_norms"):
+        a, b = getattr(cached, name), getattr(cold, name)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
