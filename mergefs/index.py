@@ -49,7 +49,8 @@ from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "1"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
+INDEX_VERSION = "2"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
+# 2: norms and Gram terms in blockstats' fixed order, base norms (bounds with the rounding term)
 
 
 @dataclass(frozen=True, eq=False)

@@ -182,16 +182,27 @@ def rounding_terms(spec: Spec, index: BlockIndex, coeffs: np.ndarray, exact: np.
         assert resid is not None
         read = read + c * (index.norms + resid) * approx
     s_b = read.sum(axis=0)
-    inputs = spec.method_def.coefficients(spec.parameters, spec.input_parameters())
-    relative = spec.method_def.caps.base is BasePolicy.REQUIRED  # M = W0 + sum c_i D_i
-    a = 1.0 if relative else abs(float(sum(inputs)))
-    w = 0.0 if relative else float(sum(abs(x) for x in inputs))
+    a, w = _base_weight(spec, c)
     w0 = index.base_norms
     u = output_units(spec, index)
     n_in = max(len(spec.input_order), index.n_experts)
     rho = u * (2 * a * w0 + s_b + s_full) + (n_in + 2) * F32_UNIT * (s_b + s_full + 2 * w * w0)
     differs = (nonzero & ~exact).any(axis=0)  # else both merges compute the block alike
     return np.where(differs, rho, 0.0)
+
+
+def _base_weight(spec: Spec, c: np.ndarray) -> tuple[Any, Any]:
+    """(a, w) of :func:`rounding_terms`: the base's weight in the merge and the sum of the
+    inputs' absolute weights (linear); ``c`` (N, B) the experts' absolute coefficients."""
+    if spec.method_def.caps.base is BasePolicy.REQUIRED:  # M = W0 + sum c_i D_i
+        return 1.0, 0.0
+    try:
+        inputs = [float(x) for x in
+                  spec.method_def.coefficients(spec.parameters, spec.input_parameters())]
+    except (TypeError, ValueError):  # per-tensor weights (gradients): a bound on both
+        per_block = c.sum(axis=0) + 1.0  # the base as an input of weight at most 1
+        return per_block, per_block
+    return abs(sum(inputs)), sum(abs(x) for x in inputs)
 
 
 def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray,
