@@ -195,7 +195,7 @@ def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
                                                               ) -> None:
     """Sources evicted from the page cache are read with O_DIRECT (aligned reads into the
     reader's buffers): the index equals one built from cached files, bytes counted alike."""
-    from mergefs import indexbuild
+    from mergefs import indexread
     from mergefs.checkpoint import open_checkpoint
     from mergefs.index import BuildReport, load_or_build
 
@@ -219,19 +219,19 @@ def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            evicted = not indexbuild._resident(fd, 0, os.fstat(fd).st_size)
+            evicted = not indexread._resident(fd, 0, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         if not evicted:
             pytest.skip("this filesystem keeps the files in memory (no cold read to test)")
     opened: list[int | None] = []
-    real = indexbuild.Reader._open_direct
+    real = indexread.Reader._open_direct
 
-    def spy(self: indexbuild.Reader, *a: object) -> int | None:
+    def spy(self: indexread.Reader, *a: object) -> int | None:
         opened.append(real(self, *a))  # type: ignore[arg-type]
         return opened[-1]
 
-    monkeypatch.setattr(indexbuild.Reader, "_open_direct", spy)
+    monkeypatch.setattr(indexread.Reader, "_open_direct", spy)
     cold, cold_report = build("cold")
     assert opened and all(fd is not None for fd in opened)  # every source read O_DIRECT
     assert cold_report.bytes_read == cached_report.bytes_read
