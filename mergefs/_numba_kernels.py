@@ -192,3 +192,48 @@ def encode_bf16(values: Any, out: Any) -> None:
 def encode_f16(values: Any, out: Any) -> None:
     for j in range(values.size):
         out[j] = _to_f16(values[j])
+
+
+# -- index: float32 deltas, then Gram terms in interleaved lanes ---------------------------------
+# (mergefs.blockstats documents the order; its numpy path reproduces it bit for bit)
+
+TILE = 4096  # elements per tile: the rows' tiles stay in cache while every pair reads them
+
+
+@_jit
+def idx_delta_f32(x: Any, w0: Any, out: Any) -> None:
+    for j in range(out.size):
+        out[j] = x[j] - w0[j]
+
+
+@_jit
+def idx_delta_bf16(raw: Any, w0: Any, out: Any) -> None:
+    for j in range(out.size):
+        out[j] = _bf16(raw[j]) - w0[j]
+
+
+@_jit
+def idx_delta_f16(raw: Any, w0: Any, out: Any, table: Any) -> None:
+    for j in range(out.size):
+        out[j] = table[raw[j]] - w0[j]
+
+
+@_jit
+def gram_lanes(d: Any, pairs: Any, acc: Any) -> None:
+    """``acc[p, l] += float64(d[r, j]) * float64(d[s, j])`` (a rounded product, then a rounded
+    sum) for every ``j = l (mod L)`` in increasing ``j``, for each pair ``p = (r, s)``;
+    ``acc``: (P, L), ``d``: (R, n) float32 with ``n`` a multiple of L and of nothing else.
+    No FMA, no reassociation: each lane is a sequential sum, vectorised across lanes."""
+    n = d.shape[1]
+    lanes = acc.shape[1]
+    for t0 in range(0, n, TILE):
+        t1 = min(n, t0 + TILE)
+        for p in range(pairs.shape[0]):
+            x = d[pairs[p, 0]]
+            y = d[pairs[p, 1]]
+            a = acc[p]
+            for j0 in range(t0, t1, lanes):
+                xs = x[j0:j0 + lanes]
+                ys = y[j0:j0 + lanes]
+                for k in range(lanes):
+                    a[k] += np.float64(xs[k]) * np.float64(ys[k])

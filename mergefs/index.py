@@ -2,7 +2,8 @@
 
 A *block* is a contiguous range of whole rows of one floating-point tensor, about ``block_size``
 bytes (a tensor smaller than that is one block). Blocks are numbered in the base's file order.
-For every block the index holds the xxh3 of the base bytes and, per expert, the xxh3 of the
+For every block the index holds the xxh3 of the base bytes, the base norm ``||W0_b||`` and, per
+expert, the xxh3 of the
 expert bytes, the delta L2 norm ``||W_i - W0||`` (float32 deltas, float64 accumulation), a zero
 flag (bytes identical to the base) and the Gram matrix ``<D_i, D_j>`` of the experts' deltas, which
 gives the exact norm of any additive combination (bounds relative to the merge update, and the
@@ -48,7 +49,8 @@ from .sidecar import ExpertStats
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "1"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
+INDEX_VERSION = "2"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
+# 2: norms and Gram terms in blockstats' fixed order, base norms (bounds with the rounding term)
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,6 +132,9 @@ class BlockIndex:
     has_gram: bool = True  # False: only the diagonal is known (statistics from sidecars)
     #: (N, T) bytes per element of each expert's tensors; None: the base's (``layout.itemsize``)
     expert_itemsize: np.ndarray | None = None
+    #: (B,) float64 ``||W0_b||``, the base's block norms (the output-rounding term of the
+    #: planner's bounds); None: not known (an index built elsewhere), no rounding term
+    base_norms: np.ndarray | None = None
 
     @property
     def n_experts(self) -> int:
@@ -178,7 +183,7 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
     grams = {(i, j): p.gram[k] for k, (i, j) in enumerate(pairs) if i != j}
     return assemble(family_key(base, experts, layout.block_size), layout, p.base_hash,
                     [pieces[f] for f in first], _expand(grams, first),
-                    _expert_itemsize(experts, layout))
+                    _expert_itemsize(experts, layout), np.sqrt(p.base_sq))
 
 
 def _piece(p: Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
@@ -201,7 +206,8 @@ def _expand(grams: dict[tuple[int, int], np.ndarray], first: list[int]
 
 def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
              pieces: Sequence[ExpertPiece], grams: dict[tuple[int, int], np.ndarray],
-             expert_itemsize: np.ndarray | None = None) -> BlockIndex:
+             expert_itemsize: np.ndarray | None = None,
+             base_norms: np.ndarray | None = None) -> BlockIndex:
     """The family's index from stored pieces in spec order: ``pieces[i]`` is expert i's,
     ``grams[(i, j)]`` (i < j) their cross terms. The same expert twice has its squared norms as
     cross terms; a pair left out (an expert known from a sidecar only) makes ``has_gram`` False.
@@ -221,7 +227,8 @@ def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
              if pieces else np.zeros((0, nb), dtype=dt))
     return BlockIndex(key, layout, base_hash, stack("expert_hash", np.uint64),
                       stack("norms", np.float64), stack("zero", bool), gram,
-                      has_gram=complete, expert_itemsize=expert_itemsize)
+                      has_gram=complete, expert_itemsize=expert_itemsize,
+                      base_norms=base_norms)
 
 
 def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
@@ -282,6 +289,7 @@ class _Family:
         self.first = [self.keys.index(k) for k in self.keys]  # the same expert twice: once
         self.uniq = sorted(set(self.first))
         self.base_hash: np.ndarray | None = None
+        self.base_sq: np.ndarray | None = None
         self.pieces: dict[int, ExpertPiece] = {}
         self.grams: dict[tuple[int, int], np.ndarray] = {}  # by unique expert, i < j
         self.fresh: set[int] = set()  # built now, from the bytes
@@ -294,7 +302,9 @@ class _Family:
         if rebuild:
             whys.append("rebuild requested")
         else:
-            self.base_hash, why = self.store.load_base(self.bkey, self.base)
+            got_base, why = self.store.load_base(self.bkey, self.base)
+            if got_base is not None:
+                self.base_hash, self.base_sq = got_base
             whys += [why] if why else []
         base_hash = self.base_hash
         for i in self.uniq:
@@ -373,8 +383,8 @@ class _Family:
                   self.on_bytes, self.report)
         p.run(2, self.runner)
         if self.base_hash is None:
-            self.base_hash = p.base_hash
-            self.store.save_base(self.bkey, self.base, p.base_hash, self.base_ctimes)
+            self.base_hash, self.base_sq = p.base_hash, p.base_sq
+            self.store.save_base(self.bkey, self.base, p.base_hash, p.base_sq, self.base_ctimes)
             self.report.base_built = self.built = True
         for k, i in enumerate(own):
             self._save_expert(i, _piece(p, k, pairs))
@@ -421,4 +431,5 @@ class _Family:
                         self.layout, self.base_hash,
                         [self.pieces[self.first[i]] for i in range(len(self.experts))],
                         _expand(self.grams, self.first),
-                        _expert_itemsize(self.experts, self.layout))
+                        _expert_itemsize(self.experts, self.layout),
+                        None if self.base_sq is None else np.sqrt(self.base_sq))

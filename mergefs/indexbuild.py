@@ -12,6 +12,7 @@ Blocking I/O; never on the trio thread.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,16 +21,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .blockstats import block_views, gram_terms, hash_blocks, zero_blocks
+from .blockstats import BASE, block_views, gram_terms, hash_blocks, zero_blocks
 from .checkpoint import Checkpoint, ReadRange, read_many
 from .format import DTYPES
+from .indexread import Reader
 from .memory import keep_freed_memory
 
 if TYPE_CHECKING:
     from .index import BlockLayout
 
-CHUNK_BYTES = 16 << 20  # read granularity while indexing, per source
+CHUNK_BYTES = 4 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute
+READ_SETS = 6  # buffer sets of the reader: one being read, READ_SETS - 2 queued, one computed
+READ_STREAMS = 3  # a chunk's sources are read this many at a time (a deeper disk queue)
 
 
 def source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> ReadRange:
@@ -38,6 +42,11 @@ def source_ranges(src: Checkpoint, layout: BlockLayout, b0: int, b1: int) -> Rea
     item = DTYPES[loc.dtype][0]  # the source's own dtype: experts may differ from the base
     return ReadRange(loc.file, loc.start + int(layout.elem_start[b0]) * item,
                      loc.start + int(layout.elem_end[b1 - 1]) * item)
+
+
+def _plain(src: Checkpoint) -> bool:
+    """A local checkpoint read straight from its files (not remote, LoRA or range-cached)."""
+    return type(src) is Checkpoint and src.range_cache is None
 
 
 def chunks(layout: BlockLayout) -> list[tuple[int, int]]:
@@ -84,6 +93,7 @@ class PassPart:
     zero: np.ndarray
     gram: np.ndarray
     bytes_read: dict[str, int]
+    base_sq: np.ndarray | None = None  # ||W0_b||^2 where the pass reads the base in full
 
 
 #: Runs a pass's chunks elsewhere: given the pass (its ``own``, ``pairs``, ``zero_known`` and
@@ -102,7 +112,8 @@ class Pass:
     """One pass over the layout's chunks, on worker threads.
 
     ``own`` experts are read in full and described (block hashes, zero flags); the Gram terms
-    of ``pairs`` (``(i, i)``: expert i's squared norms) are computed. The base is read in full
+    of ``pairs`` (``(i, i)``: expert i's squared norms) are computed, and with the base read
+    in full its squared block norms ``base_sq`` (``||W0_b||^2``, in the same order). The base is read in full
     with ``own`` experts or when ``describe_base``; otherwise, like experts outside ``own``
     (whose zero flags ``zero_known`` holds), only the blocks where some pair has two non-zero
     deltas are read.
@@ -119,6 +130,7 @@ class Pass:
         self.rows = {i: r for r, i in enumerate([*self.own, *self.others])}
         nb = layout.n_blocks
         self.base_hash = np.zeros(nb, dtype=np.uint64)
+        self.base_sq = np.zeros(nb, dtype=np.float64)  # ||W0_b||^2, when full
         self.expert_hash = np.zeros((len(own), nb), dtype=np.uint64)
         self.zero = np.zeros((len(own), nb), dtype=bool)
         self.gram = np.zeros((len(pairs), nb), dtype=np.float64)
@@ -126,14 +138,20 @@ class Pass:
         self.lock = threading.Lock()
 
     def run(self, threads: int, runner: ChunkRunner | None = None) -> None:
-        """While a worker computes, the kernel already reads the chunks PREFETCH_CHUNKS ahead
-        (``POSIX_FADV_WILLNEED``), so the disk never waits for the CPU. ``runner``: compute
-        the chunks elsewhere (e.g. Ray tasks, :mod:`mergefs.rayindex`) and take their columns."""
+        """Compute every chunk. A pass that reads its sources in full from plain local files
+        runs as a pipeline (:meth:`_pipeline`): one reader thread reads the chunks in order into
+        reused buffers while this thread computes. Otherwise ``threads`` workers each read and
+        compute chunks, the kernel reading PREFETCH_CHUNKS ahead (``POSIX_FADV_WILLNEED``).
+        ``runner``: compute the chunks elsewhere (e.g. Ray tasks, :mod:`mergefs.rayindex`) and
+        take their columns."""
         keep_freed_memory()  # reuse the freed chunk buffers: no page faults per chunk
         runs = chunks(self.layout)
         if runner is not None:
             for part in runner(self, runs):
                 self.put(part)
+            return
+        if self.full and all(_plain(src) for src in self._full_sources()):
+            self._pipeline(runs)
             return
 
         def task(k: int) -> None:
@@ -147,6 +165,54 @@ class Pass:
             for fut in [pool.submit(task, k) for k in range(len(runs))]:
                 fut.result()
 
+    def _pipeline(self, runs: list[tuple[int, int]]) -> None:
+        """The reader thread reads chunks ahead (:class:`Reader`) while this thread computes
+        them in order: the disk is kept busy, the reads' CPU runs on the other core, and up to
+        READ_SETS - 2 chunks queue up while the computing thread waits for a core. Chunk k's
+        bytes go into buffer set ``k % READ_SETS``: the sets being read, queued and computed
+        are always distinct (at most READ_SETS - 2 queued, one read, one computed)."""
+        srcs = self._full_sources()
+        rd = Reader()
+        ready: queue.Queue[tuple[int, list[list[memoryview]]] | BaseException | None] = \
+            queue.Queue(maxsize=READ_SETS - 2)
+        stop = threading.Event()
+
+        def reader() -> None:
+            try:
+                with ThreadPoolExecutor(max_workers=READ_STREAMS,
+                                        thread_name_prefix="mergefs-index-read") as pool:
+                    for k, (b0, b1) in enumerate(runs):
+                        if stop.is_set():
+                            return
+                        got = [[v] for v in pool.map(
+                            lambda q: rd.read(srcs[q], source_ranges(srcs[q], self.layout,
+                                                                     b0, b1),  # noqa: B023
+                                              (k % READ_SETS) * len(srcs) + q),  # noqa: B023
+                            range(len(srcs)))]
+                        self._count(srcs, got)
+                        ready.put((k, got))
+                ready.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the computing thread
+                ready.put(exc)
+
+        thread = threading.Thread(target=reader, name="mergefs-index-read", daemon=True)
+        thread.start()
+        try:
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                k, got = item
+                self.chunk(*runs[k], full=got)
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a reader waiting to queue, then let it end
+                try:
+                    ready.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+            rd.close()
+
     def run_chunks(self, runs: Sequence[tuple[int, int]]) -> PassPart:
         """Compute the given consecutive chunks here, one after the other (a runner's task),
         and return their columns."""
@@ -158,13 +224,15 @@ class Pass:
         lo, hi = runs[0][0], runs[-1][1]
         return PassPart(lo, self.base_hash[lo:hi].copy(), self.expert_hash[:, lo:hi].copy(),
                         self.zero[:, lo:hi].copy(), self.gram[:, lo:hi].copy(),
-                        dict(self.report.bytes_read))
+                        dict(self.report.bytes_read), self.base_sq[lo:hi].copy())
 
     def put(self, part: PassPart) -> None:
         """Take the columns a runner's task computed (as :meth:`chunk` writes them)."""
         lo, hi = part.lo, part.lo + part.base_hash.size
         self.base_hash[lo:hi], self.expert_hash[:, lo:hi] = part.base_hash, part.expert_hash
         self.zero[:, lo:hi], self.gram[:, lo:hi] = part.zero, part.gram
+        if part.base_sq is not None:
+            self.base_sq[lo:hi] = part.base_sq
         n = 0
         with self.lock:
             for root, k in part.bytes_read.items():
@@ -187,18 +255,26 @@ class Pass:
     def _read(self, requests: list[tuple[Checkpoint, list[ReadRange]]]
               ) -> list[list[memoryview]]:
         got = read_many(requests) if requests else []
+        self._count([src for src, _ in requests], got)
+        return got
+
+    def _full_sources(self) -> list[Checkpoint]:
+        return [self.base, *(self.experts[i] for i in self.own)]
+
+    def _count(self, srcs: Sequence[Checkpoint], got: list[list[memoryview]]) -> None:
         n = 0
         with self.lock:
-            for (src, _), views in zip(requests, got):
+            for src, views in zip(srcs, got):
                 k = sum(len(v) for v in views)
                 self.report.bytes_read[str(src.root)] = \
                     self.report.bytes_read.get(str(src.root), 0) + k
                 n += k
             if self.on_bytes is not None and n:
                 self.on_bytes(n)
-        return got
 
-    def chunk(self, b0: int, b1: int) -> None:
+    def chunk(self, b0: int, b1: int, full: list[list[memoryview]] | None = None) -> None:
+        """Compute chunk [b0, b1); ``full``: the bytes of :meth:`_full_sources` there, read
+        already (else read here)."""
         lay = self.layout
         name = lay.tensors[int(lay.tensor_of[b0])]
         origin = int(lay.elem_start[b0])
@@ -211,8 +287,8 @@ class Pass:
         zero = {i: z[b0:b1] for i, z in self.zero_known.items()}
         base_blocks: list[memoryview | None] = [None] * nb
         if self.full:
-            got = self._read([(src, [source_ranges(src, lay, b0, b1)])
-                              for src in [self.base, *(self.experts[i] for i in self.own)]])
+            got = full if full is not None else self._read(
+                [(src, [source_ranges(src, lay, b0, b1)]) for src in self._full_sources()])
             base_buf = got[0][0]
             base_blocks = list(block_views(spans, base_buf, bdt))
             bh = hash_blocks(spans, base_buf, bdt)
@@ -250,6 +326,10 @@ class Pass:
             else:
                 blocks[i] = out
         order = [*self.own, *self.others]
-        self.gram[:, b0:b1] = gram_terms(
-            [e - s for s, e in spans], base_blocks, bdt, [blocks[i] for i in order],
-            [dtypes[i] for i in order], [(self.rows[r], self.rows[s]) for r, s in self.pairs])
+        pairs = [(self.rows[r], self.rows[s]) for r, s in self.pairs]
+        terms = gram_terms([e - s for s, e in spans], base_blocks, bdt,
+                           [blocks[i] for i in order], [dtypes[i] for i in order],
+                           pairs + [(BASE, BASE)] * self.full)  # the base norms: same order
+        self.gram[:, b0:b1] = terms[:len(pairs)]
+        if self.full:
+            self.base_sq[b0:b1] = terms[-1]

@@ -3,8 +3,9 @@
 Under ``index_dir/pieces/`` (format ``PIECES_VERSION``), each a small safetensors file written
 atomically (a temporary name, fsync, rename):
 
-- ``base-<key>.safetensors``: the base's block hashes (B,). Key: the base's identity and the
-  block size.
+- ``base-<key>.safetensors``: the base's block hashes and squared block norms ``||W0_b||^2``
+  (B,) each (the norms in :mod:`mergefs.blockstats`' order; they bound the merged norms, hence
+  the output rounding, in the planner's bounds). Key: the base's identity and the block size.
 - ``expert-<key>.safetensors``: one expert's block hashes, squared delta norms ``||D_ib||^2`` and
   zero flags relative to one base (B,) each. Key: base identity, expert identity, block size.
   ``origin`` is ``read`` (computed from the bytes) or ``sidecar`` (taken from a published
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIECES_VERSION = "2"
+PIECES_VERSION = "3"  # 3: blockstats' fixed summation order; base pieces hold norms
 PIECES_DIR = "pieces"
 
 
@@ -173,13 +174,18 @@ class PieceStore:
                         "moved while size, mtime and header stayed the same)")
         return None
 
-    def load_base(self, key: str, base: Checkpoint) -> tuple[np.ndarray | None, str | None]:
-        """(base block hashes or None, why it must be rebuilt: None if it need not)."""
-        got = self._read(self.folder / f"base-{key}.safetensors", ("base_hash",))
+    def load_base(self, key: str, base: Checkpoint
+                  ) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+        """((base block hashes, squared block norms) or None, why it must be rebuilt: None if
+        it need not)."""
+        got = self._read(self.folder / f"base-{key}.safetensors", ("base_hash", "base_sq_norms"))
         if got is None:
             return None, self.why_missing(base, "base")
         moved = self._ctime_moved(got[1], base)
-        return (None, moved) if moved else (got[0]["base_hash"], None)
+        if moved:
+            return None, moved
+        return (got[0]["base_hash"].astype(np.uint64),
+                got[0]["base_sq_norms"].astype(np.float64)), None
 
     def load_expert(self, key: str, expert: Checkpoint, base: Checkpoint,
                     base_hash: np.ndarray, accept_sidecar: bool) -> ExpertLoad:
@@ -241,8 +247,9 @@ class PieceStore:
                      "index")
 
     def save_base(self, key: str, base: Checkpoint, base_hash: np.ndarray,
-                  ctimes: dict[str, int]) -> None:
-        self._write(self.folder / f"base-{key}.safetensors", {"base_hash": base_hash},
+                  base_sq: np.ndarray, ctimes: dict[str, int]) -> None:
+        self._write(self.folder / f"base-{key}.safetensors",
+                    {"base_hash": base_hash, "base_sq_norms": base_sq},
                     {"kind": "base", "root": str(base.root), "ctime_ns": json.dumps(ctimes)})
         self._record(base, "base")
 

@@ -319,6 +319,17 @@ def warm_up() -> None:
         note_unavailable()
 
 
+def index_kernels() -> Any:
+    """The compiled index kernels (``idx_delta_*``, ``gram_lanes``, ``dec_*`` of
+    :mod:`mergefs._numba_kernels`; what they compute: :mod:`mergefs.blockstats`), or None when
+    numba cannot be used (then :mod:`mergefs.blockstats` computes the same bits with numpy,
+    logged once)."""
+    if _usable():
+        return _kernels()
+    note_unavailable()
+    return None
+
+
 def encode_f16(values: np.ndarray, out: np.ndarray) -> None:
     """float32 -> float16 bits into ``out`` (uint16), exactly as numpy casts."""
     _kernels().encode_f16(values, out)

@@ -171,10 +171,15 @@ def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dic
     return LevelChoice(selected, levels, resid, int((raw * selected).sum()), sidecar)
 
 
-def bounds(coeffs: np.ndarray, resid: np.ndarray) -> tuple[float, float]:
-    """(tight, loose) bounds on ``||E||`` from per-pair residual norms."""
-    per_pair = np.abs(coeffs)[:, None] * resid
-    return float(np.sqrt((per_pair.sum(axis=0) ** 2).sum())), float(per_pair.sum())
+def bounds(coeffs: np.ndarray, resid: np.ndarray, rounding: np.ndarray | None = None
+           ) -> tuple[float, float]:
+    """(tight, loose) bounds on ``||E||`` from per-pair residual norms; ``rounding`` (B,):
+    each block's output-rounding term (:func:`mergefs.plan.rounding_terms`), added to the
+    block's residual term before the blocks combine."""
+    per_block = (np.abs(coeffs)[:, None] * resid).sum(axis=0)
+    if rounding is not None:
+        per_block = per_block + rounding
+    return float(np.sqrt((per_block ** 2).sum())), float(per_block.sum())
 
 
 def level_runs(levels: np.ndarray) -> list[list[list[int]]]:

@@ -8,6 +8,28 @@ the index's Gram matrices (null when the index came from published sidecars, whi
 terms), and a plan hash. Bounds exist for additive methods only (the registry says which); for
 the others omitted blocks count as zero delta and the report says there is no bound. Pure and
 deterministic; no I/O.
+
+The bounds are on the error of the *outputs*: ``||out(M_B) - out(M_full)||``, the budgeted and
+the full merge each computed in float32 and rounded to the output dtype. So each block with an
+omitted (or reconstructed) delta adds to its omitted-delta term ``sum_i |c_i| ||D_ib||`` a
+rounding term (:func:`rounding_terms`)
+
+    rho_b = u_b (||M_B,b|| + ||M_full,b||) + (n + 2) 2^-24 (s_B,b + s_full,b + 2 w ||W0_b||)
+
+``u_b``: the output's unit roundoff (2^-24 for F32 and F64 outputs, else the dtype's, 2^-8 for
+BF16, 2^-11 for F16, plus 2^-24 (1 + u) for the float32 result rounded again); the merged norms
+are bounded from the index, ``||M_b|| <= a ||W0_b|| + s_b`` with ``s_b = sum_i |c_i| ||D_ib||``
+over the deltas that merge adds (``a``: the base's weight in the merge, 1 for base-relative
+methods, ``|sum c|`` over every input for linear); the second term bounds the float32 roundings of
+the merge's own partial sums (``n`` inputs; ``w``: 0 for base-relative methods, whose partial
+sums are of deltas, ``sum |c|`` for linear, whose are of weights). A block whose every non-zero
+delta is read exactly is computed alike in both merges: no term. The blocks combine as the
+omitted deltas do: tight ``sqrt(sum_b (t_b + rho_b)^2)``, loose ``sum_b (t_b + rho_b)``
+(relative-error rounding; subnormal outputs, whose absolute error is below 2^-133, are not
+counted). ``error_exact`` stays the exact norm of the omitted deltas, before rounding; an index
+without base norms (``BlockIndex.base_norms`` None) gives the bounds without the rounding term.
+With a bfloat16 output the term is a worst case that usually dominates (bf16's 2^-8 is above a
+typical fine-tune's relative delta), so such bounds sit well above the measured error.
 """
 
 from __future__ import annotations
@@ -22,8 +44,8 @@ import xxhash
 
 from .errors import BudgetError
 from .index import BlockIndex
+from .methods.base import BasePolicy
 from .spec import Spec
-
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +147,74 @@ def _content_digest(index: BlockIndex) -> str:
     return h.hexdigest()
 
 
-def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray) -> tuple[float, float,
-                                                                               float, float]:
-    """(tight, loose, exact error, update norm) for an additive merge; ``coeffs`` (N, B)."""
+F32_UNIT = 2.0 ** -24  # float32's unit roundoff (round to nearest)
+#: unit roundoff of each output dtype (F64: the float32 result converts exactly)
+OUT_UNIT = {"F32": F32_UNIT, "F64": F32_UNIT, "BF16": 2.0 ** -8, "F16": 2.0 ** -11,
+            "F8_E4M3": 2.0 ** -4, "F8_E5M2": 2.0 ** -3}
+#: without an output dtype each tensor keeps its own; the layout knows its item size only
+_BY_ITEMSIZE = {8: "F64", 4: "F32", 2: "BF16", 1: "F8_E5M2"}  # the coarser dtype of a size
+
+
+def output_units(spec: Spec, index: BlockIndex) -> np.ndarray:
+    """(B,) the unit roundoff of each block's output, the float32 result rounded again
+    included where the output is not float32 or float64."""
+    lay = index.layout
+    names = [spec.out_dtype or _BY_ITEMSIZE.get(lay.itemsize[t], "F8_E5M2")
+             for t in range(len(lay.tensors))]
+    u = np.asarray([OUT_UNIT.get(d, OUT_UNIT["F8_E5M2"]) for d in names], dtype=np.float64)
+    u = np.where(u > F32_UNIT, u + F32_UNIT * (1 + u), u)
+    return u[lay.tensor_of] if lay.n_blocks else np.zeros(0)
+
+
+def rounding_terms(spec: Spec, index: BlockIndex, coeffs: np.ndarray, exact: np.ndarray,
+                   approx: np.ndarray | None = None, resid: np.ndarray | None = None
+                   ) -> np.ndarray | None:
+    """(B,) the rounding term ``rho_b`` of the module docstring, or None without base norms.
+
+    ``coeffs`` (N, B); ``exact`` (N, B): the non-zero deltas read exactly; ``approx`` (N, B):
+    those reconstructed from sidecar levels, whose residual ``resid`` bounds ``||D_hat_ib||``
+    by ``||D_ib|| + resid_ib``."""
+    if index.base_norms is None:
+        return None
+    c = np.abs(coeffs)
+    nonzero = ~index.zero
+    s_full = (c * index.norms * nonzero).sum(axis=0)
+    read = c * index.norms * exact
+    if approx is not None:
+        assert resid is not None
+        read = read + c * (index.norms + resid) * approx
+    s_b = read.sum(axis=0)
+    a, w = _base_weight(spec, c)
+    w0 = index.base_norms
+    u = output_units(spec, index)
+    n_in = max(len(spec.input_order), index.n_experts)
+    rho = u * (2 * a * w0 + s_b + s_full) + (n_in + 2) * F32_UNIT * (s_b + s_full + 2 * w * w0)
+    differs = (nonzero & ~exact).any(axis=0)  # else both merges compute the block alike
+    return np.where(differs, rho, 0.0)
+
+
+def _base_weight(spec: Spec, c: np.ndarray) -> tuple[Any, Any]:
+    """(a, w) of :func:`rounding_terms`: the base's weight in the merge and the sum of the
+    inputs' absolute weights (linear); ``c`` (N, B) the experts' absolute coefficients."""
+    if spec.method_def.caps.base is BasePolicy.REQUIRED:  # M = W0 + sum c_i D_i
+        return 1.0, 0.0
+    try:
+        inputs = [float(x) for x in
+                  spec.method_def.coefficients(spec.parameters, spec.input_parameters())]
+    except (TypeError, ValueError):  # per-tensor weights (gradients): a bound on both
+        per_block = c.sum(axis=0) + 1.0  # the base as an input of weight at most 1
+        return per_block, per_block
+    return abs(sum(inputs)), sum(abs(x) for x in inputs)
+
+
+def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray,
+            rounding: np.ndarray | None = None) -> tuple[float, float, float, float]:
+    """(tight, loose, exact error, update norm) for an additive merge; ``coeffs`` (N, B);
+    ``rounding`` (B,): the output-rounding term of each block (:func:`rounding_terms`)."""
     per_pair = np.abs(coeffs) * index.norms * omitted  # (N, B)
-    loose = float(per_pair.sum())
-    tight = float(np.sqrt((per_pair.sum(axis=0) ** 2).sum()))
+    per_block = per_pair.sum(axis=0) + (0.0 if rounding is None else rounding)
+    loose = float(per_block.sum())
+    tight = float(np.sqrt((per_block ** 2).sum()))
     c_om = coeffs * omitted  # (N, B): c_ib where omitted, else 0
     err_sq = np.einsum("ib,bij,jb->", c_om, index.gram, c_om)
     upd_sq = np.einsum("ib,bij,jb->", coeffs, index.gram, coeffs)
@@ -194,7 +278,9 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
     assert planned <= max(budget_bytes, 0) or budget_bytes >= nonzero_bytes
     tight = loose = exact = update = None
     if spec.is_additive:
-        tight, loose, exact, update = _bounds(index, coeffs, nonzero & ~selected)
+        tight, loose, exact, update = _bounds(
+            index, coeffs, nonzero & ~selected,
+            rounding_terms(spec, index, coeffs, nonzero & selected))
         if not index.has_gram:  # statistics from sidecars: no cross terms, so no exact norms
             exact = update = None
     return _assemble(index, selected, int(budget_bytes), planned, total, nonzero_bytes,
@@ -235,12 +321,14 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
     assert planned <= budget_bytes
     tight = loose = exact = update = None
     if spec.is_additive:
-        tight, loose = bounds(coeffs, got.resid)
+        per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
+        approx = (got.levels > 0) & ~index.zero
+        tight, loose = bounds(coeffs, got.resid, rounding_terms(
+            spec, index, per_block, ~index.zero & got.selected, approx, got.resid))
         if index.has_gram:
             upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
             update = float(np.sqrt(max(upd_sq, 0.0)))
             if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
-                per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
                 exact = _bounds(index, per_block, ~index.zero & ~got.selected)[2]
     return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
                      (tight, loose, exact, update),

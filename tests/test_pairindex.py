@@ -51,7 +51,8 @@ def float_bytes(model: Path) -> int:
 
 def assert_same(a: BlockIndex, b: BlockIndex) -> None:
     assert a.key == b.key and a.has_gram == b.has_gram
-    for name in ("base_hash", "expert_hash", "norms", "zero", "gram", "expert_itemsize"):
+    for name in ("base_hash", "expert_hash", "norms", "zero", "gram", "expert_itemsize",
+                 "base_norms"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 

@@ -336,9 +336,9 @@ def test_plan_json_non_additive(equal_family: Family, tmp_path: Path,
 def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
     """The index keeps per-tensor delta norms; check them against plain numpy."""
     import numpy as np
-
     from families import write_spec
     from reference import read_tensor
+
     from mergefs.engine import open_family
     from mergefs.index import load_or_build
     from mergefs.spec import load_spec
@@ -357,6 +357,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
 
 def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
     from families import write_spec
+
     from mergefs.cli import main
 
     spec = write_spec(tmp_path / "s.yaml", family_f32, extra={
@@ -364,3 +365,78 @@ def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
     assert main(["index", str(spec), "--tensors", "3"]) == 0
     out = capsys.readouterr().out
     assert "largest deltas by tensor (top 3 of" in out and "||D_0||" in out
+
+
+# -- the output rounding in the bounds (issue 14) -------------------------------------------------
+
+ROUNDING_SHAPES = {"q.weight": (64, 48), "v.weight": (64, 48), "mlp.weight": (96, 32)}
+
+
+def ulp_family(root: Path, dtype: str) -> Family:
+    """Large base weights and one LoRA-like expert: on q and v, each element moved by 3 units in
+    the last place of ``dtype`` (away from zero where a rank-1 sign pattern is positive, towards
+    it elsewhere); mlp untouched. With weight 0.25 the update is 0.75 ulp per element, so the
+    merged output rounds to 1 ulp: the measured error exceeds the omitted-delta bound."""
+    from families import _write_model
+
+    rng = np.random.default_rng(7)
+    np_dt, bits = {"float32": (np.float32, np.uint32), "bfloat16": (None, np.uint16)}[dtype]
+    base, expert = {}, {}
+    for name, shape in ROUNDING_SHAPES.items():
+        w = (rng.standard_normal(shape) * 300 + 1000 * np.sign(rng.standard_normal(shape)))
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            w0 = w.astype(ml_dtypes.bfloat16)
+        else:
+            w0 = w.astype(np_dt)
+        raw = w0.view(bits)
+        if name == "mlp.weight":
+            x = raw.copy()
+        else:
+            sign = np.outer(np.sign(rng.standard_normal(shape[0])),
+                            np.sign(rng.standard_normal(shape[1])))
+            x = np.where(sign > 0, raw + bits(3), raw - bits(3)).astype(bits)
+        base[name], expert[name] = w0, x.view(w0.dtype)
+    root.mkdir(parents=True)
+    _write_model(root / "base", base, list(base), "single", dtype)
+    _write_model(root / "expert-0", expert, list(expert), "single", dtype)
+    return Family(root / "base", [root / "expert-0"], root, dtype, list(base))
+
+
+def outputs(spec_path: Path, out: Path) -> dict[str, np.ndarray]:
+    s = Session(load_spec(spec_path))
+    try:
+        s.engine.materialise(out)
+    finally:
+        s.close()
+    return {n: read_tensor(out, n).astype(np.float64) for n in ROUNDING_SHAPES}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("budget", [0, "50%"])
+def test_bounds_hold_where_the_output_rounding_dominates(tmp_path: Path, dtype: str,
+                                                         budget: Any) -> None:
+    fam = ulp_family(tmp_path / "fam", dtype)
+    extra = {"block_size": 1024, "index_dir": str(tmp_path / "idx"), "dtype": dtype}
+    part = write_spec(tmp_path / "b.yaml", fam, "task_arithmetic", [0.25],
+                      extra={**extra, "budget": budget})
+    full = write_spec(tmp_path / "f.yaml", fam, "task_arithmetic", [0.25],
+                      extra={**extra, "budget": "full"})
+    got, want = outputs(part, tmp_path / "b"), outputs(full, tmp_path / "f")
+    measured = math.sqrt(sum(((got[n] - want[n]) ** 2).sum() for n in ROUNDING_SHAPES))
+    s = open_session(part)
+    p, idx = s.plan, s.index
+    omitted = ~idx.zero & ~p.selected
+    per_block = (0.25 * idx.norms * omitted).sum(axis=0)
+    old_tight, old_loose = math.sqrt((per_block ** 2).sum()), float(per_block.sum())
+    assert measured > 0 and p.error_exact is not None
+    assert old_tight < measured  # the bound without the rounding term fails here
+    assert old_tight < p.bound_tight and old_loose < p.bound_loose
+    assert measured <= p.bound_tight <= p.bound_loose
+    assert p.bound_tight < 4 * measured  # and is not vacuous
+    assert idx.base_norms is not None
+    w0 = math.sqrt(sum((read_tensor(fam.base, n).astype(np.float64) ** 2).sum()
+                       for n in ROUNDING_SHAPES))
+    assert math.sqrt((idx.base_norms ** 2).sum()) == pytest.approx(w0, rel=1e-12)
+    assert open_session(full).plan.bound_tight == 0.0  # the full read: the same bytes

@@ -22,6 +22,7 @@ pytest.importorskip("mergekit")
 from test_mergekit_parity import assert_identical, run_mergefs, run_mergekit
 
 from mergefs.engine import Session
+from mergefs.plan import rounding_terms
 from mergefs.recipe import build_recipe
 from mergefs.settings import evaluate
 from mergefs.spec import load_spec
@@ -186,9 +187,14 @@ def test_per_tensor_coefficients_under_budget(fam: Family, tmp_path: Path) -> No
             assert len({round(float(c), 6) for c in coeffs[0, ~mlp]}) > 1  # a gradient
             omitted = ~session.index.zero & ~plan.selected
             per_pair = np.abs(coeffs) * session.index.norms * omitted
+            # + the output rounding of each block with an omitted delta (mergefs.plan)
+            rho = rounding_terms(session.spec, session.index, coeffs,
+                                 ~session.index.zero & plan.selected)
+            assert rho is not None and (rho[~omitted.any(axis=0)] == 0).all()
+            per_block = per_pair.sum(axis=0) + rho
             assert plan.bound_tight == pytest.approx(
-                float(np.sqrt((per_pair.sum(axis=0) ** 2).sum())), rel=1e-12, abs=1e-300)
-            assert plan.bound_loose == pytest.approx(float(per_pair.sum()), rel=1e-12)
+                float(np.sqrt((per_block ** 2).sum())), rel=1e-12, abs=1e-300)
+            assert plan.bound_loose == pytest.approx(float(per_block.sum()), rel=1e-12)
             if budget == "full":
                 assert plan.bound_tight == 0.0
             else:
