@@ -487,7 +487,7 @@ class Targets:
         anon, filed = status.get("RssAnon", 0), status.get("RssFile", 0)
         self.row("memory", "mount RSS at the end: anonymous / file-backed, cache = model / 4",
                  f"{anon / 1e6:.0f} MB = cache + {(anon - cache) / 1e6:.0f} MB / {filed / 1e6:.0f} MB",
-                 "cold then warm", "the same run: /proc/PID/status RssAnon, RssFile", "-", None)
+                 "cold then warm", "the same run: /proc/PID/status RssAnon, RssFile")
 
     # -- scaling ----------------------------------------------------------------------------------
     def section_scaling(self) -> None:
