@@ -146,7 +146,7 @@ def _decode(where: str, data: bytes, key: str, layout: Any, expert: Checkpoint
     try:
         meta = dict(fmt.parse_bytes(data).metadata or {})
         arrays = load(data)
-    except Exception as exc:  # a corrupt sidecar is ignored, never trusted
+    except Exception as exc:  # noqa: BLE001 (a corrupt sidecar is ignored, never trusted)
         log.warning("ignoring index sidecar %s: unreadable: %s", where, exc)
         return None
     why = None

@@ -21,7 +21,7 @@ from families import Family, _write_model, make_family, write_spec
 from reference import read_tensor
 from safetensors.numpy import load, save
 
-from mergefs import cli, indexbuild, indexread, sidecar
+from mergefs import cli, indexbuild, indexread
 from mergefs.checkpoint import Counters, ReadRange
 from mergefs.engine import Session
 from mergefs.spec import load_spec
