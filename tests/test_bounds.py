@@ -290,3 +290,20 @@ def test_index_pieces_of_another_summation_order_are_rebuilt(
             c.close()
     assert "summation order 'pairwise'" in caplog.text
     assert built and report.base_built and report.experts_built
+
+
+def test_sweep_rows_carry_both_bounds(tmp_path: Path) -> None:
+    from mergefs.sweep import run_sweep
+
+    fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=4)
+    spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic", [0.5, 0.5],
+                      extra={"block_size": 512, "index_dir": str(tmp_path / "idx"),
+                             "dtype": "bfloat16", "budget": "30%"})
+    (row,) = run_sweep(spec, ["30%"], progress=False)
+    s = Session(load_spec(spec))
+    s.close()
+    p = s.plan
+    assert row.bound_tight == pytest.approx(p.bound_tight, rel=1e-12)
+    assert row.bound_output_tight == pytest.approx(p.bound_output_tight, rel=1e-12)
+    assert row.bound_output_tight > row.bound_tight  # bf16 output: the rounding term counts
+    assert row.bound_share == pytest.approx(p.bound_tight / p.update_norm, rel=1e-12)
