@@ -42,8 +42,10 @@ from .format import DTYPES
 
 LANES = 64  # the summation order's lane count (a power of two)
 GRAM_ROWS = 512  # (GRAM_ROWS, LANES) products at a time in the numpy path
+GRAM_COLS = 32768  # columns of a block decoded at a time (a multiple of LANES)
 BASE = -1  # a Gram side that is the base's values W0 rather than a delta
-#: names the summation order above; part of the index pieces' version
+#: names the summation order above: written into index pieces (mergefs.indexstore) and
+#: published sidecars (mergefs.sidecar), which are ignored, with a log line, where it differs
 ORDER_VERSION = "lanes64-tree"
 
 Buffer = memoryview | bytes
@@ -106,23 +108,35 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
                 continue
             rows = sorted({x for p in want for x in pairs[p]})
             slot = {r: q for q, r in enumerate(rows)}
-            d = _scratch(len(rows), -(-n // LANES) * LANES)
-            w0 = _decode(k, base[b], base_dtype, n)  # type: ignore[arg-type]
-            for r in rows:
-                if r == BASE:
-                    d[slot[r], :n] = w0
-                else:
-                    _delta(k, experts[r][b], dtypes[r], w0,  # type: ignore[arg-type]
-                           d[slot[r], :n])
             idx = np.asarray([(slot[pairs[p][0]], slot[pairs[p][1]]) for p in want],
                              dtype=np.int64)
             acc = np.zeros((len(want), LANES), dtype=np.float64)
-            if k is not None:
-                k.gram_lanes(d, idx, acc)
-            else:
-                _lanes_numpy(d, idx, acc)
+            # column tiles of GRAM_COLS (a multiple of LANES): each lane still sums its
+            # elements in increasing j, tile after tile, so the bits equal one pass over the
+            # block; the working set is rows x GRAM_COLS float32 whatever the block size
+            for c0 in range(0, n, GRAM_COLS):
+                c1 = min(n, c0 + GRAM_COLS)
+                d = _scratch(len(rows), -(-(c1 - c0) // LANES) * LANES)
+                w0 = _decode(k, _cols(base[b], base_dtype, c0, c1),  # type: ignore[arg-type]
+                             base_dtype, c1 - c0)
+                for r in rows:
+                    if r == BASE:
+                        d[slot[r], :c1 - c0] = w0
+                    else:
+                        _delta(k, _cols(experts[r][b], dtypes[r], c0, c1),  # type: ignore
+                               dtypes[r], w0, d[slot[r], :c1 - c0])
+                if k is not None:
+                    k.gram_lanes(d, idx, acc)
+                else:
+                    _lanes_numpy(d, idx, acc)
             out[want, b] = combine_lanes(acc)
     return out
+
+
+def _cols(raw: Buffer, dtype: str, c0: int, c1: int) -> memoryview:
+    """The bytes of elements ``[c0, c1)`` of ``raw`` (a view, no copy)."""
+    item = DTYPES[dtype][0]
+    return memoryview(raw)[c0 * item:c1 * item]
 
 
 def combine_lanes(acc: np.ndarray) -> np.ndarray:

@@ -215,8 +215,13 @@ def _plan_table(spec: Spec, session: Any) -> Table:
         table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
                       f"{human_bytes(all_i)}{pct(got, all_i)}")
     if rep["bound_tight"] is not None:
-        table.add_row("||E|| tight bound", f"{rep['bound_tight']:.6g}")
-        table.add_row("||E|| loose bound", f"{rep['bound_loose']:.6g}")
+        table.add_row("||E|| tight bound, before output rounding", f"{rep['bound_tight']:.6g}")
+        table.add_row("||E|| loose bound, before output rounding", f"{rep['bound_loose']:.6g}")
+        if rep.get("bound_output_tight") is not None:
+            table.add_row("||E|| tight bound of the output bytes",
+                          f"{rep['bound_output_tight']:.6g}")
+            table.add_row("||E|| loose bound of the output bytes",
+                          f"{rep['bound_output_loose']:.6g}")
         exact, update = rep["error_exact"], rep["update_norm"]
         table.add_row("||E|| exact (from index)",
                       "- (reconstructed blocks)" if exact is None and plan.levels is not None

@@ -990,6 +990,8 @@ class Session:
             "blocks_merged": self.engine.blocks_merged,
             "bound_tight": self.plan.bound_tight,
             "bound_loose": self.plan.bound_loose,
+            "bound_output_tight": self.plan.bound_output_tight,
+            "bound_output_loose": self.plan.bound_output_loose,
             "error_exact": self.plan.error_exact,
             "update_norm": self.plan.update_norm,
             "wall_seconds": round(time.monotonic() - self.started, 6),

@@ -170,10 +170,14 @@ class Pass:
         them in order: the disk is kept busy, the reads' CPU runs on the other core, and up to
         READ_SETS - 2 chunks queue up while the computing thread waits for a core. Chunk k's
         bytes go into buffer set ``k % READ_SETS``: the sets being read, queued and computed
-        are always distinct (at most READ_SETS - 2 queued, one read, one computed)."""
+        are always distinct (at most READ_SETS - 2 queued, one read, one computed). A chunk
+        above CHUNK_BYTES (one block larger than a chunk) is read by the computing thread
+        itself, into buffers freed after it: the reader's sets never grow past about
+        CHUNK_BYTES per source."""
         srcs = self._full_sources()
+        sizes = self.layout.block_bytes()
         rd = Reader()
-        ready: queue.Queue[tuple[int, list[list[memoryview]]] | BaseException | None] = \
+        ready: queue.Queue[tuple[int, list[list[memoryview]] | None] | BaseException | None] = \
             queue.Queue(maxsize=READ_SETS - 2)
         stop = threading.Event()
 
@@ -184,6 +188,9 @@ class Pass:
                     for k, (b0, b1) in enumerate(runs):
                         if stop.is_set():
                             return
+                        if int(sizes[b0:b1].sum()) > CHUNK_BYTES:  # one block above a chunk
+                            ready.put((k, None))  # read where computed: buffers stay bounded
+                            continue
                         got = [[v] for v in pool.map(
                             lambda q: rd.read(srcs[q], source_ranges(srcs[q], self.layout,
                                                                      b0, b1),  # noqa: B023

@@ -96,7 +96,11 @@ class Reader:
                 except OSError:
                     dfd = None
                 if dfd is not None:
-                    a, b = os.fstat(dfd), os.fstat(fd)
+                    try:
+                        a, b = os.fstat(dfd), os.fstat(fd)
+                    except OSError:
+                        os.close(dfd)  # not stored yet: nothing else would close it
+                        raise
                     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # replaced since opened
                         os.close(dfd)
                         dfd = None

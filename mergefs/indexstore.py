@@ -37,6 +37,7 @@ import xxhash
 from safetensors.numpy import load, save
 
 from . import format as fmt
+from .blockstats import ORDER_VERSION
 from .checkpoint import Checkpoint
 from .errors import SourceError
 from .sidecar import layout_hash, write_beside
@@ -151,6 +152,8 @@ class PieceStore:
         why = None
         if meta.get("mergefs_index_version") != PIECES_VERSION:
             why = f"format version {meta.get('mergefs_index_version')!r}"
+        elif meta.get("summation_order") != ORDER_VERSION:
+            why = f"summation order {meta.get('summation_order')!r}, not {ORDER_VERSION!r}"
         elif meta.get("layout_xxh3") != self.layout_xxh3:
             why = "block layout differs"
         elif set(arrays) != set(names) or any(a.shape != (self.layout.n_blocks,)
@@ -233,7 +236,8 @@ class PieceStore:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SourceError(f"{self.root}: cannot write the index: {exc.strerror}") from None
-        meta = {"mergefs_index_version": PIECES_VERSION, "layout_xxh3": self.layout_xxh3,
+        meta = {"mergefs_index_version": PIECES_VERSION, "summation_order": ORDER_VERSION,
+                "layout_xxh3": self.layout_xxh3,
                 "block_size": str(self.layout.block_size), **meta}
         write_beside(path, save(arrays, metadata=meta), "index")
 

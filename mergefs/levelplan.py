@@ -172,14 +172,18 @@ def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dic
 
 
 def bounds(coeffs: np.ndarray, resid: np.ndarray, rounding: np.ndarray | None = None
-           ) -> tuple[float, float]:
-    """(tight, loose) bounds on ``||E||`` from per-pair residual norms; ``rounding`` (B,):
-    each block's output-rounding term (:func:`mergefs.plan.rounding_terms`), added to the
-    block's residual term before the blocks combine."""
+           ) -> tuple[float, float, float | None, float | None]:
+    """(tight, loose, output tight, output loose) bounds on ``||E||`` from per-pair residual
+    norms: before output rounding, then with ``rounding`` (B,), each block's output-rounding
+    term (:func:`mergefs.plan.rounding_terms`), added to the block's residual term before the
+    blocks combine (None: no output bounds)."""
+    from .plan import combine
+
     per_block = (np.abs(coeffs)[:, None] * resid).sum(axis=0)
-    if rounding is not None:
-        per_block = per_block + rounding
-    return float(np.sqrt((per_block ** 2).sum())), float(per_block.sum())
+    tight, loose = combine(per_block)
+    if rounding is None:
+        return tight, loose, None, None
+    return (tight, loose, *combine(per_block + rounding))
 
 
 def level_runs(levels: np.ndarray) -> list[list[list[int]]]:

@@ -9,12 +9,16 @@ terms), and a plan hash. Bounds exist for additive methods only (the registry sa
 the others omitted blocks count as zero delta and the report says there is no bound. Pure and
 deterministic; no I/O.
 
-The bounds are on the error of the *outputs*: ``||out(M_B) - out(M_full)||``, the budgeted and
-the full merge each computed in float32 and rounded to the output dtype. So each block with an
-omitted (or reconstructed) delta adds to its omitted-delta term ``sum_i |c_i| ||D_ib||`` a
-rounding term (:func:`rounding_terms`)
+Two pairs of bounds. ``bound_tight`` / ``bound_loose`` bound the error of the merged
+*values*, before output rounding (design.md): tight ``sqrt(sum_b t_b^2)``, loose ``sum_b t_b``
+with ``t_b = sum_i |c_i| ||D_ib||`` over the omitted deltas; ``bound_relative_to_update`` is
+``bound_tight / update_norm``. ``bound_output_tight`` / ``bound_output_loose`` bound the error
+of the bytes written, ``||out(M_B) - out(M_full)||``, the budgeted and the full merge each
+computed in float32 and rounded to the output dtype: each block with an omitted (or
+reconstructed) delta adds to ``t_b`` a rounding term (:func:`rounding_terms`)
 
     rho_b = u_b (||M_B,b|| + ||M_full,b||) + (n + 2) 2^-24 (s_B,b + s_full,b + 2 w ||W0_b||)
+            + 2 eta_b sqrt(n_b)
 
 ``u_b``: the output's unit roundoff (2^-24 for F32 and F64 outputs, else the dtype's, 2^-8 for
 BF16, 2^-11 for F16, plus 2^-24 (1 + u) for the float32 result rounded again); the merged norms
@@ -22,14 +26,21 @@ are bounded from the index, ``||M_b|| <= a ||W0_b|| + s_b`` with ``s_b = sum_i |
 over the deltas that merge adds (``a``: the base's weight in the merge, 1 for base-relative
 methods, ``|sum c|`` over every input for linear); the second term bounds the float32 roundings of
 the merge's own partial sums (``n`` inputs; ``w``: 0 for base-relative methods, whose partial
-sums are of deltas, ``sum |c|`` for linear, whose are of weights). A block whose every non-zero
-delta is read exactly is computed alike in both merges: no term. The blocks combine as the
-omitted deltas do: tight ``sqrt(sum_b (t_b + rho_b)^2)``, loose ``sum_b (t_b + rho_b)``
-(relative-error rounding; subnormal outputs, whose absolute error is below 2^-133, are not
-counted). ``error_exact`` stays the exact norm of the omitted deltas, before rounding; an index
-without base norms (``BlockIndex.base_norms`` None) gives the bounds without the rounding term.
-With a bfloat16 output the term is a worst case that usually dominates (bf16's 2^-8 is above a
-typical fine-tune's relative delta), so such bounds sit well above the measured error.
+sums are of deltas, ``sum |c|`` for linear, whose are of weights). The third is the absolute
+error of rounding to nearest where values are subnormal (``|fl(x) - x| <= u |x| + eta``, the
+standard model with underflow): ``eta_b`` is half the output dtype's smallest subnormal
+(:data:`OUT_ETA`: F16 2^-25, F8_E4M3 2^-10, F8_E5M2 2^-17, BF16 2^-134, F32 2^-150, F64 0)
+plus ``(n + 3) 2^-150`` for the float32 roundings before it, ``n_b`` the block's element
+count, and the 2 counts both merges. For float16 and float8 outputs this term is not
+negligible: weights below 2^-14 (float16's smallest normal) round with an absolute error up to
+2^-25, whatever their size. A block whose every non-zero delta is read exactly is computed
+alike in both merges: no term. The blocks combine as the omitted deltas do: tight
+``sqrt(sum_b (t_b + rho_b)^2)``, loose ``sum_b (t_b + rho_b)``. ``error_exact`` stays the
+exact norm of the omitted deltas, before rounding; an index without base norms
+(``BlockIndex.base_norms`` None) gives no output bounds (None). With a bfloat16 output the
+rounding term is a worst case that usually dominates (bf16's 2^-8 is above a typical
+fine-tune's relative delta): the output bounds then sit well above the update itself, which
+is why sweeps and ``bound_relative_to_update`` use the bound before rounding.
 """
 
 from __future__ import annotations
@@ -71,6 +82,10 @@ class Plan:
     #: delta sidecars (:mod:`mergefs.levelplan`)
     levels: np.ndarray | None = None
     sidecar_bytes: int = 0  # included in planned_bytes
+    #: bounds on the output bytes' error, output rounding included (None: not additive, or an
+    #: index without base norms)
+    bound_output_tight: float | None = None
+    bound_output_loose: float | None = None
 
     def report(self) -> dict[str, Any]:
         """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
@@ -87,6 +102,8 @@ class Plan:
             "blocks_zero": self.blocks_zero,
             "bound_tight": self.bound_tight,
             "bound_loose": self.bound_loose,
+            "bound_output_tight": self.bound_output_tight,
+            "bound_output_loose": self.bound_output_loose,
             "error_exact": self.error_exact,
             "update_norm": self.update_norm,
             "bound_relative_to_update": rel,
@@ -151,19 +168,38 @@ F32_UNIT = 2.0 ** -24  # float32's unit roundoff (round to nearest)
 #: unit roundoff of each output dtype (F64: the float32 result converts exactly)
 OUT_UNIT = {"F32": F32_UNIT, "F64": F32_UNIT, "BF16": 2.0 ** -8, "F16": 2.0 ** -11,
             "F8_E4M3": 2.0 ** -4, "F8_E5M2": 2.0 ** -3}
+F32_ETA = 2.0 ** -150  # half float32's smallest subnormal: round to nearest's absolute error
+#: half the smallest subnormal of each output dtype (F64: the float32 result converts exactly)
+OUT_ETA = {"F32": F32_ETA, "F64": 0.0, "BF16": 2.0 ** -134, "F16": 2.0 ** -25,
+           "F8_E4M3": 2.0 ** -10, "F8_E5M2": 2.0 ** -17}
 #: without an output dtype each tensor keeps its own; the layout knows its item size only
 _BY_ITEMSIZE = {8: "F64", 4: "F32", 2: "BF16", 1: "F8_E5M2"}  # the coarser dtype of a size
+
+
+def _out_dtypes(spec: Spec, index: BlockIndex) -> list[str]:
+    """The output dtype of each tensor of the layout."""
+    lay = index.layout
+    return [spec.out_dtype or _BY_ITEMSIZE.get(lay.itemsize[t], "F8_E5M2")
+            for t in range(len(lay.tensors))]
 
 
 def output_units(spec: Spec, index: BlockIndex) -> np.ndarray:
     """(B,) the unit roundoff of each block's output, the float32 result rounded again
     included where the output is not float32 or float64."""
     lay = index.layout
-    names = [spec.out_dtype or _BY_ITEMSIZE.get(lay.itemsize[t], "F8_E5M2")
-             for t in range(len(lay.tensors))]
+    names = _out_dtypes(spec, index)
     u = np.asarray([OUT_UNIT.get(d, OUT_UNIT["F8_E5M2"]) for d in names], dtype=np.float64)
     u = np.where(u > F32_UNIT, u + F32_UNIT * (1 + u), u)
     return u[lay.tensor_of] if lay.n_blocks else np.zeros(0)
+
+
+def output_etas(spec: Spec, index: BlockIndex, n_in: int) -> np.ndarray:
+    """(B,) ``eta_b`` of the module docstring: the absolute rounding error of one output
+    element where it is subnormal, the float32 roundings before it included."""
+    lay = index.layout
+    eta = np.asarray([OUT_ETA.get(d, OUT_ETA["F8_E4M3"]) for d in _out_dtypes(spec, index)],
+                     dtype=np.float64) + (n_in + 3) * F32_ETA
+    return eta[lay.tensor_of] if lay.n_blocks else np.zeros(0)
 
 
 def rounding_terms(spec: Spec, index: BlockIndex, coeffs: np.ndarray, exact: np.ndarray,
@@ -189,6 +225,8 @@ def rounding_terms(spec: Spec, index: BlockIndex, coeffs: np.ndarray, exact: np.
     u = output_units(spec, index)
     n_in = max(len(spec.input_order), index.n_experts)
     rho = u * (2 * a * w0 + s_b + s_full) + (n_in + 2) * F32_UNIT * (s_b + s_full + 2 * w * w0)
+    n_b = (index.layout.elem_end - index.layout.elem_start).astype(np.float64)
+    rho = rho + 2 * output_etas(spec, index, n_in) * np.sqrt(n_b)  # subnormal outputs
     differs = (nonzero & ~exact).any(axis=0)  # else both merges compute the block alike
     return np.where(differs, rho, 0.0)
 
@@ -207,18 +245,28 @@ def _base_weight(spec: Spec, c: np.ndarray) -> tuple[Any, Any]:
     return abs(sum(inputs)), sum(abs(x) for x in inputs)
 
 
+Bounds = tuple[float | None, float | None, float | None, float | None, float | None,
+               float | None]  # tight, loose, exact, update, output tight, output loose
+
+
+def combine(per_block: np.ndarray) -> tuple[float, float]:
+    """(tight, loose): the blocks' terms combined, ``sqrt(sum t_b^2)`` and ``sum t_b``."""
+    return float(np.sqrt((per_block ** 2).sum())), float(per_block.sum())
+
+
 def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray,
-            rounding: np.ndarray | None = None) -> tuple[float, float, float, float]:
-    """(tight, loose, exact error, update norm) for an additive merge; ``coeffs`` (N, B);
-    ``rounding`` (B,): the output-rounding term of each block (:func:`rounding_terms`)."""
-    per_pair = np.abs(coeffs) * index.norms * omitted  # (N, B)
-    per_block = per_pair.sum(axis=0) + (0.0 if rounding is None else rounding)
-    loose = float(per_block.sum())
-    tight = float(np.sqrt((per_block ** 2).sum()))
+            rounding: np.ndarray | None = None) -> Bounds:
+    """(tight, loose, exact error, update norm, output tight, output loose) for an additive
+    merge; ``coeffs`` (N, B); ``rounding`` (B,): the output-rounding term of each block
+    (:func:`rounding_terms`; None: no output bounds)."""
+    per_block = (np.abs(coeffs) * index.norms * omitted).sum(axis=0)  # (B,)
+    tight, loose = combine(per_block)
+    out_tight, out_loose = (None, None) if rounding is None else combine(per_block + rounding)
     c_om = coeffs * omitted  # (N, B): c_ib where omitted, else 0
     err_sq = np.einsum("ib,bij,jb->", c_om, index.gram, c_om)
     upd_sq = np.einsum("ib,bij,jb->", coeffs, index.gram, coeffs)
-    return tight, loose, float(np.sqrt(max(err_sq, 0.0))), float(np.sqrt(max(upd_sq, 0.0)))
+    return (tight, loose, float(np.sqrt(max(err_sq, 0.0))), float(np.sqrt(max(upd_sq, 0.0))),
+            out_tight, out_loose)
 
 
 def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
@@ -276,23 +324,21 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
         selected[ii[take], bb[take]] = True
     planned = int((block_bytes * selected).sum())
     assert planned <= max(budget_bytes, 0) or budget_bytes >= nonzero_bytes
-    tight = loose = exact = update = None
+    got: Bounds = (None,) * 6  # type: ignore[assignment]
     if spec.is_additive:
-        tight, loose, exact, update = _bounds(
-            index, coeffs, nonzero & ~selected,
-            rounding_terms(spec, index, coeffs, nonzero & selected))
+        got = _bounds(index, coeffs, nonzero & ~selected,
+                      rounding_terms(spec, index, coeffs, nonzero & selected))
         if not index.has_gram:  # statistics from sidecars: no cross terms, so no exact norms
-            exact = update = None
+            got = (got[0], got[1], None, None, got[4], got[5])
     return _assemble(index, selected, int(budget_bytes), planned, total, nonzero_bytes,
-                     (tight, loose, exact, update), plan_hash(spec, index, selected))
+                     got, plan_hash(spec, index, selected))
 
 
 def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planned: int,
               total: int, nonzero_bytes: int,
-              bounds4: tuple[float | None, float | None, float | None, float | None],
-              digest: str, **levels: Any) -> Plan:
+              bounds6: Bounds, digest: str, **levels: Any) -> Plan:
     """The Plan of a selection: its block counts, bounds and hash (``levels``: sidecar fields)."""
-    tight, loose, exact, update = bounds4
+    tight, loose, exact, update, out_tight, out_loose = bounds6
     return Plan(
         selected=selected,
         budget_bytes=budget_bytes,
@@ -307,6 +353,8 @@ def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planne
         error_exact=exact,
         update_norm=update,
         plan_hash=digest,
+        bound_output_tight=out_tight,
+        bound_output_loose=out_loose,
         **levels,
     )
 
@@ -319,11 +367,11 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
     got = choose(index, coeffs, budget_bytes, sidecars)
     planned = got.exact_bytes + got.sidecar_bytes
     assert planned <= budget_bytes
-    tight = loose = exact = update = None
+    tight = loose = exact = update = out_tight = out_loose = None
     if spec.is_additive:
         per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
         approx = (got.levels > 0) & ~index.zero
-        tight, loose = bounds(coeffs, got.resid, rounding_terms(
+        tight, loose, out_tight, out_loose = bounds(coeffs, got.resid, rounding_terms(
             spec, index, per_block, ~index.zero & got.selected, approx, got.resid))
         if index.has_gram:
             upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
@@ -331,6 +379,6 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
             if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
                 exact = _bounds(index, per_block, ~index.zero & ~got.selected)[2]
     return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
-                     (tight, loose, exact, update),
+                     (tight, loose, exact, update, out_tight, out_loose),
                      plan_hash(spec, index, got.selected, got.levels, sidecars),
                      levels=got.levels, sidecar_bytes=got.sidecar_bytes)

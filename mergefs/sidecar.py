@@ -36,12 +36,15 @@ import xxhash
 from safetensors.numpy import load, save
 
 from . import format as fmt
+from .blockstats import ORDER_VERSION
 from .checkpoint import Checkpoint
 from .errors import MergefsError, SourceError
 
 log = logging.getLogger(__name__)
 
-SIDECAR_VERSION = "1"
+#: 2: norms in blockstats' fixed summation order (version 1's, of an older order, differ in
+#: the last bits from an index built now, so they are ignored, with a log line naming the file)
+SIDECAR_VERSION = "2"
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +106,8 @@ def _local_path(expert: Checkpoint, name: str) -> Path:
 
 
 def encode(stats: ExpertStats, key: str, layout: Any, expert: Checkpoint) -> bytes:
-    meta = {"mergefs_sidecar_version": SIDECAR_VERSION, "base_key": key,
+    meta = {"mergefs_sidecar_version": SIDECAR_VERSION, "summation_order": ORDER_VERSION,
+            "base_key": key,
             "block_size": str(layout.block_size), "layout_xxh3": layout_hash(layout),
             "expert": json.dumps(expert_identity(expert))}
     return save({"base_hash": stats.base_hash, "expert_hash": stats.expert_hash,
@@ -142,12 +146,16 @@ def _decode(where: str, data: bytes, key: str, layout: Any, expert: Checkpoint
     try:
         meta = dict(fmt.parse_bytes(data).metadata or {})
         arrays = load(data)
-    except Exception as exc:  # a corrupt sidecar is ignored, never trusted
+    except Exception as exc:  # noqa: BLE001 (a corrupt sidecar is ignored, never trusted)
         log.warning("ignoring index sidecar %s: unreadable: %s", where, exc)
         return None
     why = None
     if meta.get("mergefs_sidecar_version") != SIDECAR_VERSION:
-        why = f"format version {meta.get('mergefs_sidecar_version')!r}"
+        why = (f"format version {meta.get('mergefs_sidecar_version')!r}, this mergefs reads "
+               f"{SIDECAR_VERSION!r} (republish it: mergefs index SPEC --publish)")
+    elif meta.get("summation_order") != ORDER_VERSION:
+        why = (f"norms summed in order {meta.get('summation_order')!r}, this mergefs sums in "
+               f"{ORDER_VERSION!r} (republish it: mergefs index SPEC --publish)")
     elif meta.get("base_key") != key or meta.get("block_size") != str(layout.block_size):
         why = "published for another base or block size"
     elif meta.get("layout_xxh3") != layout_hash(layout):

@@ -2,7 +2,8 @@
 
 For every combination of budget, method and coefficient setting (``--grid KEY=V1,V2``), the plan
 is made from the stored block index (no expert bytes are read once the index exists) and
-reported: expert bytes read, the tight bound on ``||E||``, the exact ``||E||`` and the update
+reported: expert bytes read, the tight bound on ``||E||`` (before output rounding; the output
+bytes' bound as ``bound_output_tight``), the exact ``||E||`` and the update
 norm where the index has Gram matrices, and the share of the update's energy kept
 (``1 - ||E||^2 / ||U||^2``). Non-additive methods report bytes only (no bound). Pure planning;
 runs in the CLI's main thread.
@@ -38,7 +39,8 @@ class SweepRow:
     error_exact: float | None
     update_norm: float | None
     energy_kept: float | None  # 1 - (error/update)^2, from the index's Gram matrices
-    bound_share: float | None  # bound_tight / update_norm
+    bound_share: float | None  # bound_tight / update_norm (before output rounding)
+    bound_output_tight: float | None = None  # of the output bytes (mergefs.plan)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -98,7 +100,7 @@ def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -
         share = plan.bound_tight / plan.update_norm
     return SweepRow(variant, spec.method, b.describe(), plan.budget_bytes, plan.planned_bytes,
                     plan.total_expert_bytes, plan.bound_tight, plan.error_exact,
-                    plan.update_norm, kept, share)
+                    plan.update_norm, kept, share, plan.bound_output_tight)
 
 
 DEFAULT_BUDGETS = ("1%", "2%", "5%", "10%", "20%", "50%", "full")

@@ -80,7 +80,8 @@ def values(rng: np.random.Generator, n: int, dtype: str, kind: str,
     return v.astype(NP[dtype]).tobytes()
 
 
-SIZES = [1, 63, 64, 65, 127, 1000, 4096 + 3, 3 * 4096 + 64 * 5 + 17]
+SIZES = [1, 63, 64, 65, 127, 1000, 4096 + 3, 3 * 4096 + 64 * 5 + 17,
+         blockstats.GRAM_COLS, 2 * blockstats.GRAM_COLS + 64 * 3 + 5]  # tiled by columns
 
 
 def family_blocks(rng: np.random.Generator, base_dtype: str, dtypes: list[str], kind: str

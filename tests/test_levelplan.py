@@ -95,6 +95,9 @@ def test_budget_never_exceeded_and_bound_never_below_error(
     assert p.bound_tight is not None and p.bound_loose is not None
     assert err <= p.bound_tight * (1 + 1e-6) + 1e-7
     assert p.bound_tight <= p.bound_loose * (1 + 1e-12) + 1e-15
+    assert p.bound_output_tight is not None and p.bound_output_loose is not None
+    assert err <= p.bound_output_tight <= p.bound_output_loose  # of the output bytes: no slack
+    assert p.bound_tight <= p.bound_output_tight
 
 
 def test_levels_beat_exact_blocks_at_small_budgets(published: tuple[Family, Path],

@@ -21,7 +21,8 @@ from mergefs.spec import load_spec, parse_spec
 
 README_KEYS = {
     "budget_bytes", "planned_expert_bytes", "total_expert_bytes", "nonzero_expert_bytes",
-    "blocks_read", "blocks_total", "blocks_zero", "bound_tight", "bound_loose", "error_exact",
+    "blocks_read", "blocks_total", "blocks_zero", "bound_tight", "bound_loose",
+    "bound_output_tight", "bound_output_loose", "error_exact",
     "update_norm", "bound_relative_to_update", "plan_hash",
 }
 
@@ -432,11 +433,14 @@ def test_bounds_hold_where_the_output_rounding_dominates(tmp_path: Path, dtype: 
     old_tight, old_loose = math.sqrt((per_block ** 2).sum()), float(per_block.sum())
     assert measured > 0 and p.error_exact is not None
     assert old_tight < measured  # the bound without the rounding term fails here
-    assert old_tight < p.bound_tight and old_loose < p.bound_loose
-    assert measured <= p.bound_tight <= p.bound_loose
-    assert p.bound_tight < 4 * measured  # and is not vacuous
+    assert (p.bound_tight, p.bound_loose) == pytest.approx((old_tight, old_loose), rel=1e-12)
+    assert p.bound_output_tight is not None and p.bound_output_loose is not None
+    assert old_tight < p.bound_output_tight and old_loose < p.bound_output_loose
+    assert measured <= p.bound_output_tight <= p.bound_output_loose
+    assert p.bound_output_tight < 4 * measured  # and is not vacuous
     assert idx.base_norms is not None
     w0 = math.sqrt(sum((read_tensor(fam.base, n).astype(np.float64) ** 2).sum()
                        for n in ROUNDING_SHAPES))
     assert math.sqrt((idx.base_norms ** 2).sum()) == pytest.approx(w0, rel=1e-12)
-    assert open_session(full).plan.bound_tight == 0.0  # the full read: the same bytes
+    fp = open_session(full).plan
+    assert fp.bound_tight == fp.bound_output_tight == 0.0  # the full read: the same bytes

@@ -191,12 +191,17 @@ def test_per_tensor_coefficients_under_budget(fam: Family, tmp_path: Path) -> No
             rho = rounding_terms(session.spec, session.index, coeffs,
                                  ~session.index.zero & plan.selected)
             assert rho is not None and (rho[~omitted.any(axis=0)] == 0).all()
-            per_block = per_pair.sum(axis=0) + rho
+            before = per_pair.sum(axis=0)
             assert plan.bound_tight == pytest.approx(
+                float(np.sqrt((before ** 2).sum())), rel=1e-12, abs=1e-300)
+            assert plan.bound_loose == pytest.approx(float(before.sum()), rel=1e-12, abs=1e-300)
+            per_block = before + rho
+            assert plan.bound_output_tight == pytest.approx(
                 float(np.sqrt((per_block ** 2).sum())), rel=1e-12, abs=1e-300)
-            assert plan.bound_loose == pytest.approx(float(per_block.sum()), rel=1e-12)
+            assert plan.bound_output_loose == pytest.approx(float(per_block.sum()), rel=1e-12,
+                                                            abs=1e-300)
             if budget == "full":
-                assert plan.bound_tight == 0.0
+                assert plan.bound_tight == plan.bound_output_tight == 0.0
             else:
                 assert plan.bound_tight > 0
         finally:
