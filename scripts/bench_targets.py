@@ -161,6 +161,8 @@ class Targets:
         return {"PYTHONPATH": self.args.baseline} if baseline else {}
 
     def umount(self, mnt: Path) -> None:
+        if not os.path.ismount(mnt):  # the cleanup before a run: nothing mounted yet
+            return
         p = run(MERGEFS + ["umount", mnt], check=False)
         if p.rc != 0:
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
