@@ -19,7 +19,7 @@ in interleaved rounds so that a change in machine load hits every variant alike)
     python scripts/bench_targets.py --sections load,merge --family large --repeats 1
 
 Families (made once with scripts/make_family.py, then reused): ``small`` (150M parameters x
-(1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 8), 0.7 GB) and ``large`` (the issue's size:
+(1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 16), 1.4 GB; for the scaling rows) and ``large`` (the issue's size:
 500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge sections on it) under
 ``--families``. Results:
 ``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table for docs/benchmarks.md).
@@ -53,6 +53,8 @@ from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
 # (set in main), or the baseline's (baseline_env)
 MERGEFS = [PY, "-P", "-m", "mergefs.cli"]
 
+#: experts per family (the tiny one has 16 for the scaling rows; the others 8)
+FAMILY_EXPERTS = {"tiny": 16}
 FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
             "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"],
             # the size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
@@ -125,13 +127,16 @@ class Targets:
         if not (fam / "spec.yaml").exists():
             self.log(f"making family {name} in {fam}")
             run([PY, ROOT / "scripts" / "make_family.py", "synthetic", "--out", fam,
-                 "--experts", "8", *FAMILIES[name]])
+                 "--experts", str(FAMILY_EXPERTS.get(name, 8)), *FAMILIES[name]])
         return fam
 
     def spec(self, fam: Path, n_experts: int = 8) -> Path:
-        if n_experts == 8:
-            return fam / "spec.yaml"
         doc = yaml.safe_load((fam / "spec.yaml").read_text())
+        if n_experts == len(doc["models"]):
+            return fam / "spec.yaml"
+        if n_experts > len(doc["models"]):
+            raise SystemExit(f"{fam} has {len(doc['models'])} experts, not {n_experts} "
+                             "(remove it to have it made again)")
         doc["models"] = doc["models"][:n_experts]
         path = fam / f"spec-{n_experts}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -496,7 +501,8 @@ class Targets:
         for size in ("tiny", "small"):
             fam = self.family(size)
             gb = self.model_bytes(fam) / 1e9
-            for k in (2, 4, 8):
+            n_models = len(yaml.safe_load((fam / "spec.yaml").read_text())["models"])
+            for k in [k for k in (2, 4, 8, 16) if k <= n_models]:
                 spec = self.spec(fam, k)
                 self.ensure_index(spec)
                 o = self.work / "scale-out"
