@@ -431,15 +431,39 @@ class OneBlasThread:
     def __enter__(self) -> None:
         with self._lock:
             if self._users == 0 and self._controller is not None:
+                _free_blas_control()
                 self._ctx = self._controller.limit(limits=1, user_api="blas")
+                _free_blas_control()
             self._users += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._users -= 1
             if self._users == 0 and self._ctx is not None:
+                _free_blas_control()
                 self._ctx.restore_original_limits()
+                _free_blas_control()
                 self._ctx = None
+
+
+def _free_blas_control() -> None:
+    """Let the calling thread set OpenBLAS's thread count.
+
+    threadpoolctl (>= 3.6, pthreads OpenBLAS) lets only a *controlling thread* (the first to set
+    a limit, until it releases it) change the process-wide count; other threads' calls are
+    silently ignored. OneBlasThread sets and restores from whichever thread enters first or
+    leaves last, always under its own lock, so it releases control around each change: without
+    that, after ``mergefs compress`` in the main thread the engine's decode workers ran a
+    2-thread BLAS concurrently (2-5x slower), and a restore from a worker could leave BLAS at 1
+    thread for good.
+    """
+    try:
+        from threadpoolctl import OpenBLASController  # type: ignore[import-untyped]
+    except ImportError:  # older threadpoolctl: no controlling thread
+        return
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
 
 
 _ONE_BLAS: OneBlasThread | None = None
@@ -456,7 +480,8 @@ def one_blas_thread() -> OneBlasThread:
 
 
 def delta_name(sidecar_name: str) -> str:
-    """The delta sidecar's name from the index sidecar's (``mergefs-index`` -> ``mergefs-delta``)."""
+    """The delta sidecar's name from the index sidecar's (``mergefs-index.`` ->
+    ``mergefs-delta.``)."""
     return sidecar_name.replace("mergefs-index.", "mergefs-delta.")
 
 
@@ -616,14 +641,45 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
         table[key] = np.frombuffer(blob[s - lo:e - lo], dtype=dt).copy()
     data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
     tensors = {}
+    n_ranges = len(table["range_start"])
     for tj in meta["tensors"]:
         levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
                        for lv in tj["levels"])
+        for level in levels:
+            why = _level_problem(level, meta["version"], n_ranges)
+            if why:
+                raise DeltaError(f"{path}: tensor {tj['name']}: level {level.to_json()}: {why}")
         tensors[tj["name"]] = TensorLevels(tj["name"], tj["t"], tj["rows"], tj["cols"], levels)
     table_bytes = sum(a.nbytes for a in table.values())
     return DeltaSidecar(path, meta, tensors, data_offset, table["range_start"],
                         table["range_end"], table["range_xxh3"], table["range_resid"],
                         8 + n + table_bytes)
+
+
+#: level kinds each sidecar version may hold, and the (bits, k) each kind decodes
+KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
+                    "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
+
+
+def _level_problem(level: Level, version: str, n_ranges: int) -> str:
+    """Why this level cannot be decoded by this reader ("" if it can)."""
+    if level.kind not in KINDS_BY_VERSION.get(version, ()):
+        return (f"kind {level.kind!r} is not one of a version-{version} sidecar "
+                f"({', '.join(KINDS_BY_VERSION.get(version, ()))}): re-run `mergefs compress`")
+    ok = {"lowrank": level.bits in (2, 3, 4, 8, 16) and level.k >= 1,
+          "quant": level.bits in (1, 2, 3, 4),
+          "rows": level.bits in (1, 2, 3, 4),
+          "vq": level.bits >= 1 and level.k >= 1 and level.bits * level.k == 8,
+          "ulp": level.k in (1, 2) and 1 <= level.bits <= 8,
+          "sparse": True}[level.kind]
+    if not ok:
+        return f"bits {level.bits} and k {level.k} are not valid for a {level.kind} level"
+    needs_shared = level.kind in ("lowrank", "vq")
+    if needs_shared and not 0 <= level.shared < n_ranges:
+        return f"shared range {level.shared} is not in the range table ({n_ranges} ranges)"
+    if not 0 <= level.first_range < n_ranges:
+        return f"first range {level.first_range} is not in the range table ({n_ranges} ranges)"
+    return ""
 
 
 def _digest(arr: np.ndarray) -> str:

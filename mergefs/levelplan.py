@@ -8,8 +8,8 @@ removed) give upgrades of decreasing energy per byte; all upgrades of all pairs 
 greedily by energy per byte (ties: tensor, block, expert), each only if its pair is in the
 upgrade's starting option and its bytes still fit. A level's *shared* range (the right factors
 of a low-rank level, once per tensor; a vq codebook, once per sidecar) is amortised over the
-non-zero blocks of the tensors that use it for the ranking and charged in full by the first block that needs it, so the running total, and the
-plan, never exceed the budget.
+non-zero blocks of the tensors that use it for the ranking and charged in full, once, by the
+first block that needs it, so the running total, and the plan, never exceed the budget.
 
 For additive methods the bound is ``||E|| <= sqrt(sum_b (sum_i |c_i| r_ib)^2)`` with ``r_ib``
 the residual of the option taken (design.md, with ``D_ib`` replaced by the residual
@@ -118,9 +118,12 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             if levels:
                 cum, amort = 0, 0.0
                 costs = []
+                counted: set[int] = set()  # two vq levels share one codebook: count it once
                 for k, (size, sid, r) in enumerate(levels, start=1):
                     cum += size
-                    amort += share_of.get((i, sid), 0.0)
+                    if sid >= 0 and sid not in counted:
+                        counted.add(sid)
+                        amort += share_of.get((i, sid), 0.0)
                     costs.append(cum)
                     points.append((cum + amort, full - c2[i] * r * r, k))
                 block_cost[(i, b)] = costs
@@ -139,7 +142,8 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             return 0, []
         if o == EXACT:
             return int(raw[i, b]), []
-        need = [(i, sid) for _, sid, _ in opts[i][1][b][:o] if sid >= 0 and (i, sid) not in paid]
+        need = sorted({(i, sid) for _, sid, _ in opts[i][1][b][:o]
+                       if sid >= 0 and (i, sid) not in paid})  # a shared range once
         return block_cost[(i, b)][o - 1], need
 
     for _, _, b, i, oa, ob in segments:

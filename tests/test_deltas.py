@@ -297,8 +297,9 @@ def test_rows_levels_keep_most_energy_in_few_bytes(tmp_path: Path) -> None:
 
 
 def test_sidecar_version_is_checked(tmp_path: Path) -> None:
-    """Version 1 (same layout, without ``rows``) is still read; an unknown version is refused
-    with one line that says to re-run ``mergefs compress``."""
+    """Version 1 (same layout, without ``rows`` and ``vq``) is still read, but a version-1 file
+    holding a level kind that version does not have is refused (it cannot come from mergefs);
+    an unknown version is refused with one line that says to re-run ``mergefs compress``."""
     import json
 
     fam = make_family(tmp_path / "fam", seed=10, n_experts=1)
@@ -309,11 +310,19 @@ def test_sidecar_version_is_checked(tmp_path: Path) -> None:
 
     with safe_open(str(path), "np") as f:
         meta = json.loads(f.metadata()[deltas.META_KEY])
-    for version, ok in (("1", True), ("99", False)):
-        meta["version"] = version
-        save_file(loaded, str(path), metadata={deltas.META_KEY: json.dumps(meta)})
+    kinds = {lv["kind"] for t in meta["tensors"] for lv in t["levels"]}
+    assert kinds & {"rows", "vq"}, "the family should use a version-2 level kind"
+    v1_only = json.loads(json.dumps(meta))
+    for t in v1_only["tensors"]:
+        t["levels"] = [lv for lv in t["levels"] if lv["kind"] not in ("rows", "vq")]
+    for version, doc, ok in (("1", v1_only, True), ("1", meta, False), ("99", meta, False)):
+        doc["version"] = version
+        save_file(loaded, str(path), metadata={deltas.META_KEY: json.dumps(doc)})
         if ok:
             assert deltas.open_sidecar(path).meta["version"] == "1"
+        elif version == "1":
+            with pytest.raises(deltas.DeltaError, match=r"is not one of a version-1 sidecar"):
+                deltas.open_sidecar(path)
         else:
             with pytest.raises(deltas.DeltaError, match=r"version 99.*re-run `mergefs compress`"):
                 deltas.open_sidecar(path)
