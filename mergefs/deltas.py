@@ -410,7 +410,7 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
 
 
 class OneBlasThread:
-    """While any thread is inside, numpy's BLAS runs single-threaded (threadpoolctl, optional).
+    """While any thread is inside, numpy's BLAS runs single-threaded (threadpoolctl, a dependency).
 
     Decoding runs in the engine's worker threads, which already use the cores; a BLAS that
     also spawns threads per product makes them spin against each other (measured: a 512 x 512
