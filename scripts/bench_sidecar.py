@@ -15,6 +15,12 @@ bytes, with and without sidecars (exact row blocks), and reports per row:
 ``--rate-distortion`` prints, instead, what ideal coders would keep at 5/10/20% of bf16 bytes
 (:func:`rate_distortion`), to compare the sidecars' figures with.
 
+For a masked-LM MiniLM family (``make_family.py minilm``: ``eval/<corpus>.json`` beside the
+experts) every merge's masked-LM loss on each corpus' held-out passages is reported too (fixed
+masks; ``mlm_loss`` in make_family.py). ``--mount`` also serves each sidecar budget through
+``mergefs mount SPEC MNT --budget B`` and reads every file (cold sources): wall time, and whether
+the bytes equal ``materialise`` at the same budget.
+
 Decode speed is measured separately (``decode`` section): the time to reconstruct every block of
 every expert at its deepest level from sidecar bytes already in memory, against the time to
 read the same blocks' exact bytes cold.
@@ -154,6 +160,52 @@ class Embedder:
         return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float64)
 
 
+class MlmLoss:
+    """Masked-LM loss of a merged model on each corpus' held-out passages (``eval/*.json``)."""
+
+    def __init__(self, family: Path, tokenizer_dir: Path) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import make_family
+
+        self.loss = make_family.mlm_loss
+        self.tokenizer_dir = tokenizer_dir
+        self.texts = {p.stem: json.loads(p.read_text())
+                      for p in sorted((family / "eval").glob("*.json"))}
+
+    def __call__(self, model_dir: Path) -> dict[str, float]:
+        return {c: round(self.loss(model_dir, t, tokenizer_dir=self.tokenizer_dir), 4)
+                for c, t in self.texts.items()}
+
+
+def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
+                  expect: Path) -> dict[str, Any]:
+    """Mount ``spec_path`` at ``budget`` bytes (cold sources), read every file; time and
+    whether each file equals the materialised merge ``expect``."""
+    import hashlib
+    import subprocess
+
+    cmd = [sys.executable, "-P", "-m", "mergefs.cli"]
+    mnt = tmp / "mnt"
+    mnt.mkdir(exist_ok=True)
+    evict(*sources)
+    t0 = time.perf_counter()
+    subprocess.run(cmd + ["mount", str(spec_path), str(mnt), "--budget", f"{budget}B"],
+                   check=True, capture_output=True)
+    try:
+        ready = time.perf_counter() - t0
+        same = True
+        for f in sorted(expect.iterdir()):
+            if not f.name.endswith(".safetensors") or "mergefs-" in f.name:
+                continue
+            got = hashlib.sha256((mnt / f.name).read_bytes()).hexdigest()
+            same &= got == hashlib.sha256(f.read_bytes()).hexdigest()
+        wall = time.perf_counter() - t0
+    finally:
+        subprocess.run(cmd + ["umount", str(mnt)], check=False, capture_output=True)
+    return {"mount_ready_s": round(ready, 2), "mount_read_all_s": round(wall, 2),
+            "mount_same_bytes_as_merge": same}
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(axis=1).mean())
 
@@ -262,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--embed-metric", action="store_true",
                    help="MiniLM: mean cosine of sentence embeddings to the full merge's")
+    p.add_argument("--mount", action="store_true",
+                   help="also serve each sidecar budget through mergefs mount and read it all")
     p.add_argument("--rate-distortion", action="store_true",
                    help="print what ideal coders keep at the budgets, and stop")
     args = p.parse_args(argv)
@@ -300,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         w0 = load_f64(base_dir)
         embed = Embedder(base_dir) if args.embed_metric else None
         e_full = embed(tmp / "full") if embed else None
+        mlm = MlmLoss(args.family, base_dir) if (args.family / "eval").is_dir() else None
+        if mlm is not None:
+            for what, d in (("base", base_dir), ("full merge", tmp / "full")):
+                rows.append({"row": "mlm_loss", "model": what, "loss": mlm(d)})
+                print(json.dumps(rows[-1]))
         if embed is not None:
             rows.append({"row": "embed", "what": "base (no expert read) vs full merge",
                          "cosine": cosine(embed(base_dir), e_full)})
@@ -330,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                        "blocks_decoded": DECODE["blocks"]}
                 if embed is not None:
                     row["cosine_to_full"] = cosine(embed(tmp / "b"), e_full)
+                if mlm is not None and pct is not None:
+                    row["mlm_loss"] = mlm(tmp / "b")
+                if args.mount and sidecars and pct is not None:
+                    row.update(through_mount(args.family / args.spec, budget, sources, tmp,
+                                             tmp / "b"))
                 if sidecars and pct is not None:
                     secs, nbytes = replaced_read_seconds(s, sources)
                     row["replaced_exact_bytes"] = nbytes

