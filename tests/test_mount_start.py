@@ -71,6 +71,19 @@ class Counted:
         monkeypatch.setattr(mount, "_serve_fuse", serve_fuse)
 
 
+def mount_and_count(tmp_path: Path, fam: Family, spec: Path, monkeypatch: pytest.MonkeyPatch,
+                    sessions: int) -> None:
+    """Mount ``spec`` in the foreground: one family open, one index load, ``sessions`` sessions
+    at readiness, and at most 1 KiB read by then."""
+    counted = Counted(monkeypatch)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert cli.main(["mount", str(spec), str(mnt), "--foreground"]) == 0
+    assert (counted.opens, counted.loads) == (1, 1)
+    assert counted.at_ready["sessions"] == sessions
+    assert counted.at_ready["bytes_read"] < 1024 < base_bytes(fam)
+
+
 @pytest.mark.parametrize("index_exists", [False, True])
 def test_the_family_is_opened_once_per_mount(tmp_path: Path, fam: Family,
                                              monkeypatch: pytest.MonkeyPatch,
@@ -78,15 +91,9 @@ def test_the_family_is_opened_once_per_mount(tmp_path: Path, fam: Family,
     spec = write_case_spec(tmp_path / "spec.yaml", fam, "task_arithmetic", tmp_path / "index")
     if index_exists:
         assert cli.main(["index", str(spec)]) == 0
-    counted = Counted(monkeypatch)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    assert cli.main(["mount", str(spec), str(mnt), "--foreground"]) == 0
-    assert (counted.opens, counted.loads) == (1, 1)
     # the index build read every source byte; the session's counters were reset after it:
     # they hold only the view's own start-up reads (a few base chunk hashes, units.py)
-    assert counted.at_ready["sessions"] == 1
-    assert counted.at_ready["bytes_read"] < 1024 < base_bytes(fam)
+    mount_and_count(tmp_path, fam, spec, monkeypatch, sessions=1)
 
 
 def test_a_sweep_mount_opens_the_family_once(tmp_path: Path, fam: Family,
@@ -96,13 +103,7 @@ def test_a_sweep_mount_opens_the_family_once(tmp_path: Path, fam: Family,
     doc.pop("manifest")
     doc["sweep"] = {"budget": ["20%", "full"]}
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
-    counted = Counted(monkeypatch)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    assert cli.main(["mount", str(spec), str(mnt), "--foreground"]) == 0
-    assert (counted.opens, counted.loads) == (1, 1)
-    assert counted.at_ready["sessions"] == 2
-    assert counted.at_ready["bytes_read"] < 1024 < base_bytes(fam)
+    mount_and_count(tmp_path, fam, spec, monkeypatch, sessions=2)
 
 
 DAEMON = """
