@@ -970,6 +970,13 @@ class Session:
                 for label, c in [("base", self.base),
                                  *zip(self.engine.labels, self.experts)]}
 
+    def _vocab_expert_bytes(self) -> int:
+        """Expert bytes of a tokenizer merge's vocabulary tensors: read whole, outside the
+        plan (so ``expert_bytes_read`` can exceed ``total_expert_bytes``)."""
+        eng = self.engine
+        return sum(src.vocab_locs[name][1].end - src.vocab_locs[name][1].start  # type: ignore[attr-defined]
+                   for name in eng.derived for src in eng.experts)
+
     def totals_record(self) -> dict[str, Any]:
         read = self.source_bytes()
         expert_read = sum(v for k, v in read.items() if k != "base")
@@ -978,6 +985,9 @@ class Session:
             extra = {"sidecar_bytes_read": self.sidecar_bytes(),
                      "sidecar_bytes_planned": self.plan.sidecar_bytes}
             expert_read += sum(extra["sidecar_bytes_read"].values())
+        vocab = self._vocab_expert_bytes()
+        if vocab:
+            extra["expert_bytes_vocabulary"] = vocab
         return {
             **extra,
             "type": "totals",

@@ -209,6 +209,20 @@ def test_replay_of_a_tokenizer_merge(vocab_family: dict[str, Path], tmp_path: Pa
                                     "index_dir": str(tmp_path / "index")}))
     assert cli.main(["merge", str(spec), str(tmp_path / "out"), "--manifest",
                      str(tmp_path / "m.jsonl")]) == 0
+    # the vocabulary tensors are read whole beside the plan's blocks, and the totals say so
+    totals = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()
+              if '"totals"' in line][-1]
+    from safetensors import safe_open
+
+    vocab = 0
+    for d in cfg["models"]:
+        if Path(d["model"]) == Path(cfg["base_model"]):
+            continue
+        with safe_open(str(Path(d["model"]) / "model.safetensors"), "pt") as f:
+            vocab += sum(f.get_tensor(n).nbytes
+                         for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert totals["expert_bytes_vocabulary"] == vocab > 0
+    assert totals["expert_bytes_read"] == totals["expert_bytes_planned"] + vocab
     assert cli.main(["replay", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "again")]) == 0
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
         assert sha256(tmp_path / "out" / f) == sha256(tmp_path / "again" / f)
