@@ -397,7 +397,8 @@ class Bench:
             self.log(f"reusing {root}")
             return root
         steps = 3 if self.quick else self.args.real_steps
-        make_family.make_minilm(root, n_experts=4, steps=steps, log=self.log)
+        make_family.make_minilm(root, n_experts=4, steps=steps,
+                                head_steps=steps if self.quick else 300, log=self.log)
         return root
 
     @staticmethod

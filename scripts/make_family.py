@@ -37,7 +37,7 @@ measured delta sizes) and mergekit-style specs ``spec.yaml`` (task_arithmetic) a
     python scripts/make_family.py synthetic --out /tmp/fam            # ~0.5B x (1 + 8), ~9 GB
     python scripts/make_family.py synthetic --out /tmp/tiny --params 5M --layers 4 --vocab 4096
     python scripts/make_family.py minilm --out /tmp/minilm --experts 4
-    python scripts/make_family.py minilm --out /tmp/minilm-simcse --objective simcse --steps 40
+    python scripts/make_family.py minilm --out /tmp/minilm-simcse --objective simcse --steps 40 --seq-len 96
 
 This script does not import mergefs.
 """
