@@ -161,6 +161,7 @@ class VariantState:
                 "method": self.spec.method, "plan_hash": plan.plan_hash,
                 "budget_bytes": plan.budget_bytes, "planned_expert_bytes": plan.planned_bytes,
                 "total_expert_bytes": plan.total_expert_bytes, "bound_tight": plan.bound_tight,
+                "bound_output_tight": plan.bound_output_tight,
                 "error_exact": plan.error_exact, "update_norm": plan.update_norm,
                 "removed": self.removed}
 
@@ -315,6 +316,8 @@ class SweepSession:
                 "units_shared": st.recorder.units_shared,
                 "units_from_disk_cache": st.recorder.units_from_disk,
                 "bound_tight": plan.bound_tight, "bound_loose": plan.bound_loose,
+                "bound_output_tight": plan.bound_output_tight,
+                "bound_output_loose": plan.bound_output_loose,
                 "error_exact": plan.error_exact, "update_norm": plan.update_norm}
 
     def totals_record(self) -> dict[str, Any]:

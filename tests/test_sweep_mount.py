@@ -93,6 +93,8 @@ def test_grid_mount_equals_merges_and_shares_reads(tmp_path: Path, fam: Family,
         want = {rel: sha256(p) for rel, p in tree(out).items()}
         got = {rel: sha256(p) for rel, p in tree(m.path / name).items()}
         assert got == want, name
+        for key in ("bound_tight", "bound_output_tight"):  # both bounds, as a merge reports
+            assert by_name[name][key] == alone[name][key], (name, key)
     stats = m.stats()
     assert stats["kind"] == "sweep" and stats["read_errors"] == 0
     shared = stats["shared"]["physical_bytes_read"]
