@@ -289,11 +289,66 @@ def _define_compiled() -> Any:
         return True
 
     @jit
+    def add_codes(a, data, o, e0, bits, step, lut):  # type: ignore[no-untyped-def]
+        """``a[e] += fl(value of code e0 + e * step)``: the codes packed from ``data[o]``."""
+        lut_b = lut[bits]
+        if bits == 3:  # codes straddle bytes
+            for e in range(a.size):
+                a[e] += lut_b[code_at(data, o, (e0 + e) * 3, 3)] * step
+            return
+        mask = (1 << bits) - 1
+        for e in range(a.size):
+            bit = (e0 + e) * bits
+            a[e] += lut_b[(data[o + (bit >> 3)] >> (bit & 7)) & mask] * step
+
+    @jit
+    def add_products(acc, cols, u, v, nk):  # type: ignore[no-untyped-def]
+        """``acc[r, e] += fl(u[r, c] * v[c, e])`` for ``c`` in ``0 .. nk-1`` in order, each
+        rounded: two rows and four components per pass (per element the same operations, in
+        the same order; fewer loads of ``v`` and ``acc``)."""
+        rb = u.shape[0]
+        r = 0
+        while r < rb:
+            two = r + 1 < rb
+            a = acc[r * cols:(r + 1) * cols]
+            b = acc[(r + 1) * cols:(r + 2) * cols] if two else a
+            c = 0
+            while c + 4 <= nk:
+                v0, v1, v2, v3 = v[c], v[c + 1], v[c + 2], v[c + 3]
+                a0, a1, a2, a3 = u[r, c], u[r, c + 1], u[r, c + 2], u[r, c + 3]
+                if two:
+                    b0, b1, b2, b3 = u[r + 1, c], u[r + 1, c + 1], u[r + 1, c + 2], u[r + 1, c + 3]
+                    for e in range(cols):
+                        x0, x1, x2, x3 = v0[e], v1[e], v2[e], v3[e]
+                        a[e] = (((a[e] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+                        b[e] = (((b[e] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
+                else:
+                    for e in range(cols):
+                        a[e] = (((a[e] + a0 * v0[e]) + a1 * v1[e]) + a2 * v2[e]) + a3 * v3[e]
+                c += 4
+            while c < nk:
+                v0 = v[c]
+                a0 = u[r, c]
+                for e in range(cols):
+                    a[e] += a0 * v0[e]
+                if two:
+                    b0 = u[r + 1, c]
+                    for e in range(cols):
+                        b[e] += b0 * v0[e]
+                c += 1
+            r += 2
+
+    @jit
     def decode(out, w0, starts, rows, depths, cols, kind, bits, ks, first, uscale, v, book,
                data, off, size):  # type: ignore[no-untyped-def]
         """See :func:`decode_into` (``out`` and ``w0`` as uint32); returns the first block whose
         ranges have the wrong sizes (nothing written from it on), or -1."""
         acc = np.zeros(rows.max() * cols, np.float32)
+        u = np.zeros((rows.max(), v.shape[0]), np.float32)
+        lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
+        for b in (1, 2, 3, 4, 8):
+            for c in range(1 << b):
+                lut[b, c] = value(c, b)
         for j in range(starts.size):
             s, rb, depth = starts[j], rows[j], depths[j]
             n = rb * cols
@@ -304,28 +359,31 @@ def _define_compiled() -> Any:
                 additive |= kind[lvl] <= 3
             if additive:
                 acc[:n] = 0
-            for r in range(rb):  # low-rank: component by component, in level order
-                a = acc[r * cols:(r + 1) * cols]
+            nk = 0  # low-rank: every component's U value of a row, then V row by V row
+            for lvl in range(depth):
+                if kind[lvl] == 0:
+                    nk += ks[lvl]
+            if nk > 0:
+                c = 0
                 for lvl in range(depth):
                     if kind[lvl] != 0:
                         continue
                     k, b, o = ks[lvl], bits[lvl], off[lvl, j]
-                    for c in range(k):
-                        if b == 16:
-                            uv = f16(data, o + 2 * (r * k + c))
-                        else:
-                            uv = value(code_at(data, o, (r * k + c) * b, b), b)
-                        uu = uv * uscale[first[lvl] + c]
-                        vr = v[first[lvl] + c]
-                        for e in range(cols):
-                            a[e] += uu * vr[e]
+                    for q in range(k):  # the V rows are in this order
+                        for r in range(rb):
+                            if b == 16:
+                                uv = f16(data, o + 2 * (r * k + q))
+                            else:
+                                uv = lut[b, code_at(data, o, (r * k + q) * b, b)]
+                            u[r, c] = uv * uscale[first[lvl] + q]
+                        c += 1
+                add_products(acc, cols, u[:rb], v, nk)
             for lvl in range(depth):
                 kd, b, o = kind[lvl], bits[lvl], off[lvl, j]
                 if kd == 1:  # quant: a step per row, then the codes
                     for r in range(rb):
-                        step = f32(data, o + 4 * r)
-                        for e in range(r * cols, (r + 1) * cols):
-                            acc[e] += value(code_at(data, o + 4 * rb, e * b, b), b) * step
+                        add_codes(acc[r * cols:(r + 1) * cols], data, o + 4 * rb, r * cols, b,
+                                  f32(data, o + 4 * r), lut)
                 elif kd == 2 and size[lvl, j] > 0:  # rows: bitmap, steps, changed rows' codes
                     nm = (rb + 7) // 8
                     ch = popcount(data, o, rb)
@@ -333,10 +391,8 @@ def _define_compiled() -> Any:
                     c = 0
                     for r in range(rb):
                         if (data[o + (r >> 3)] >> (r & 7)) & 1:
-                            step = f32(data, o + nm + 4 * c)
-                            for e in range(cols):
-                                acc[r * cols + e] += value(
-                                    code_at(data, codes, (c * cols + e) * b, b), b) * step
+                            add_codes(acc[r * cols:(r + 1) * cols], data, codes, c * cols, b,
+                                      f32(data, o + nm + 4 * c), lut)
                             c += 1
                 elif kd == 3:  # vq: a scale per row, then one byte per dim elements
                     dim = ks[lvl]
