@@ -234,7 +234,8 @@ def decode(out, w0, starts, rows, depths, cols, kind, bits, ks, first, uscale, v
                             acc[r * cols + q * dim + d] += book[word, d] * scale
         if additive:
             for e in range(n):
-                out[s + e] = np.float32(np.uint32(w0[s + e]).view(np.float32) + acc[e]).view(np.uint32)
+                x = np.uint32(w0[s + e]).view(np.float32) + acc[e]
+                out[s + e] = np.float32(x).view(np.uint32)
         else:
             for e in range(n):
                 out[s + e] = w0[s + e]

@@ -191,6 +191,10 @@ def _compiled() -> Any:
 
 def _define_compiled() -> Any:
     try:
+        import numba
+
+        if numba.config.DISABLE_JIT:  # the loop would run as Python: the numpy path is faster
+            return None
         from ._numba_decode import decode
     except ImportError:  # numba is missing
         return None
