@@ -124,6 +124,14 @@ def add_codes(a, data, o, e0, bits, step, lut):
             a[e] += lut_b[code_at(data, o, (e0 + e) * 3, 3)] * step
         return
     mask = (1 << bits) - 1
+    per = 8 // bits
+    if (e0 * bits) % 8 == 0 and a.size % per == 0:  # whole bytes: per byte, its codes
+        byte0 = o + (e0 * bits >> 3)
+        for q in range(a.size // per):
+            x = data[byte0 + q]
+            for c in range(per):
+                a[q * per + c] += lut_b[(x >> (c * bits)) & mask] * step
+        return
     for e in range(a.size):
         bit = (e0 + e) * bits
         a[e] += lut_b[(data[o + (bit >> 3)] >> (bit & 7)) & mask] * step
@@ -168,10 +176,11 @@ def add_products(acc, cols, u, v, nk):
 
 
 @_jit
-def decode(out, w0, starts, rows, depths, cols, kind, bits, ks, first, uscale, v, book,
-           data, off, size):
-    """See :func:`decode_into` (``out`` and ``w0`` as uint32); returns the first block whose
-    ranges have the wrong sizes (nothing written from it on), or -1."""
+def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, uscale, v,
+           book, data, off, size):
+    """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
+    memory as float32); returns the first block whose ranges have the wrong sizes (nothing
+    written from it on), or -1."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -198,14 +207,20 @@ def decode(out, w0, starts, rows, depths, cols, kind, bits, ks, first, uscale, v
                 if kind[lvl] != 0:
                     continue
                 k, b, o = ks[lvl], bits[lvl], off[lvl, j]
-                for q in range(k):  # the V rows are in this order
-                    for r in range(rb):
+                sc = uscale[first[lvl]:first[lvl] + k]
+                mask = (1 << b) - 1
+                for r in range(rb):  # the V rows are in this order
+                    ur = u[r, c:c + k]
+                    for q in range(k):
+                        e = r * k + q
                         if b == 16:
-                            uv = f16(data, o + 2 * (r * k + q))
+                            uv = f16(data, o + 2 * e)
+                        elif b == 3:  # codes straddle bytes
+                            uv = lut[3, code_at(data, o, e * 3, 3)]
                         else:
-                            uv = lut[b, code_at(data, o, (r * k + q) * b, b)]
-                        u[r, c] = uv * uscale[first[lvl] + q]
-                    c += 1
+                            uv = lut[b, (data[o + ((e * b) >> 3)] >> ((e * b) & 7)) & mask]
+                        ur[q] = uv * sc[q]
+                c += k
             add_products(acc, cols, u[:rb], v, nk)
         for lvl in range(depth):
             kd, b, o = kind[lvl], bits[lvl], off[lvl, j]
@@ -228,14 +243,23 @@ def decode(out, w0, starts, rows, depths, cols, kind, bits, ks, first, uscale, v
                 per = cols // dim
                 for r in range(rb):
                     scale = f32(data, o + 4 * r)
-                    for q in range(per):
-                        word = first[lvl] + np.int64(data[o + 4 * rb + r * per + q])
-                        for d in range(dim):
-                            acc[r * cols + q * dim + d] += book[word, d] * scale
+                    ar = acc[r * cols:(r + 1) * cols]
+                    codes = data[o + 4 * rb + r * per:o + 4 * rb + (r + 1) * per]
+                    if dim == 8:  # the one dimension mergefs writes: a constant trip count
+                        for q in range(per):
+                            w = book[first[lvl] + np.int64(codes[q])]
+                            for d in range(8):
+                                ar[q * 8 + d] += w[d] * scale
+                    else:
+                        for q in range(per):
+                            w = book[first[lvl] + np.int64(codes[q])]
+                            for d in range(dim):
+                                ar[q * dim + d] += w[d] * scale
         if additive:
+            o_f = out_f[s:s + n]
+            w_f = w0_f[s:s + n]
             for e in range(n):
-                x = np.uint32(w0[s + e]).view(np.float32) + acc[e]
-                out[s + e] = np.float32(x).view(np.uint32)
+                o_f[e] = w_f[e] + acc[e]
         else:
             for e in range(n):
                 out[s + e] = w0[s + e]

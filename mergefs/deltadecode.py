@@ -111,7 +111,8 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
                                           [payloads.block(lvl, j) for lvl in range(k)],
                                           shared[:k], int(rows[j]), cols)
         return
-    bad = kernel(out.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
+    w0 = np.ascontiguousarray(w0)
+    bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0,
                  np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows, np.int64),
                  np.ascontiguousarray(depths, np.int64), cols, packed.kind, packed.bits,
                  packed.k, packed.first, packed.uscale, packed.v, packed.book, payloads.data,
