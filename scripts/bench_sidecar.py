@@ -21,9 +21,11 @@ masks; ``mlm_loss`` in make_family.py). ``--mount`` also serves each sidecar bud
 ``mergefs mount SPEC MNT --budget B`` and reads every file (cold sources): wall time, and whether
 the bytes equal ``materialise`` at the same budget.
 
-Decode speed is measured separately (``decode`` section): the time to reconstruct every block of
-every expert at its deepest level from sidecar bytes already in memory, against the time to
-read the same blocks' exact bytes cold.
+Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the sidecar ranges
+and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
+:func:`mergefs.deltadecode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
+pread of the exact expert bytes those blocks replace. ``scripts/bench_decode.py`` times the
+decoding alone, one thread, by the batched and the block-by-block routes.
 
     python scripts/bench_sidecar.py --family /tmp/minilm --budgets 5,10,20,full
 """
