@@ -112,7 +112,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
                                           shared[:k], int(rows[j]), cols)
         return
     ends = np.asarray(starts) + np.asarray(rows) * cols
-    if min(int(np.min(starts)), 0) < 0 or int(ends.max()) > min(out.size, w0.size):
+    if int(np.min(starts)) < 0 or int(ends.max()) > min(out.size, w0.size):
         raise ValueError("decode_into: a block lies outside out or w0")  # unchecked in the loop
     w0 = np.ascontiguousarray(w0)
     bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0,
