@@ -23,9 +23,9 @@ not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas` for t
   Gaussian Lloyd codebook, a per-row scale; sign and step when the columns are not a multiple
   of 8), and that residual at 2 bits (:data:`QUANT_LADDER`).
 
-Per (level, row block) the residual norm is computed with :func:`mergefs.deltas.reconstruct`,
-the decoder the engine runs, so the planner's bounds use exact errors. Blocking; worker threads
-only.
+Per (level, row block) the residual norm is computed with
+:func:`mergefs.deltadecode.decode_into`, the decoder the engine runs, so the planner's bounds use
+exact errors. Blocking; worker threads only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np
 import xxhash
 from safetensors.numpy import save
 
+from . import deltadecode as decode
 from . import deltas as dl
 from . import sidecar
 from .checkpoint import Checkpoint
@@ -349,19 +350,30 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
 
 def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[int, int]],
                cols: int) -> list[list[float]]:
-    """``||D_b - fl(W_hat_b - W0_b)||`` after each level prefix, with the engine's decoder."""
-    levels = [dl.Level(kind, bits, k, 0 if s is not None else -1)
-              for (kind, bits, k), s in zip(built.kinds, built.shared)]
+    """``||D_b - fl(W_hat_b - W0_b)||`` after each level prefix, with the engine's decoder
+    (:func:`mergefs.deltadecode.decode_into`: every block of the tensor per prefix)."""
+    levels = tuple(dl.Level(kind, bits, k, 0 if s is not None else -1)
+                   for (kind, bits, k), s in zip(built.kinds, built.shared))
     shared = [dl.shared_value(lv, memoryview(s), cols) if s is not None else None
               for s, lv in zip(built.shared, levels)]
+    sizes = np.asarray([[len(blob) for blob in b] for b in built.blocks], np.int64)
+    sizes = sizes.reshape(len(levels), len(rows))
+    off = (np.cumsum(sizes.reshape(-1)) - sizes.reshape(-1)).reshape(sizes.shape)
+    data = np.frombuffer(b"".join(blob for b in built.blocks for blob in b), dtype=np.uint8)
+    payloads = decode.Payloads(data, off, sizes)
+    starts = np.asarray([r0 * cols for r0, _ in rows], np.int64)
+    n_rows = np.asarray([r1 - r0 for r0, r1 in rows], np.int64)
+    w0f = np.ascontiguousarray(w0, dtype=np.float32).reshape(-1)
+    w_hat = np.empty_like(w0f)
+    packed = decode.pack(levels, shared, cols)
     out: list[list[float]] = [[0.0] * len(rows) for _ in levels]
-    for j, (r0, r1) in enumerate(rows):
-        w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
-        db = d32[r0:r1].reshape(-1).astype(np.float64)
-        blocks = [memoryview(b[j]) for b in built.blocks]
-        for n in range(1, len(levels) + 1):
-            w_hat = dl.reconstruct(w0b, levels[:n], blocks[:n], shared[:n], r1 - r0, cols)
-            eff = (w_hat - w0b).astype(np.float64)  # float32 difference, as methods take it
+    for n in range(1, len(levels) + 1):
+        decode.decode_into(w_hat, w0f, levels, cols, starts, n_rows,
+                           np.full(len(rows), n, np.int64), payloads, shared, packed)
+        for j, (r0, r1) in enumerate(rows):
+            s0, s1 = r0 * cols, r1 * cols
+            db = d32[r0:r1].reshape(-1).astype(np.float64)
+            eff = (w_hat[s0:s1] - w0f[s0:s1]).astype(np.float64)  # as methods take it
             out[n - 1][j] = float(np.linalg.norm(db - eff))
     return out
 

@@ -36,9 +36,17 @@ refinement of the previous ones:
 For row block ``b`` the range of level ``l`` is ``first_range[l] + (b - first_block[t])``: the
 bytes of one level of one row block are one contiguous range, and the ranges of consecutive
 blocks are adjacent. ``range_resid`` of a block range is ``||D_b - D_hat_b||`` after levels
-``0..l``, computed by the publisher with :func:`reconstruct` itself (``D = fl(W_i - W_0)`` as the
-index computes it; ``D_hat = fl(W_hat - W_0)`` with ``W_hat`` what the engine merges), so it is
-the exact error of that block, not an estimate. Shared ranges have ``range_resid`` NaN.
+``0..l``, computed by the publisher with the engine's decoder itself (``D = fl(W_i - W_0)`` as
+the index computes it; ``D_hat = fl(W_hat - W_0)`` with ``W_hat`` what the engine merges), so it
+is the exact error of that block, not an estimate. Shared ranges have ``range_resid`` NaN.
+
+Versions: 1 has no ``rows`` or ``vq`` levels; 1 and 2 define the low-rank product as a float32
+BLAS product ``[U_1 .. U_j] [V_1; ..; V_j]`` (their residuals are exact for a BLAS that rounds
+as the publisher's did). Version 3 (same layout and kinds as 2) fixes the product's summation
+order, so that a compiled decoder of many blocks at once (:mod:`mergefs.deltadecode`) and the
+numpy one here give the same bits on any machine: per element, starting from +0,
+``acc += fl(u_k * v_kj)`` for the components ``k`` of every low-rank level in order, float32,
+each product and sum rounded (no fused multiply-add). :func:`reconstruct` decodes all three.
 
 Pure decoding and a blocking reader (pread, xxh3 checked per range); never on the trio thread.
 """
@@ -62,9 +70,12 @@ from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
 
-DELTA_VERSION = "2"
-#: versions this reader opens: 1 has the same layout without the ``rows`` kind
-READABLE_VERSIONS = ("1", "2")
+DELTA_VERSION = "3"
+#: versions this reader opens: 1 has the same layout without the ``rows`` and ``vq`` kinds; 1
+#: and 2 have a BLAS low-rank product, 3 a fixed-order one (see the module docstring)
+READABLE_VERSIONS = ("1", "2", "3")
+#: versions whose low-rank product is a BLAS sgemm (decoded block by block)
+BLAS_VERSIONS = ("1", "2")
 META_KEY = "mergefs_delta"
 #: uniform quantiser step per bit width, in units of the RMS (near-optimal for Gaussian values)
 GAUSS_STEP = {1: 0.0, 2: 0.996, 3: 0.586, 4: 0.335}
@@ -359,18 +370,54 @@ def _define_compiled() -> tuple[Any, Any]:
     return _quant_add_nb, _ulp_bf16_nb
 
 
+#: kinds added to ``acc`` before ``W_hat = w0 + acc`` (the others overwrite values of ``W_hat``)
+ADDITIVE = ("lowrank", "quant", "rows", "vq")
+
+
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
                 shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
-                cols: int) -> np.ndarray:
+                cols: int, version: str = DELTA_VERSION) -> np.ndarray:
     """``W_hat`` (float32, flat) of one row block from its levels ``levels`` (a prefix).
 
     ``w0`` is the base block (float32, flat). The low-rank levels are one float32 product
-    ``[U_1 .. U_j] [V_1; ..; V_j]``, quantised levels are added in level order, then
+    (version 3: in a fixed order, see the module docstring; 1 and 2: a BLAS product, with a
+    float32 BLAS that rounds it as the publisher's did, another may differ by about 1e-7 of the
+    low-rank contribution), quantised levels are added in level order, then
     ``W_hat = w0 + acc`` (float32), and ``ulp`` and ``sparse`` levels overwrite exact values.
-    The publisher computes every residual norm with this function, prefix by prefix, so they
-    are exact for this decoder (with a float32 BLAS that rounds the product as the publisher's
-    did; another may differ by about 1e-7 of the low-rank contribution).
+    The publisher computes every residual norm with this decoder (version 3: with
+    :func:`mergefs.deltadecode.decode_into`, which gives the same bits), prefix by prefix, so
+    they are exact for it.
     """
+    if version in BLAS_VERSIONS:
+        acc = _additive_blas(levels, blocks, shared, rows_b, cols)
+    else:
+        acc = _additive(levels, blocks, shared, rows_b, cols)
+    w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
+    _overwrite(w_hat, w0, levels, blocks)
+    return w_hat
+
+
+def _additive(levels: Sequence[Level], blocks: Sequence[memoryview],
+              shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
+              cols: int) -> np.ndarray | None:
+    """Version 3's ``acc`` (None without additive levels): from +0 (so never -0), the
+    low-rank components one by one, then the other additive levels in order."""
+    if not any(lv.kind in ADDITIVE for lv in levels):
+        return None
+    acc = np.zeros((rows_b, cols), np.float32)
+    for level, block, sh in zip(levels, blocks, shared):
+        if level.kind == "lowrank":
+            assert sh is not None
+            u = _u(level, rows_b, block, sh[0])
+            for c in range(level.k):
+                acc += u[:, c, None] * sh[1][c]  # fl(acc + fl(u * v)), as the compiled loop
+    return _add_rest(acc, levels, blocks, shared, rows_b, cols)
+
+
+def _additive_blas(levels: Sequence[Level], blocks: Sequence[memoryview],
+                   shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
+                   cols: int) -> np.ndarray | None:
+    """Versions 1 and 2's ``acc``: the low-rank product by BLAS."""
     us, vs = [], []
     acc: np.ndarray | None = None
     for level, block, sh in zip(levels, blocks, shared):
@@ -380,6 +427,12 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             vs.append(sh[1])
     if us:
         acc = np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]
+    return _add_rest(acc, levels, blocks, shared, rows_b, cols)
+
+
+def _add_rest(acc: np.ndarray | None, levels: Sequence[Level], blocks: Sequence[memoryview],
+              shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
+              cols: int) -> np.ndarray | None:
     for level, block, sh in zip(levels, blocks, shared):
         if level.kind == "quant":
             acc = _add_quant(acc, level, rows_b, cols, block)
@@ -388,12 +441,17 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             acc = _add_vq(acc, level, rows_b, cols, block, sh[0])
         elif level.kind == "rows":
             acc = _add_rows(acc, level, rows_b, cols, block)
-    w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
+    return acc
+
+
+def _overwrite(w_hat: np.ndarray, w0: np.ndarray, levels: Sequence[Level],
+               blocks: Sequence[memoryview]) -> None:
+    """The ``ulp`` levels, then the ``sparse`` levels, in level order, written into ``w_hat``."""
     for level, block in zip(levels, blocks):
         ulp_bf16 = _compiled("_ulp_bf16_nb") if level.kind == "ulp" and level.k == 1 else None
         if ulp_bf16 is not None:
             ulp_bf16(w_hat.view(np.uint32), np.ascontiguousarray(w0).view(np.uint32),
-                         np.frombuffer(block, dtype=np.uint8), level.bits)
+                     np.frombuffer(block, dtype=np.uint8), level.bits)
         elif level.kind == "ulp":
             n = w0.size
             mask = unpack_bits(block, 1, n).astype(bool)
@@ -406,7 +464,6 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
             n = len(block) // 8
             idx = np.frombuffer(block, dtype="<u4", count=n)
             w_hat[idx] = np.frombuffer(block, dtype="<f4", count=n, offset=4 * n)
-    return w_hat
 
 
 class OneBlasThread:
@@ -514,6 +571,8 @@ class DeltaSidecar:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     _shared_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: :mod:`mergefs.deltadecode`'s packed shared values, by (tensor, depth), under _shared_lock
+    _packed: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -658,7 +717,8 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
 
 #: level kinds each sidecar version may hold, and the (bits, k) each kind decodes
 KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
-                    "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
+                    "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
+                    "3": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
 
 
 def _level_problem(level: Level, version: str, n_ranges: int) -> str:

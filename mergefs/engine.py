@@ -588,22 +588,16 @@ class Engine:
     def _reconstruct(self, i: int, name: str, e0: int, w0: np.ndarray, full: np.ndarray,
                      blocks: list[tuple[int, int]]) -> None:
         """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
-        from .deltas import one_blas_thread, reconstruct
+        from .deltadecode import decode_blocks
 
-        sc = self.deltas[i]
-        tl = sc.tensors[name]
+        tl = self.deltas[i].tensors[name]
         lay = self.layout
-        first = int(lay.first_block[tl.t])
-        depth = max(k for _, k in blocks)
-        got = [sc.read_runs(lv.first_range, [b - first for b, k in blocks if k > lvl], name)
-               for lvl, lv in enumerate(tl.levels[:depth])]
-        shared = [sc.shared(lv, tl.cols, name) for lv in tl.levels[:depth]]
-        with one_blas_thread():
-            for b, k in blocks:
-                s0, s1 = int(lay.elem_start[b]) - e0, int(lay.elem_end[b]) - e0
-                j = b - first
-                full[s0:s1] = reconstruct(w0[s0:s1], tl.levels[:k], [g[j] for g in got[:k]],
-                                          shared[:k], (s1 - s0) // tl.cols, tl.cols)
+        b = np.asarray([b for b, _ in blocks], np.int64)
+        depths = np.asarray([k for _, k in blocks], np.int64)
+        starts = lay.elem_start[b] - e0
+        n_rows = (lay.elem_end[b] - lay.elem_start[b]) // tl.cols
+        decode_blocks(self.deltas[i], tl, b - int(lay.first_block[tl.t]), depths, starts, n_rows,
+                      w0, full, name)
 
     def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
                         buf: memoryview) -> None:

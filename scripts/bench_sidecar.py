@@ -21,9 +21,11 @@ masks; ``mlm_loss`` in make_family.py). ``--mount`` also serves each sidecar bud
 ``mergefs mount SPEC MNT --budget B`` and reads every file (cold sources): wall time, and whether
 the bytes equal ``materialise`` at the same budget.
 
-Decode speed is measured separately (``decode`` section): the time to reconstruct every block of
-every expert at its deepest level from sidecar bytes already in memory, against the time to
-read the same blocks' exact bytes cold.
+Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the sidecar ranges
+and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
+:func:`mergefs.deltadecode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
+pread of the exact expert bytes those blocks replace. ``scripts/bench_decode.py`` times the
+decoding alone, one thread, by the batched and the block-by-block routes.
 
     python scripts/bench_sidecar.py --family /tmp/minilm --budgets 5,10,20,full
 """
@@ -84,7 +86,7 @@ def energy(got: dict[str, np.ndarray], full: dict[str, np.ndarray], w0: dict[str
     return 1 - err / upd if upd else 1.0, err ** 0.5, upd ** 0.5
 
 
-DECODE = {"seconds": 0.0, "blocks": 0}
+DECODE = {"seconds": 0.0, "blocks": 0, "compute": 0.0}
 
 
 def _timed_reconstruct(orig: Any) -> Any:
@@ -93,6 +95,14 @@ def _timed_reconstruct(orig: Any) -> Any:
         orig(self, i, name, e0, w0, full, blocks)
         DECODE["seconds"] += time.perf_counter() - t0
         DECODE["blocks"] += len(blocks)
+    return wrapper
+
+
+def _timed_decode_into(orig: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        orig(*args, **kwargs)
+        DECODE["compute"] += time.perf_counter() - t0
     return wrapper
 
 
@@ -120,7 +130,7 @@ def replaced_read_seconds(s: Session, sources: list[Path]) -> tuple[float, int]:
 def merge(spec: Any, out: Path, sources: list[Path], *, budget: int | None, sidecars: bool,
           plan: Any = None) -> tuple[Session, float]:
     evict(*sources)
-    DECODE.update(seconds=0.0, blocks=0)
+    DECODE.update(seconds=0.0, blocks=0, compute=0.0)
     t0 = time.perf_counter()
     s = Session(spec, budget_bytes=budget, sidecars=sidecars, plan=plan)
     shutil.rmtree(out, ignore_errors=True)
@@ -328,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     from mergefs.engine import Engine
 
     Engine._reconstruct = _timed_reconstruct(Engine._reconstruct)  # type: ignore[method-assign]
+    from mergefs import deltadecode
+
+    deltadecode.decode_into = _timed_decode_into(deltadecode.decode_into)  # the kernel alone
     spec = load_spec(str(args.family / args.spec))
     base_dir = Path(spec.base)
     sources = [base_dir, *[Path(e.path) for e in spec.experts]]
@@ -385,8 +398,13 @@ def main(argv: list[str] | None = None) -> int:
                        "bytes_read": tot["expert_bytes_read"],
                        "sidecar_bytes": sum(tot.get("sidecar_bytes_read", {}).values()),
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,
-                       "wall_s": round(wall, 2), "decode_s": round(DECODE["seconds"], 3),
-                       "blocks_decoded": DECODE["blocks"]}
+                       "wall_s": round(wall, 2), "blocks_decoded": DECODE["blocks"],
+                       "decode_s": round(DECODE["seconds"], 3),
+                       "decode_compute_s": round(DECODE["compute"], 3)}
+                if sidecars and pct is not None:  # beside decode_s: the reads it replaces
+                    secs, nbytes = replaced_read_seconds(s, sources)
+                    row["replaced_exact_read_cold_s"] = round(secs, 3)
+                    row["replaced_exact_bytes"] = nbytes
                 if embed is not None:
                     row["cosine_to_full"] = cosine(embed(tmp / "b"), e_full)
                 if mlm is not None and pct is not None:
@@ -394,10 +412,6 @@ def main(argv: list[str] | None = None) -> int:
                 if args.mount and sidecars and pct is not None:
                     row.update(through_mount(args.family / args.spec, budget, sources, tmp,
                                              tmp / "b"))
-                if sidecars and pct is not None:
-                    secs, nbytes = replaced_read_seconds(s, sources)
-                    row["replaced_exact_bytes"] = nbytes
-                    row["replaced_exact_read_cold_s"] = round(secs, 3)
                 rows.append(row)
                 print(json.dumps(row))
                 if pct is not None and args.layers_only:

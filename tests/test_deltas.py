@@ -348,7 +348,12 @@ def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
         vs.append(v * scales[lv.k:, None])
         u = _np_codes(np.frombuffer(bytes(buf), dtype=np.uint8), lv.bits, rows_b * lv.k)
         us.append(u.reshape(rows_b, lv.k) * scales[None, :lv.k])
-    acc = (np.hstack(us) @ np.vstack(vs) if len(us) > 1 else us[0] @ vs[0]) if us else None
+    acc = None
+    if us:  # version 3: component by component from +0, each product and sum rounded
+        acc = np.zeros((rows_b, cols), np.float32)
+        for u, v in zip(us, vs):
+            for c in range(u.shape[1]):
+                acc = acc + u[:, c:c + 1] * v[c:c + 1]
     for lv, buf, sh in zip(levels, blocks, shared_raw):
         raw = np.frombuffer(bytes(buf), dtype=np.uint8)
         if lv.kind == "vq":

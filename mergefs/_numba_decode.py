@@ -1,0 +1,285 @@
+"""The numba loop behind :mod:`mergefs.deltadecode` (imported on first use: importing numba
+costs ~0.15 s, which a merge without sidecars should not pay). See that module for what it
+computes and why it equals :func:`mergefs.deltas.reconstruct` (version 3) bit for bit.
+
+Module-level functions, so that numba's disk cache finds them (functions defined in a closure
+were compiled again in every process, ~2.5 s). No ``fastmath``: it would allow reassociation
+and FMA contraction, which change bits. Pure; ``nogil``.
+"""
+
+# mypy: ignore-errors
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def code_at(data, o, bit, bits):
+    """The ``bits``-bit code at bit ``bit`` of the bytes from ``data[o]``."""
+    byte = o + (bit >> 3)
+    sh = bit & 7
+    v = np.int64(data[byte]) >> sh
+    if sh + bits > 8:
+        v |= np.int64(data[byte + 1]) << (8 - sh)
+    return v & ((1 << bits) - 1)
+
+
+@_jit
+def value(code, bits):
+    """A code's value in steps (midrise; 1 bit: +-1), exact in float32."""
+    if bits == 1:
+        return np.float32(2 * code - 1)
+    return np.float32(code) - np.float32(((1 << bits) - 1) / 2.0)
+
+
+@_jit
+def u32(data, o):
+    return np.uint32(np.uint32(data[o]) | (np.uint32(data[o + 1]) << 8)
+                     | (np.uint32(data[o + 2]) << 16) | (np.uint32(data[o + 3]) << 24))
+
+
+@_jit
+def f32(data, o):
+    return np.uint32(u32(data, o)).view(np.float32)
+
+
+@_jit
+def f16(data, o):
+    """The little-endian float16 at ``data[o]``, as float32 (exact)."""
+    h = np.uint32(data[o]) | (np.uint32(data[o + 1]) << 8)
+    sign = (h >> 15) << 31
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    if exp == 0x1F:
+        bits = sign | np.uint32(0x7F800000) | (mant << 13)
+    elif exp != 0:
+        bits = sign | ((exp + 112) << 23) | (mant << 13)
+    elif mant == 0:
+        bits = sign
+    else:  # subnormal: normalise
+        e = np.uint32(113)
+        while (mant & 0x400) == 0:
+            mant <<= 1
+            e -= 1
+        bits = sign | (e << 23) | ((mant & 0x3FF) << 13)
+    return np.uint32(bits).view(np.float32)
+
+
+@_jit
+def popcount(data, o, n):
+    """Set bits among the first ``n`` bits of the bytes from ``data[o]``."""
+    c = 0
+    for e in range(n):
+        c += (data[o + (e >> 3)] >> (e & 7)) & 1
+    return c
+
+
+@_jit
+def sizes_ok(j, depth, rb, cols, kind, bits, ks, data, off, size):
+    n = rb * cols
+    for lvl in range(depth):
+        o, got, kd, b = off[lvl, j], size[lvl, j], kind[lvl], bits[lvl]
+        if kd == 0:
+            need = 2 * rb * ks[lvl] if b == 16 else (rb * ks[lvl] * b + 7) // 8
+        elif kd == 1:
+            need = 4 * rb + (n * b + 7) // 8
+        elif kd == 2:
+            if got == 0:
+                continue  # no changed row
+            nm = (rb + 7) // 8
+            if got < nm:
+                return False
+            ch = popcount(data, o, rb)
+            need = nm + 4 * ch + (ch * cols * b + 7) // 8
+        elif kd == 3:
+            if cols % ks[lvl] != 0:
+                return False
+            need = 4 * rb + n // ks[lvl]
+        elif kd == 4:
+            nm = (n + 7) // 8
+            if got < nm:
+                return False
+            need = nm + (popcount(data, o, n) * b + 7) // 8
+        else:
+            if got % 8 != 0:
+                return False
+            for q in range(got // 8):
+                if u32(data, o + 4 * q) >= n:
+                    return False
+            need = got
+        if got != need:
+            return False
+    return True
+
+
+@_jit
+def add_codes(a, data, o, e0, bits, step, lut):
+    """``a[e] += fl(value of code e0 + e * step)``: the codes packed from ``data[o]``."""
+    lut_b = lut[bits]
+    if bits == 3:  # codes straddle bytes
+        for e in range(a.size):
+            a[e] += lut_b[code_at(data, o, (e0 + e) * 3, 3)] * step
+        return
+    mask = (1 << bits) - 1
+    per = 8 // bits
+    if (e0 * bits) % 8 == 0 and a.size % per == 0:  # whole bytes: per byte, its codes
+        byte0 = o + (e0 * bits >> 3)
+        for q in range(a.size // per):
+            x = data[byte0 + q]
+            for c in range(per):
+                a[q * per + c] += lut_b[(x >> (c * bits)) & mask] * step
+        return
+    for e in range(a.size):
+        bit = (e0 + e) * bits
+        a[e] += lut_b[(data[o + (bit >> 3)] >> (bit & 7)) & mask] * step
+
+
+@_jit
+def add_products(acc, cols, u, v, nk):
+    """``acc[r, e] += fl(u[r, c] * v[c, e])`` for ``c`` in ``0 .. nk-1`` in order, each
+    rounded: two rows and four components per pass (per element the same operations, in
+    the same order; fewer loads of ``v`` and ``acc``)."""
+    rb = u.shape[0]
+    r = 0
+    while r < rb:
+        two = r + 1 < rb
+        a = acc[r * cols:(r + 1) * cols]
+        b = acc[(r + 1) * cols:(r + 2) * cols] if two else a
+        c = 0
+        while c + 4 <= nk:
+            v0, v1, v2, v3 = v[c], v[c + 1], v[c + 2], v[c + 3]
+            a0, a1, a2, a3 = u[r, c], u[r, c + 1], u[r, c + 2], u[r, c + 3]
+            if two:
+                b0, b1, b2, b3 = u[r + 1, c], u[r + 1, c + 1], u[r + 1, c + 2], u[r + 1, c + 3]
+                for e in range(cols):
+                    x0, x1, x2, x3 = v0[e], v1[e], v2[e], v3[e]
+                    a[e] = (((a[e] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+                    b[e] = (((b[e] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
+            else:
+                for e in range(cols):
+                    a[e] = (((a[e] + a0 * v0[e]) + a1 * v1[e]) + a2 * v2[e]) + a3 * v3[e]
+            c += 4
+        while c < nk:
+            v0 = v[c]
+            a0 = u[r, c]
+            for e in range(cols):
+                a[e] += a0 * v0[e]
+            if two:
+                b0 = u[r + 1, c]
+                for e in range(cols):
+                    b[e] += b0 * v0[e]
+            c += 1
+        r += 2
+
+
+@_jit
+def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, uscale, v,
+           book, data, off, size):
+    """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
+    memory as float32); returns the first block whose ranges have the wrong sizes (nothing
+    written from it on), or -1."""
+    acc = np.zeros(rows.max() * cols, np.float32)
+    u = np.zeros((rows.max(), v.shape[0]), np.float32)
+    lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
+    for b in (1, 2, 3, 4, 8):
+        for c in range(1 << b):
+            lut[b, c] = value(c, b)
+    for j in range(starts.size):
+        s, rb, depth = starts[j], rows[j], depths[j]
+        n = rb * cols
+        if not sizes_ok(j, depth, rb, cols, kind, bits, ks, data, off, size):
+            return j
+        additive = False
+        for lvl in range(depth):
+            additive |= kind[lvl] <= 3
+        if additive:
+            acc[:n] = 0
+        nk = 0  # low-rank: every component's U value of a row, then V row by V row
+        for lvl in range(depth):
+            if kind[lvl] == 0:
+                nk += ks[lvl]
+        if nk > 0:
+            c = 0
+            for lvl in range(depth):
+                if kind[lvl] != 0:
+                    continue
+                k, b, o = ks[lvl], bits[lvl], off[lvl, j]
+                sc = uscale[first[lvl]:first[lvl] + k]
+                mask = (1 << b) - 1
+                for r in range(rb):  # the V rows are in this order
+                    ur = u[r, c:c + k]
+                    for q in range(k):
+                        e = r * k + q
+                        if b == 16:
+                            uv = f16(data, o + 2 * e)
+                        elif b == 3:  # codes straddle bytes
+                            uv = lut[3, code_at(data, o, e * 3, 3)]
+                        else:
+                            uv = lut[b, (data[o + ((e * b) >> 3)] >> ((e * b) & 7)) & mask]
+                        ur[q] = uv * sc[q]
+                c += k
+            add_products(acc, cols, u[:rb], v, nk)
+        for lvl in range(depth):
+            kd, b, o = kind[lvl], bits[lvl], off[lvl, j]
+            if kd == 1:  # quant: a step per row, then the codes
+                for r in range(rb):
+                    add_codes(acc[r * cols:(r + 1) * cols], data, o + 4 * rb, r * cols, b,
+                              f32(data, o + 4 * r), lut)
+            elif kd == 2 and size[lvl, j] > 0:  # rows: bitmap, steps, changed rows' codes
+                nm = (rb + 7) // 8
+                ch = popcount(data, o, rb)
+                codes = o + nm + 4 * ch
+                c = 0
+                for r in range(rb):
+                    if (data[o + (r >> 3)] >> (r & 7)) & 1:
+                        add_codes(acc[r * cols:(r + 1) * cols], data, codes, c * cols, b,
+                                  f32(data, o + nm + 4 * c), lut)
+                        c += 1
+            elif kd == 3:  # vq: a scale per row, then one byte per dim elements
+                dim = ks[lvl]
+                per = cols // dim
+                for r in range(rb):
+                    scale = f32(data, o + 4 * r)
+                    ar = acc[r * cols:(r + 1) * cols]
+                    codes = data[o + 4 * rb + r * per:o + 4 * rb + (r + 1) * per]
+                    if dim == 8:  # the one dimension mergefs writes: a constant trip count
+                        for q in range(per):
+                            w = book[first[lvl] + np.int64(codes[q])]
+                            for d in range(8):
+                                ar[q * 8 + d] += w[d] * scale
+                    else:
+                        for q in range(per):
+                            w = book[first[lvl] + np.int64(codes[q])]
+                            for d in range(dim):
+                                ar[q * dim + d] += w[d] * scale
+        if additive:
+            o_f = out_f[s:s + n]
+            w_f = w0_f[s:s + n]
+            for e in range(n):
+                o_f[e] = w_f[e] + acc[e]
+        else:
+            for e in range(n):
+                out[s + e] = w0[s + e]
+        for lvl in range(depth):
+            if kind[lvl] != 4:
+                continue  # ulp (bfloat16): the base's pattern moved, where the bitmap says
+            b, o = bits[lvl], off[lvl, j]
+            half = 1 << (b - 1)
+            pos = ((n + 7) >> 3) * 8
+            for e in range(n):
+                if (data[o + (e >> 3)] >> (e & 7)) & 1:
+                    code = code_at(data, o, pos, b)
+                    move = code - half + (1 if code >= half else 0)
+                    b16 = np.int64(w0[s + e] >> 16) + move
+                    out[s + e] = np.uint32(b16 & 0xFFFF) << 16
+                    pos += b
+        for lvl in range(depth):
+            if kind[lvl] != 5:
+                continue  # sparse: positions, then the exact values
+            o, cnt = off[lvl, j], size[lvl, j] // 8
+            for q in range(cnt):
+                out[s + u32(data, o + 4 * q)] = u32(data, o + 4 * (cnt + q))
+    return -1

@@ -1,0 +1,205 @@
+"""Decoding many row blocks of one tensor's delta sidecar levels at once (issue 14).
+
+The engine reconstructs ``W_hat`` of every planned block of a unit, and the publisher measures
+every level prefix of every block, with :func:`decode_into`: one call per tensor (or run of
+blocks), each block with its own level depth, written straight into the caller's float32
+buffer. With numba, one compiled loop per call (defined, or loaded from numba's disk cache, at
+the first call: importing numba costs ~0.15 s, which a merge without sidecars need not pay);
+without it, or for ``ulp`` levels of float16 experts, :func:`mergefs.deltas.reconstruct` block by
+block. Both compute exactly the version-3 arithmetic of :mod:`mergefs.deltas` (the fixed-order
+low-rank product, no fused multiply-add: numba without ``fastmath`` does not contract), so the
+bits do not depend on which ran; sidecars of versions 1 and 2 (a BLAS low-rank product) are
+decoded block by block as before.
+
+:func:`read_payloads` reads the block ranges of a tensor's levels, one pread per adjacent run
+per level, into one buffer. Blocking; worker threads only, never the trio thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import deltas as dl
+
+#: level kind -> the compiled loop's code
+KIND_CODE = {"lowrank": 0, "quant": 1, "rows": 2, "vq": 3, "ulp": 4, "sparse": 5}
+
+
+@dataclass(frozen=True)
+class Payloads:
+    """Block ranges of levels ``0 .. L-1`` of some blocks: level ``l`` of block ``j`` is
+    ``data[off[l, j]:off[l, j] + size[l, j]]`` (size 0 where the block's depth is ``<= l``)."""
+
+    data: np.ndarray  # uint8
+    off: np.ndarray  # (L, n_blocks) int64
+    size: np.ndarray  # (L, n_blocks) int64
+
+    def block(self, lvl: int, j: int) -> memoryview:
+        o = int(self.off[lvl, j])
+        return memoryview(self.data)[o:o + int(self.size[lvl, j])]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A level prefix's parameters and shared values, as the compiled loop takes them."""
+
+    kind: np.ndarray  # (L,) int64, KIND_CODE
+    bits: np.ndarray  # (L,) int64
+    k: np.ndarray  # (L,) int64
+    first: np.ndarray  # (L,) int64: lowrank, first row of ``v``/``uscale``; vq, of ``book``
+    uscale: np.ndarray  # (K,) float32: every lowrank level's U column scales, in order
+    v: np.ndarray  # (K, cols) float32: every lowrank level's V rows, in order
+    book: np.ndarray  # (W, dim) float32: every vq level's codebook, in order
+    compiled_ok: bool  # False: a level the compiled loop does not decode (float16 ulp)
+
+
+def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
+         cols: int) -> Packed:
+    n = len(levels)
+    first = np.zeros(n, np.int64)
+    us, vs, books = [], [], []
+    rows_v = rows_b = 0
+    for lvl, (lv, sh) in enumerate(zip(levels, shared)):
+        if lv.kind == "lowrank":
+            assert sh is not None
+            first[lvl] = rows_v
+            us.append(sh[0])
+            vs.append(sh[1])
+            rows_v += lv.k
+        elif lv.kind == "vq":
+            assert sh is not None
+            first[lvl] = rows_b
+            books.append(sh[0])
+            rows_b += len(sh[0])
+    dim = max([b.shape[1] for b in books], default=1)
+    return Packed(
+        np.asarray([KIND_CODE[lv.kind] for lv in levels], np.int64),
+        np.asarray([lv.bits for lv in levels], np.int64),
+        np.asarray([lv.k for lv in levels], np.int64), first,
+        np.ascontiguousarray(np.concatenate(us) if us else np.zeros(1), dtype=np.float32),
+        np.ascontiguousarray(np.vstack(vs) if vs else np.zeros((1, cols)), dtype=np.float32),
+        np.ascontiguousarray(np.vstack([b.reshape(-1, dim) for b in books]) if books
+                             else np.zeros((1, 1)), dtype=np.float32),
+        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels))
+
+
+def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], cols: int,
+                starts: np.ndarray, rows: np.ndarray, depths: np.ndarray, payloads: Payloads,
+                shared: list[tuple[np.ndarray, np.ndarray] | None],
+                packed: Packed | None = None) -> None:
+    """``out[s:s + rows[j] * cols] = W_hat`` of block ``j`` (``s = starts[j]``: element offsets
+    into ``out`` and ``w0``, both flat float32) from its first ``depths[j]`` levels, version 3.
+
+    ``shared`` and ``packed`` cover ``levels[:max(depths)]`` (``packed``: :func:`pack` of them,
+    computed here when None). Raises :class:`mergefs.deltas.DeltaError` when a block's ranges
+    do not have the sizes its levels imply.
+    """
+    if len(starts) == 0:
+        return
+    depth = int(depths.max())
+    if packed is None:
+        packed = pack(levels[:depth], shared[:depth], cols)
+    kernel = _compiled() if packed.compiled_ok else None
+    if kernel is None:
+        for j in range(len(starts)):
+            s, n, k = int(starts[j]), int(rows[j]) * cols, int(depths[j])
+            out[s:s + n] = dl.reconstruct(w0[s:s + n], levels[:k],
+                                          [payloads.block(lvl, j) for lvl in range(k)],
+                                          shared[:k], int(rows[j]), cols)
+        return
+    ends = np.asarray(starts) + np.asarray(rows) * cols
+    if int(np.min(starts)) < 0 or int(ends.max()) > min(out.size, w0.size):
+        raise ValueError("decode_into: a block lies outside out or w0")  # unchecked in the loop
+    w0 = np.ascontiguousarray(w0)
+    bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0,
+                 np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows, np.int64),
+                 np.ascontiguousarray(depths, np.int64), cols, packed.kind, packed.bits,
+                 packed.k, packed.first, packed.uscale, packed.v, packed.book, payloads.data,
+                 payloads.off, payloads.size)
+    if bad >= 0:
+        raise dl.DeltaError(f"block {bad} of the call: its level ranges do not have the sizes "
+                            "its levels imply (a damaged level table)")
+
+
+def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
+                  tensor: str = "") -> Payloads:
+    """Level ``l`` of the tensor's blocks ``js`` (ascending, relative to its first block) whose
+    depth exceeds ``l``: one pread per run of adjacent blocks per level, as ``read_runs``."""
+    depth = int(depths.max()) if len(js) else 0
+    off = np.zeros((depth, len(js)), np.int64)
+    size = np.zeros((depth, len(js)), np.int64)
+    pieces: list[memoryview] = []
+    pos = 0
+    for lvl, lv in enumerate(tl.levels[:depth]):
+        sel = np.flatnonzero(depths > lvl)
+        ranges = lv.first_range + np.asarray(js, np.int64)[sel]
+        cuts = np.flatnonzero(np.diff(ranges) != 1) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ranges)]):
+            r0, r1 = int(ranges[a]), int(ranges[b - 1]) + 1
+            buf = sc.read(r0, r1, tensor)
+            run = ranges[a:b]
+            off[lvl, sel[a:b]] = pos + sc.range_start[run] - sc.range_start[r0]
+            size[lvl, sel[a:b]] = sc.range_end[run] - sc.range_start[run]
+            pieces.append(buf)
+            pos += len(buf)
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8) if pieces else np.zeros(0, np.uint8)
+    return Payloads(data, off, size)
+
+
+def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
+                  starts: np.ndarray, n_rows: np.ndarray, w0: np.ndarray, out: np.ndarray,
+                  tensor: str = "") -> None:
+    """Read blocks ``js`` of tensor ``tl`` (relative to its first block; ascending) and decode
+    them at ``depths`` into ``out`` (see :func:`decode_into`: ``starts`` index ``w0`` and
+    ``out``, block ``j`` has ``n_rows[j]`` rows)."""
+    if len(js) == 0:
+        return
+    payloads = read_payloads(sc, tl, js, depths, tensor)
+    depth = int(depths.max())
+    shared = [sc.shared(lv, tl.cols, tensor) for lv in tl.levels[:depth]]
+    if sc.meta["version"] in dl.BLAS_VERSIONS:
+        with dl.one_blas_thread():
+            for j in range(len(js)):
+                s, n, k = int(starts[j]), int(n_rows[j]) * tl.cols, int(depths[j])
+                out[s:s + n] = dl.reconstruct(w0[s:s + n], tl.levels[:k],
+                                              [payloads.block(lvl, j) for lvl in range(k)],
+                                              shared[:k], int(n_rows[j]), tl.cols,
+                                              version=sc.meta["version"])
+        return
+    with sc._shared_lock:
+        packed = sc._packed.get((tl.name, depth))
+        if packed is None:
+            packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols)
+    decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed)
+
+
+_LAZY: Any = object()
+#: the compiled loop, defined on first use; None: numba is missing (tests set None to force
+#: the numpy path)
+_decode_nb: Any = _LAZY
+_nb_lock = threading.Lock()
+
+
+def _compiled() -> Any:
+    global _decode_nb
+    if _decode_nb is _LAZY:
+        with _nb_lock:
+            if _decode_nb is _LAZY:
+                _decode_nb = _define_compiled()
+    return _decode_nb
+
+
+def _define_compiled() -> Any:
+    try:
+        import numba
+
+        if numba.config.DISABLE_JIT:  # the loop would run as Python: the numpy path is faster
+            return None
+        from ._numba_decode import decode
+    except ImportError:  # numba is missing
+        return None
+    return decode

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Delta sidecar decode alone (issue 14): every block a budget's plan reconstructs, decoded from
+sidecar bytes already in memory, one thread, by three routes on the same blocks:
+
+- ``batched``: :func:`mergefs.deltadecode.decode_into`, one compiled call per (expert, tensor)
+  (what the engine runs for version-3 sidecars),
+- ``numpy_blocks``: the same version-3 arithmetic block by block in numpy (the fallback),
+- ``blas_blocks``: the version-2 route, block by block with a BLAS low-rank product (what the
+  engine ran before version 3; different bits, same work),
+
+best of ``--repeat`` runs each, against the cold pread of the exact expert bytes those blocks
+replace (``bench_sidecar.replaced_read_seconds``). Needs published sidecars (``mergefs
+compress``).
+
+    python scripts/bench_decode.py --family /tmp/minilm --spec spec-full.yaml --budgets 10,20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mergefs import deltadecode, deltas
+from mergefs.dtypes import decode_f32
+from mergefs.engine import Session
+from mergefs.spec import load_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sidecar import replaced_read_seconds  # noqa: E402
+
+
+def _jobs(s: Session) -> list[tuple[Any, ...]]:
+    """Per (expert, tensor) with planned blocks: what decode_into takes, bytes read already."""
+    lay = s.index.layout
+    jobs = []
+    for i, sc in sorted(s.engine.deltas.items()):
+        for tl in sc.tensors.values():
+            blocks = np.asarray([b for b in lay.blocks_of(tl.t) if s.plan.levels[i, b] > 0])
+            if blocks.size == 0:
+                continue
+            depths = s.plan.levels[i, blocks].astype(np.int64)
+            first = int(lay.first_block[tl.t])
+            e0 = int(lay.elem_start[first])
+            payloads = deltadecode.read_payloads(sc, tl, blocks - first, depths, tl.name)
+            depth = int(depths.max())
+            shared = [sc.shared(lv, tl.cols, tl.name) for lv in tl.levels[:depth]]
+            base = s.engine.base
+            w0 = decode_f32(base.read_tensor(tl.name), base.tensors[tl.name].dtype)
+            jobs.append((tl, w0, lay.elem_start[blocks] - e0,
+                         (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols, depths,
+                         payloads, shared, deltadecode.pack(tl.levels[:depth], shared, tl.cols)))
+    return jobs
+
+
+def _run(jobs: list[tuple[Any, ...]], route: str) -> float:
+    t0 = time.perf_counter()
+    for tl, w0, starts, n_rows, depths, payloads, shared, packed in jobs:
+        out = np.empty_like(w0)
+        if route == "batched":
+            deltadecode.decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths,
+                                    payloads, shared, packed)
+            continue
+        version = "2" if route == "blas_blocks" else "3"
+        with deltas.one_blas_thread():
+            for j in range(len(starts)):
+                s, k = int(starts[j]), int(depths[j])
+                n = int(n_rows[j]) * tl.cols
+                out[s:s + n] = deltas.reconstruct(
+                    w0[s:s + n], tl.levels[:k], [payloads.block(lvl, j) for lvl in range(k)],
+                    shared[:k], int(n_rows[j]), tl.cols, version=version)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", type=Path, required=True)
+    p.add_argument("--spec", default="spec.yaml")
+    p.add_argument("--budgets", default="10,20", help="%% of the experts' bf16 bytes")
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    spec = load_spec(str(args.family / args.spec))
+    sources = [Path(spec.base), *[Path(e.path) for e in spec.experts]]
+    for b in args.budgets.split(","):
+        probe = Session(spec, budget_bytes=0)
+        lay = probe.index.layout
+        bf16 = 2 * int((lay.elem_end - lay.elem_start).sum()) * len(spec.experts)
+        probe.close()
+        s = Session(spec, budget_bytes=int(float(b) / 100 * bf16))
+        jobs = _jobs(s)
+        row: dict[str, Any] = {"budget": b, "blocks": int(sum(len(j[2]) for j in jobs)),
+                               "load_avg_1m": round(os.getloadavg()[0], 2)}
+        _run(jobs, "batched")  # numba: compiled or loaded from its cache
+        for route in ("batched", "numpy_blocks", "blas_blocks"):
+            row[f"{route}_s"] = round(min(_run(jobs, route) for _ in range(args.repeat)), 4)
+        secs, nbytes = replaced_read_seconds(s, sources)
+        row["replaced_exact_read_cold_s"] = round(secs, 4)
+        row["replaced_exact_bytes"] = nbytes
+        s.close()
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

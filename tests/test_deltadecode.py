@@ -1,0 +1,281 @@
+"""Batched decoding of version-3 delta sidecars (issue 14): the compiled loop equals the numpy
+decoder bit for bit, the engine's merge equals a block-by-block decode, stored residuals are the
+decoded blocks' errors, and version-2 sidecars still decode with their BLAS product."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from families import make_family, write_spec
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from mergefs import compress, deltadecode, deltas
+from mergefs.engine import Session, open_family
+from mergefs.index import load_or_build
+from mergefs.spec import load_spec
+
+BLOCK = 512
+
+
+def _random_level(rng: np.random.Generator, kind: str, cols: int
+                  ) -> tuple[deltas.Level, bytes | None]:
+    """A level of ``kind`` with random parameters, and its shared range (or None)."""
+    if kind == "lowrank":
+        bits, k = int(rng.choice([2, 3, 4, 8, 16])), int(rng.integers(1, 7))
+        scales = rng.uniform(0.01, 1, 2 * k).astype("<f4").tobytes()
+        body = (rng.normal(0, 1, k * cols).astype("<f2").tobytes() if bits == 16
+                else rng.bytes(deltas.packed_size(k * cols, bits)))
+        return deltas.Level("lowrank", bits, k), scales + body
+    if kind == "vq":
+        return deltas.Level("vq", 1, 8), rng.normal(0, 1, 256 * 8).astype("<f2").tobytes()
+    bits = int(rng.integers(1, 5))
+    return deltas.Level(kind, bits, 1 if kind == "ulp" else 0), None
+
+
+def _random_block(rng: np.random.Generator, lv: deltas.Level, rows_b: int, cols: int) -> bytes:
+    """A well-formed random block range of level ``lv`` for a block of ``rows_b`` rows."""
+    n = rows_b * cols
+    steps = rng.uniform(1e-4, 1e-2, rows_b).astype("<f4").tobytes()
+    if lv.kind == "lowrank":
+        if lv.bits == 16:
+            return rng.normal(0, 1, rows_b * lv.k).astype("<f2").tobytes()
+        return rng.bytes(deltas.lowrank_block_size(rows_b, lv.k, lv.bits))
+    if lv.kind == "quant":
+        return steps + rng.bytes(deltas.packed_size(n, lv.bits))
+    if lv.kind == "vq":
+        return steps + rng.bytes(n // lv.k)
+    if lv.kind == "rows":
+        if rng.random() < 0.2:
+            return b""  # no changed row
+        mask = rng.random(rows_b) < 0.5
+        ch = int(mask.sum())
+        return (deltas.pack_bits(mask, 1) + steps[:4 * ch]
+                + rng.bytes(deltas.packed_size(ch * cols, lv.bits)))
+    if lv.kind == "ulp":
+        mask = rng.random(n) < 0.3
+        codes = rng.integers(0, 1 << lv.bits, int(mask.sum()))
+        return deltas.pack_bits(mask, 1) + deltas.pack_bits(codes, lv.bits)
+    idx = rng.choice(n, int(rng.integers(0, 12)), replace=False).astype("<u4")
+    return idx.tobytes() + rng.normal(0, 1, idx.size).astype("<f4").tobytes()
+
+
+def _random_case(seed: int) -> tuple:
+    """Levels of every kind in a random order (low-rank first), blocks of random heights and
+    depths, a base with signed zeros, and the blocks' ranges."""
+    rng = np.random.default_rng(seed)
+    cols = 8 * int(rng.integers(1, 6)) if seed % 2 else int(rng.integers(3, 41))
+    kinds = ["lowrank"] * int(rng.integers(0, 3))
+    kinds += [str(k) for k in rng.permutation(["quant", "rows", "vq", "ulp", "sparse", "quant"])
+              if k != "vq" or cols % 8 == 0]  # vq: cols a multiple of its dimension
+    levels, shared_raw = zip(*[_random_level(rng, k, cols) for k in kinds])
+    levels = tuple(levels)
+    shared = [deltas.shared_value(lv, s, cols) if s is not None else None
+              for lv, s in zip(levels, shared_raw)]
+    n_rows = rng.integers(1, 9, 7)
+    depths = rng.integers(1, len(levels) + 1, n_rows.size)
+    starts = np.concatenate([[0], np.cumsum(n_rows * cols)[:-1]]) + 3  # not at 0
+    blobs = [[_random_block(rng, lv, int(rb), cols) if d > lvl else b""
+              for rb, d in zip(n_rows, depths)] for lvl, lv in enumerate(levels)]
+    size = np.asarray([[len(b) for b in row] for row in blobs], np.int64)
+    off = (np.cumsum(size.reshape(-1)) - size.reshape(-1)).reshape(size.shape)
+    data = np.frombuffer(b"".join(b for row in blobs for b in row), dtype=np.uint8)
+    payloads = deltadecode.Payloads(data, off, size)
+    w0 = rng.normal(0, 0.05, int(starts[-1] + n_rows[-1] * cols) + 5).astype(np.float32)
+    w0[rng.random(w0.size) < 0.1] = -0.0
+    return levels, shared, cols, starts, n_rows, depths, payloads, w0
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_compiled_loop_equals_numpy_decoder_bit_for_bit(seed: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random well-formed levels of every kind (low-rank at 2/3/4/8/16 bits, quant and rows at
+    1-4 bits, vq, bf16 ulp, sparse), blocks of different heights and depths: one compiled call
+    writes the same bits as :func:`deltas.reconstruct` block by block, and nothing else."""
+    levels, shared, cols, starts, n_rows, depths, payloads, w0 = _random_case(seed)
+    assert deltadecode._compiled() is not None, "numba is a dependency of these tests"
+    fast = np.full_like(w0, np.nan)
+    deltadecode.decode_into(fast, w0, levels, cols, starts, n_rows, depths, payloads, shared)
+    monkeypatch.setattr(deltadecode, "_decode_nb", None)
+    monkeypatch.setattr(deltas, "_quant_add_nb", None)
+    monkeypatch.setattr(deltas, "_ulp_bf16_nb", None)
+    slow = np.full_like(w0, np.nan)
+    deltadecode.decode_into(slow, w0, levels, cols, starts, n_rows, depths, payloads, shared)
+    assert np.array_equal(fast.view(np.uint32), slow.view(np.uint32))
+    touched = np.zeros(w0.size, bool)
+    for s, rb in zip(starts, n_rows):
+        touched[s:s + rb * cols] = True
+    assert np.isnan(fast[~touched]).all()  # (a bf16 move below -0 may write a NaN pattern)
+    assert not np.array_equal(fast[touched], w0[touched])  # the levels changed something
+
+
+def test_compiled_loop_refuses_a_range_of_the_wrong_size() -> None:
+    levels, shared, cols, starts, n_rows, depths, payloads, w0 = _random_case(3)
+    j = int(np.argmax(depths))
+    short = payloads.size.copy()
+    short[0, j] -= 1
+    bad = deltadecode.Payloads(payloads.data, payloads.off, short)
+    with pytest.raises(deltas.DeltaError, match="sizes"):
+        deltadecode.decode_into(np.zeros_like(w0), w0, levels, cols, starts, n_rows, depths,
+                                bad, shared)
+
+
+def _mixed_family(root: Path, seed: int):
+    """Dense deltas (low-rank, vq, quant levels) and row-sparse ones (rows levels)."""
+    fam = make_family(root, seed=seed, n_experts=2)
+    rng = np.random.default_rng(seed)
+    base = load_file(str(fam.base / "model.safetensors"))
+    for e in fam.experts:
+        tensors = load_file(str(e / "model.safetensors"))
+        w0 = base["model.embed_tokens.weight"]
+        rows = rng.random(w0.shape[0]) < 0.2
+        d = np.zeros_like(w0)
+        d[rows] = rng.normal(0, 2e-3, (int(rows.sum()), w0.shape[1]))
+        tensors["model.embed_tokens.weight"] = w0 + d
+        save_file(tensors, str(e / "model.safetensors"), metadata={"format": "pt"})
+    return fam
+
+
+def _setup(tmp_path: Path, seed: int = 31):
+    fam = _mixed_family(tmp_path / "fam", seed)
+    spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[0.7, -0.4],
+                           extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
+    spec = load_spec(str(spec_path))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    paths = compress.publish(base, experts, index)
+    return fam, spec, base, experts, index, paths
+
+
+def _merge(spec, budget: int, out: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    s = Session(spec, budget_bytes=budget)
+    shutil.rmtree(out, ignore_errors=True)
+    s.engine.materialise(out, threads=2)
+    levels = s.plan.levels
+    s.finish()
+    s.close()
+    return load_file(str(out / "model.safetensors")), levels
+
+
+def test_engine_merge_equals_block_by_block_decode(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """At budgets that reconstruct blocks at several depths, the merge with the compiled loop
+    (one call per unit and expert) equals the merge that decodes block by block with numpy."""
+    _, spec, base, experts, index, _ = _setup(tmp_path)
+    total = int(index.expert_block_bytes().sum())
+    for c in [base, *experts]:
+        c.close()
+    merged = 0
+    for frac in (0.05, 0.2):
+        fast, levels = _merge(spec, int(frac * total), tmp_path / "fast")
+        assert levels is not None and len(np.unique(levels[levels > 0])) > 1
+        merged += int((levels > 0).sum())
+        with monkeypatch.context() as m:
+            m.setattr(deltadecode, "_decode_nb", None)
+            slow, levels_slow = _merge(spec, int(frac * total), tmp_path / "slow")
+        assert np.array_equal(levels, levels_slow)
+        for k in fast:
+            assert fast[k].tobytes() == slow[k].tobytes(), (frac, k)
+    assert merged > 20
+
+
+def _block_errors(sc, tl, index, i: int, w0: np.ndarray, wi: np.ndarray, depth: int
+                  ) -> np.ndarray:
+    """``||D_b - fl(W_hat_b - W0_b)||`` of every non-zero block, decoded by one batched call."""
+    lay = index.layout
+    blocks = np.asarray([b for b in lay.blocks_of(tl.t) if not index.zero[i, b]], np.int64)
+    js = blocks - int(lay.first_block[tl.t])
+    starts = lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]])
+    n_rows = (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols
+    out = np.full_like(w0, np.nan)
+    deltadecode.decode_blocks(sc, tl, js, np.full(js.size, depth), starts, n_rows, w0, out)
+    d = (wi - w0).astype(np.float64)
+    return np.asarray([np.linalg.norm(d[s:s + r * tl.cols] - (out[s:s + r * tl.cols]
+                                                              - w0[s:s + r * tl.cols]))
+                       for s, r in zip(starts, n_rows)]), js
+
+
+def test_stored_residuals_are_the_errors_of_the_batched_decode(tmp_path: Path) -> None:
+    fam, _, base, experts, index, paths = _setup(tmp_path, seed=32)
+    found = deltas.find(base, experts, index)
+    assert sorted(found) == [0, 1]
+    w0s = load_file(str(fam.base / "model.safetensors"))
+    checked = 0
+    for i, sc in found.items():
+        assert sc.meta["version"] == deltas.DELTA_VERSION == "3"
+        wis = load_file(str(fam.experts[i] / "model.safetensors"))
+        for tl in sc.tensors.values():
+            w0 = w0s[tl.name].astype(np.float32).reshape(-1)
+            wi = wis[tl.name].astype(np.float32).reshape(-1)
+            for depth in range(1, len(tl.levels) + 1):
+                errs, js = _block_errors(sc, tl, index, i, w0, wi, depth)
+                stored = sc.range_resid[tl.levels[depth - 1].first_range + js]
+                assert np.array_equal(errs, stored), (tl.name, depth)
+                checked += errs.size
+    assert checked > 100
+
+
+def _blas_decode(w0b, levels, bufs, shared, rows_b: int, cols: int) -> np.ndarray:
+    """Versions 1 and 2's low-rank and vq levels, independently: ``[U_1 ..] [V_1; ..]`` by
+    BLAS, then each vq level's ``codebook[code] * row scale`` added."""
+    us, vs = [], []
+    for lv, buf, sh in zip(levels, bufs, shared):
+        if lv.kind == "lowrank":
+            u = np.frombuffer(bytes(buf), np.uint8)
+            us.append(deltas.dequant(u, lv.bits, rows_b * lv.k).reshape(rows_b, lv.k)
+                      * sh[0][None, :])
+            vs.append(sh[1])
+    acc = np.hstack(us) @ np.vstack(vs)
+    for lv, buf, sh in zip(levels, bufs, shared):
+        if lv.kind == "vq":
+            raw = np.frombuffer(bytes(buf), dtype=np.uint8)
+            scale = raw[:4 * rows_b].view("<f4")[:, None]
+            acc = acc + sh[0][raw[4 * rows_b:]].reshape(rows_b, cols) * scale
+    return w0b + acc.reshape(-1)
+
+
+def test_version_2_sidecar_still_decodes_with_its_blas_product(tmp_path: Path) -> None:
+    """A version-2 file (here: a version-3 one relabelled) opens and the engine's decoder
+    reconstructs its low-rank levels with the BLAS product, as mergefs did for version 2."""
+    fam, _, base, experts, index, paths = _setup(tmp_path, seed=33)
+    path = paths[0]
+    loaded = load_file(path)
+    with safe_open(path, "np") as f:
+        meta = json.loads(f.metadata()[deltas.META_KEY])
+    meta["version"] = "2"
+    save_file(loaded, path, metadata={deltas.META_KEY: json.dumps(meta)})
+    sc = deltas.find(base, experts, index)[0]
+    assert sc.meta["version"] == "2"
+    w0s = load_file(str(fam.base / "model.safetensors"))
+    lay = index.layout
+    checked = differ = 0
+    for tl in sc.tensors.values():
+        if tl.levels[0].kind != "lowrank" or tl.levels[0].bits == 16:
+            continue
+        w0 = w0s[tl.name].astype(np.float32).reshape(-1)
+        depth = len([lv for lv in tl.levels if lv.kind in ("lowrank", "vq")])
+        blocks = np.asarray([b for b in lay.blocks_of(tl.t) if not index.zero[0, b]])
+        js = blocks - int(lay.first_block[tl.t])
+        starts = lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]])
+        n_rows = (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols
+        out = np.full_like(w0, np.nan)
+        deltadecode.decode_blocks(sc, tl, js, np.full(js.size, depth), starts, n_rows, w0, out)
+        shared = [sc.shared(lv, tl.cols) for lv in tl.levels[:depth]]
+        for j, s, r in zip(js, starts, n_rows):
+            bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1)
+                    for lv in tl.levels[:depth]]
+            want = _blas_decode(w0[s:s + r * tl.cols], tl.levels[:depth], bufs, shared, int(r),
+                                tl.cols)
+            got = out[s:s + r * tl.cols]
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+            v3 = deltas.reconstruct(w0[s:s + r * tl.cols], tl.levels[:depth], bufs, shared,
+                                    int(r), tl.cols, version="3")
+            differ += not np.array_equal(v3.view(np.uint32), want.view(np.uint32))
+            checked += 1
+    assert checked > 5
+    assert differ > 0  # the two products round differently: the version decides the route
