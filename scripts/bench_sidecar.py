@@ -395,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
                        "err_rel": err / upd,
                        "bound_rel": (s.plan.bound_tight / upd) if s.plan.bound_tight is not None
                        else None,
+                       # the bound on the output bytes (rounding included): what err_rel,
+                       # measured on the output files, must stay below
+                       "bound_output_rel": (s.plan.bound_output_tight / upd)
+                       if s.plan.bound_output_tight is not None else None,
                        "bytes_read": tot["expert_bytes_read"],
                        "sidecar_bytes": sum(tot.get("sidecar_bytes_read", {}).values()),
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,

@@ -72,6 +72,17 @@ class Family:
     tensor_names: list[str]
 
 
+def row_sparse(w0: np.ndarray, rng: np.random.Generator, share: float,
+               scale: float = 2e-3) -> np.ndarray:
+    """``w0`` plus a delta on about ``share`` of its rows (at least one), dense there: as a
+    fine-tune changes only the embedding rows of the tokens it saw."""
+    rows = rng.random(w0.shape[0]) < share
+    rows[rng.integers(w0.shape[0])] = True
+    d = np.zeros_like(w0)
+    d[rows] = rng.normal(0, scale, (int(rows.sum()), w0.shape[1]))
+    return w0 + d
+
+
 def make_family(
     root: Path,
     *,

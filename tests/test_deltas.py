@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from families import Family, make_family, write_spec
+from families import Family, make_family, row_sparse, write_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
@@ -186,12 +186,9 @@ def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
         out = []
         for tl in sc.tensors.values():
             w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
-            for j, b in enumerate(lay.blocks_of(tl.t)):
-                if index.zero[0, b]:
-                    continue
-                r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
+            for j, r0, r1, w0b in _stored_blocks(lay, index, 0, tl, w0):
                 out.append(deltas.reconstruct(
-                    np.ascontiguousarray(w0[r0:r1]).reshape(-1), tl.levels,
+                    w0b, tl.levels,
                     [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in tl.levels],
                     [sc.shared(lv, tl.cols) for lv in tl.levels], r1 - r0, tl.cols))
         return out
@@ -205,6 +202,16 @@ def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+def _stored_blocks(lay, index, i: int, tl, w0: np.ndarray):
+    """(j, r0, r1, base block float32 flat) of every block of tensor ``tl`` that expert ``i``
+    stores (zero-delta blocks have nothing to decode); ``w0``: the base tensor (rows, cols)."""
+    for j, b in enumerate(lay.blocks_of(tl.t)):
+        if index.zero[i, b]:
+            continue
+        r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
+        yield j, r0, r1, np.ascontiguousarray(w0[r0:r1]).reshape(-1)
+
+
 def _row_sparse_family(root: Path) -> Family:
     """Experts that change only scattered rows (about 15%) of every 2-D tensor, densely there
     (as a fine-tune changes only the seen tokens' embedding rows)."""
@@ -216,11 +223,7 @@ def _row_sparse_family(root: Path) -> Family:
         for name, w0 in base.items():
             if w0.ndim != 2 or w0.dtype != np.float32:
                 continue
-            rows = rng.random(w0.shape[0]) < 0.15
-            rows[rng.integers(w0.shape[0])] = True
-            d = np.zeros_like(w0)
-            d[rows] = rng.normal(0, 2e-3, (int(rows.sum()), w0.shape[1]))
-            tensors[name] = w0 + d
+            tensors[name] = row_sparse(w0, rng, 0.15)
         save_file(tensors, str(e / "model.safetensors"), metadata={"format": "pt"})
     return fam
 
@@ -257,11 +260,7 @@ def test_rows_levels_decode_like_an_independent_numpy_decoder(tmp_path: Path) ->
             assert [lv.kind for lv in tl.levels] == ["rows"] * len(compress.ROWS_LADDER)
             w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
             changed = (wis[tl.name].reshape(tl.rows, tl.cols) != w0).any(axis=1)
-            for j, b in enumerate(lay.blocks_of(tl.t)):
-                if index.zero[i, b]:
-                    continue
-                r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
-                w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
+            for j, r0, r1, w0b in _stored_blocks(lay, index, i, tl, w0):
                 for n_lv in range(1, len(tl.levels) + 1):
                     levels = tl.levels[:n_lv]
                     bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]
@@ -384,11 +383,7 @@ def test_dense_ladder_decodes_like_an_independent_numpy_decoder(tmp_path: Path) 
         shared_raw = [sc.read(lv.shared, lv.shared + 1) if lv.shared >= 0 else None
                       for lv in tl.levels]
         books.update(lv.shared for lv in tl.levels if lv.kind == "vq")
-        for j, b in enumerate(lay.blocks_of(tl.t)):
-            if index.zero[0, b]:
-                continue
-            r0, r1 = int(lay.elem_start[b]) // tl.cols, int(lay.elem_end[b]) // tl.cols
-            w0b = np.ascontiguousarray(w0[r0:r1]).reshape(-1)
+        for j, r0, r1, w0b in _stored_blocks(lay, index, 0, tl, w0):
             for n_lv in range(1, len(tl.levels) + 1):
                 levels = tl.levels[:n_lv]
                 bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]

@@ -96,7 +96,7 @@ ODD_SHAPES = {"model.embed_tokens.weight": (67, 48), "lm_head.weight": (131, 40)
 def _mixed_family(root, seed: int, shapes=None):
     """The default family, but the embedding and lm_head deltas row-sparse (``rows`` levels),
     the other 2-D tensors dense (low-rank, vq, quant levels)."""
-    from families import make_family
+    from families import make_family, row_sparse
     from safetensors.numpy import load_file, save_file
 
     fam = make_family(root, seed=seed, n_experts=2, shapes=shapes,
@@ -107,12 +107,7 @@ def _mixed_family(root, seed: int, shapes=None):
     for e in fam.experts:
         tensors = load_file(str(e / "model.safetensors"))
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            w0 = base[name]
-            rows = rng.random(w0.shape[0]) < 0.2
-            rows[rng.integers(w0.shape[0])] = True
-            d = np.zeros_like(w0)
-            d[rows] = rng.normal(0, 2e-3, (int(rows.sum()), w0.shape[1]))
-            tensors[name] = w0 + d
+            tensors[name] = row_sparse(base[name], rng, 0.2)
         save_file(tensors, str(e / "model.safetensors"), metadata={"format": "pt"})
     return fam
 
