@@ -152,13 +152,15 @@ def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
 
 def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
                   starts: np.ndarray, n_rows: np.ndarray, w0: np.ndarray, out: np.ndarray,
-                  tensor: str = "") -> None:
+                  tensor: str = "", payloads: Payloads | None = None) -> None:
     """Read blocks ``js`` of tensor ``tl`` (relative to its first block; ascending) and decode
     them at ``depths`` into ``out`` (see :func:`decode_into`: ``starts`` index ``w0`` and
-    ``out``, block ``j`` has ``n_rows[j]`` rows)."""
+    ``out``, block ``j`` has ``n_rows[j]`` rows). ``payloads``: their ranges, already read
+    (column ``j`` for block ``js[j]``, at least ``depths[j]`` levels)."""
     if len(js) == 0:
         return
-    payloads = read_payloads(sc, tl, js, depths, tensor)
+    if payloads is None:
+        payloads = read_payloads(sc, tl, js, depths, tensor)
     depth = int(depths.max())
     shared = [sc.shared(lv, tl.cols, tensor) for lv in tl.levels[:depth]]
     if sc.meta["version"] in dl.BLAS_VERSIONS:

@@ -313,6 +313,11 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
     return built, vocab
 
 
+#: at most this many planned sidecar bytes of tensors are held for their units at once; beyond,
+#: units read their own ranges (see Engine._unit_payloads)
+TENSOR_LEVELS_MAX_BYTES = 128 << 20
+
+
 class Engine:
     """Merges units of a plan. Thread-safe: units may be merged concurrently."""
 
@@ -361,6 +366,12 @@ class Engine:
         self.deltas = dict(deltas or {}) if plan.levels is not None else {}
         for i, sc in self.deltas.items():
             sc.recorder = functools.partial(self._record_sidecar, self.labels[i], sc.name)
+        #: a tensor's planned sidecar ranges, read once for units smaller than the tensor
+        #: (the mount's row-block units): (expert, tensor) -> [lock, payloads or None, blocks
+        #: left to decode, bytes]; dropped when every planned block was decoded
+        self._tensor_levels: dict[tuple[int, str], list[Any]] = {}
+        self._tensor_levels_bytes = 0  # their planned bytes, at most TENSOR_LEVELS_MAX_BYTES
+        self._tensor_levels_lock = threading.Lock()
         self._lock = threading.Lock()
         self.blocks_merged = 0
         self.units_merged = 0
@@ -590,14 +601,61 @@ class Engine:
         """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
         from .deltadecode import decode_blocks
 
-        tl = self.deltas[i].tensors[name]
+        sc = self.deltas[i]
+        tl = sc.tensors[name]
         lay = self.layout
         b = np.asarray([b for b, _ in blocks], np.int64)
         depths = np.asarray([k for _, k in blocks], np.int64)
         starts = lay.elem_start[b] - e0
         n_rows = (lay.elem_end[b] - lay.elem_start[b]) // tl.cols
-        decode_blocks(self.deltas[i], tl, b - int(lay.first_block[tl.t]), depths, starts, n_rows,
-                      w0, full, name)
+        first = int(lay.first_block[tl.t])
+        payloads = self._unit_payloads(i, tl, b - first)
+        decode_blocks(sc, tl, b - first, depths, starts, n_rows, w0, full, name,
+                      payloads=payloads)
+
+    def _unit_payloads(self, i: int, tl: Any, js: np.ndarray) -> Any:
+        """The sidecar payloads of blocks ``js`` of tensor ``tl`` (relative to its first block)
+        when the unit holds only some of the tensor's planned blocks: every planned block's
+        ranges are read once, one pread per run per level as for a whole tensor, instead of
+        one pread per level per unit (64 KiB units: ~7 levels x 3 experts per unit). None: the
+        unit holds all of them, or they are too large to keep; the caller reads its own. The
+        bytes are the plan's either way: only when they are read changes."""
+        from .deltadecode import Payloads, read_payloads
+
+        assert self.plan.levels is not None
+        lay = self.layout
+        first = int(lay.first_block[tl.t])
+        row = self.plan.levels[i, first:int(lay.first_block[tl.t + 1])]
+        planned = np.flatnonzero(row)
+        if len(planned) <= len(js):
+            return None
+        sc = self.deltas[i]
+        depths = row[planned].astype(np.int64)
+        key = (i, tl.name)
+        with self._tensor_levels_lock:
+            entry = self._tensor_levels.get(key)
+            if entry is None:
+                sizes = sc.range_end - sc.range_start
+                nbytes = sum(int(sizes[lv.first_range + planned[depths > lvl]].sum())
+                             for lvl, lv in enumerate(tl.levels[:int(depths.max())]))
+                if nbytes > TENSOR_LEVELS_MAX_BYTES or \
+                        self._tensor_levels_bytes + nbytes > TENSOR_LEVELS_MAX_BYTES:
+                    return None  # (entries of tensors a reader left half read stay until
+                    # their blocks are decoded: a cap on them all, not only per tensor)
+                self._tensor_levels_bytes += nbytes
+                entry = self._tensor_levels[key] = [threading.Lock(), None, len(planned),
+                                                    nbytes]
+        with entry[0]:  # one reader per tensor; the others wait for its bytes
+            if entry[1] is None:
+                entry[1] = read_payloads(sc, tl, planned, depths, tl.name)
+            got: Payloads = entry[1]
+        with self._tensor_levels_lock:
+            entry[2] -= len(js)
+            if entry[2] <= 0 and self._tensor_levels.get(key) is entry:
+                del self._tensor_levels[key]
+                self._tensor_levels_bytes -= entry[3]
+        sel = np.searchsorted(planned, js)
+        return Payloads(got.data, got.off[:, sel], got.size[:, sel])
 
     def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
                         buf: memoryview) -> None:
