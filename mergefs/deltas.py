@@ -740,6 +740,10 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
     tensors = {}
     n_ranges = len(table["range_start"])
     for tj in meta["tensors"]:
+        if not isinstance(tj.get("name"), str) or not all(
+                type(tj.get(key)) is int for key in ("t", "rows", "cols")):
+            raise DeltaError(f"{path}: tensor entry {str(tj)[:80]}: name, t, rows or cols "
+                             "missing or not of its type")
         levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
                        for lv in tj["levels"])
         for level in levels:
@@ -775,6 +779,8 @@ KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
 
 def _level_problem(level: Level, version: str, n_ranges: int) -> str:
     """Why this level cannot be decoded by this reader ("" if it can)."""
+    if not all(type(v) is int for v in (level.bits, level.k, level.shared, level.first_range)):
+        return "bits, k, shared and first_range must be integers"
     if level.kind not in KINDS_BY_VERSION.get(version, ()):
         return (f"kind {level.kind!r} is not one of a version-{version} sidecar "
                 f"({', '.join(KINDS_BY_VERSION.get(version, ()))}): re-run `mergefs compress`")

@@ -115,3 +115,21 @@ def test_a_tensor_whose_cols_differ_from_the_base_is_ignored(tmp_path: Path) -> 
 
     _rewrite(paths[0], halve)
     assert sorted(deltas.find(base, experts, index)) == [1]
+
+
+@pytest.mark.parametrize("where,key,value", [("tensor", "t", 1.0), ("level", "k", 1.5),
+                                             ("level", "bits", "2")])
+def test_a_field_of_the_wrong_type_is_refused(tmp_path: Path, where: str, key: str,
+                                              value) -> None:
+    """JSON numbers of the wrong type (``t`` 1.0 indexed the layout with a float; ``k`` 1.5
+    passed ``k >= 1``) make the sidecar unreadable, so :func:`deltas.find` ignores it."""
+    _, _, base, experts, index, paths = _setup(tmp_path, seed=36)
+
+    def edit(tensors, meta):
+        tl = meta["tensors"][0]
+        (tl if where == "tensor" else tl["levels"][0])[key] = value
+
+    _rewrite(paths[0], edit)
+    with pytest.raises(deltas.DeltaError):
+        deltas.open_sidecar(Path(paths[0]))
+    assert sorted(deltas.find(base, experts, index)) == [1]
