@@ -82,9 +82,17 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
         np.asarray([lv.k for lv in levels], np.int64), first,
         np.ascontiguousarray(np.concatenate(us) if us else np.zeros(1), dtype=np.float32),
         np.ascontiguousarray(np.vstack(vs) if vs else np.zeros((1, cols)), dtype=np.float32),
-        np.ascontiguousarray(np.vstack([b.reshape(-1, dim) for b in books]) if books
+        np.ascontiguousarray(np.vstack([_pad(b, dim) for b in books]) if books
                              else np.zeros((1, 1)), dtype=np.float32),
         not any(lv.kind == "ulp" and lv.k != 1 for lv in levels))
+
+
+def _pad(book: np.ndarray, dim: int) -> np.ndarray:
+    """A codebook (words, k) as (words, dim), zero columns after its own: one row per codeword
+    whatever the dimension of the other vq levels (the loop indexes ``first + code``)."""
+    out = np.zeros((len(book), dim), np.float32)
+    out[:, :book.shape[1]] = book
+    return out
 
 
 def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], cols: int,
@@ -114,6 +122,14 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
     ends = np.asarray(starts) + np.asarray(rows) * cols
     if int(np.min(starts)) < 0 or int(ends.max()) > min(out.size, w0.size):
         raise ValueError("decode_into: a block lies outside out or w0")  # unchecked in the loop
+    off, size = payloads.off, payloads.size
+    if depth > len(packed.kind) or off.shape != size.shape or off.shape[0] < depth \
+            or off.shape[1] != len(starts):
+        raise ValueError("decode_into: depths or payload tables do not match the levels")
+    if off.size and (int(size.min()) < 0 or int(off.min()) < 0
+                     or int((off + size).max()) > payloads.data.size):
+        raise dl.DeltaError("a level range lies outside the bytes read (a damaged range "
+                            "table)")  # unchecked in the loop
     w0 = np.ascontiguousarray(w0)
     bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0,
                  np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows, np.int64),

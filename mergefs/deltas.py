@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -370,6 +371,35 @@ def _define_compiled() -> tuple[Any, Any]:
     return _quant_add_nb, _ulp_bf16_nb
 
 
+def _popcount(block: memoryview, n: int) -> int:
+    """Set bits among the first ``n`` bits of ``block``."""
+    raw = np.frombuffer(block, dtype=np.uint8, count=packed_size(n, 1))
+    return int(np.unpackbits(raw, count=n, bitorder="little").sum())
+
+
+def block_size_ok(level: Level, block: memoryview, rows_b: int, cols: int) -> bool:
+    """Whether a block range has the size its level implies (and, ``sparse``, positions in the
+    block): the rule of the compiled loop's ``sizes_ok``, checked before the unchecked loops
+    here read it."""
+    got, n = len(block), rows_b * cols
+    if level.kind == "lowrank":
+        return got == lowrank_block_size(rows_b, level.k, level.bits)
+    if level.kind == "quant":
+        return got == quant_block_size(rows_b, cols, level.bits)
+    if level.kind == "rows":
+        nm = packed_size(rows_b, 1)
+        return got == 0 or (got >= nm and got == rows_block_size(_popcount(block, rows_b),
+                                                                 rows_b, cols, level.bits))
+    if level.kind == "vq":
+        return cols % level.k == 0 and got == vq_block_size(rows_b, cols, level)
+    if level.kind == "ulp":
+        nm = packed_size(n, 1)
+        return got >= nm and got == nm + packed_size(_popcount(block, n), level.bits)
+    if got % 8:  # sparse
+        return False
+    return bool((np.frombuffer(block, dtype="<u4", count=got // 8) < n).all())
+
+
 #: kinds added to ``acc`` before ``W_hat = w0 + acc`` (the others overwrite values of ``W_hat``)
 ADDITIVE = ("lowrank", "quant", "rows", "vq")
 
@@ -388,6 +418,10 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
     :func:`mergefs.deltadecode.decode_into`, which gives the same bits), prefix by prefix, so
     they are exact for it.
     """
+    for level, block in zip(levels, blocks):
+        if not block_size_ok(level, block, rows_b, cols):
+            raise DeltaError(f"a {level.kind} level range of {len(block)} bytes does not have "
+                             "the size its level implies (a damaged level table)")
     if version in BLAS_VERSIONS:
         acc = _additive_blas(levels, blocks, shared, rows_b, cols)
     else:
@@ -699,9 +733,17 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
         s, e = spans[key]
         table[key] = np.frombuffer(blob[s - lo:e - lo], dtype=dt).copy()
     data_offset = 8 + n + int(hdr["data"]["data_offsets"][0])
+    why = _table_problem(table, int(hdr["data"]["data_offsets"][1])
+                         - int(hdr["data"]["data_offsets"][0]))
+    if why:
+        raise DeltaError(f"{path}: range table: {why}")
     tensors = {}
     n_ranges = len(table["range_start"])
     for tj in meta["tensors"]:
+        if not isinstance(tj.get("name"), str) or not all(
+                type(tj.get(key)) is int for key in ("t", "rows", "cols")):
+            raise DeltaError(f"{path}: tensor entry {str(tj)[:80]}: name, t, rows or cols "
+                             "missing or not of its type")
         levels = tuple(Level(lv["kind"], lv["bits"], lv["k"], lv["shared"], lv["first_range"])
                        for lv in tj["levels"])
         for level in levels:
@@ -715,6 +757,20 @@ def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar
                         8 + n + table_bytes)
 
 
+def _table_problem(table: dict[str, np.ndarray], data_bytes: int) -> str:
+    """Why the range table does not describe ranges of the data tensor ("" if it does): the
+    ranges must lie in it, in order, without overlap (a run is read as one span, and the
+    compiled decoder trusts the offsets)."""
+    start, end = table["range_start"], table["range_end"]
+    if len({len(a) for a in table.values()}) != 1:
+        return "its columns have different lengths"
+    if len(start) and (int(start[0]) < 0 or int(end[-1]) > data_bytes):
+        return f"a range lies outside the data tensor ({data_bytes} bytes)"
+    if np.any(end < start) or np.any(start[1:] < end[:-1]):
+        return "ranges out of order or overlapping"
+    return ""
+
+
 #: level kinds each sidecar version may hold, and the (bits, k) each kind decodes
 KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
                     "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
@@ -723,6 +779,8 @@ KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
 
 def _level_problem(level: Level, version: str, n_ranges: int) -> str:
     """Why this level cannot be decoded by this reader ("" if it can)."""
+    if not all(type(v) is int for v in (level.bits, level.k, level.shared, level.first_range)):
+        return "bits, k, shared and first_range must be integers"
     if level.kind not in KINDS_BY_VERSION.get(version, ()):
         return (f"kind {level.kind!r} is not one of a version-{version} sidecar "
                 f"({', '.join(KINDS_BY_VERSION.get(version, ()))}): re-run `mergefs compress`")
@@ -798,8 +856,20 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
         elif any(tl.t >= len(lay.tensors) or lay.tensors[tl.t] != tl.name
                  for tl in sc.tensors.values()):
             why = "tensor table does not match the layout"
+        elif any(_shape_problem(base, lay, sc, tl) for tl in sc.tensors.values()):
+            why = "tensor shapes or range counts do not match the base"
         if why is not None:
             log.warning("ignoring delta sidecar %s: %s", path, why)
             continue
         found[i] = sc
     return found
+
+
+def _shape_problem(base: Any, lay: Any, sc: DeltaSidecar, tl: TensorLevels) -> bool:
+    """Whether ``tl`` disagrees with the base tensor's (rows, cols), or a level's block ranges
+    run past the range table (the decoder sizes blocks by ``tl.cols``)."""
+    shape = base.tensors[tl.name].shape
+    if len(shape) < 2 or tl.rows != shape[0] or tl.cols != math.prod(shape[1:]):
+        return True
+    n_blocks = len(lay.blocks_of(tl.t))
+    return any(lv.first_range + n_blocks > len(sc.range_start) for lv in tl.levels)

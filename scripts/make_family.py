@@ -769,19 +769,21 @@ def _mlm_step_loss(model: Any, ids: Any, mask: Any, labels: Any, frozen_encoder:
     return torch.nn.functional.cross_entropy(logits, labels[sel])
 
 
-def mlm_model(base: Path, *, head_from: Path | None = None) -> Any:
+def mlm_model(base: Path, *, head_from: Path | None = None, seed: int = 0) -> Any:
     """A ``BertForMaskedLM``: MiniLM's encoder (``base``, a ``BertModel`` folder) with a fresh
-    head, or a saved masked-LM folder ``head_from``."""
+    head (initialised from ``seed``: the same head for the same seed), or a saved masked-LM
+    folder ``head_from``."""
     from transformers import BertConfig, BertForMaskedLM
 
     if head_from is not None:
         return BertForMaskedLM.from_pretrained(head_from)
+    import torch
     from safetensors.numpy import load_file
 
     config = BertConfig.from_pretrained(base)
     config.architectures = ["BertForMaskedLM"]
+    torch.manual_seed(seed)  # the head's initial weights come from torch's global generator
     model = BertForMaskedLM(config)
-    import torch
 
     enc = {k: torch.from_numpy(v) for k, v in load_file(str(base / "model.safetensors")).items()
            if not k.startswith("pooler.") and k != "embeddings.position_ids"}
@@ -906,7 +908,7 @@ def make_minilm(out: Path, *, n_experts: int = 4, objective: str = "mlm", steps:
             shutil.copy2(src / f, base / f)
         t0 = time.monotonic()
         tok = AutoTokenizer.from_pretrained(src)
-        model = mlm_model(src)
+        model = mlm_model(src, seed=seed + 1000)
         mixed = [t for c in ("docstrings", "licences", "manpages") for t in corpus_of(c)]
         head = train_mlm(model, tok, mixed, steps=head_steps, batch=batch, seq_len=seq_len,
                          lr=1e-3, seed=seed + 1000, head_only=True, threads=threads)
