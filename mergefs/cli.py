@@ -345,12 +345,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
         session.close()
     read = totals["physical_bytes_read"]
     vocab = totals.get("expert_bytes_vocabulary", 0)
-    whole = f", {human_bytes(vocab)} of them vocabulary tensors read whole for the " \
-        "tokenizer merge" if vocab else ""
+    whole = f", plus {human_bytes(vocab)} of vocabulary tensors read whole for the tokenizer " \
+        "merge" if vocab else ""
     print(f"merged into {args.outdir} in {totals['wall_seconds']:.2f}s: read "
-          f"{human_bytes(totals['expert_bytes_read'])} expert bytes (planned "
-          f"{human_bytes(totals['expert_bytes_planned'])} of {human_bytes(totals['total_expert_bytes'])} "
-          f"in blocks{whole}) and {human_bytes(read['base'])} base; manifest {manifest.path}")
+          f"{human_bytes(totals['expert_bytes_read'])} expert bytes ("
+          f"{human_bytes(totals['expert_bytes_planned'])} planned of "
+          f"{human_bytes(totals['total_expert_bytes'])} in blocks{whole}) and "
+          f"{human_bytes(read['base'])} base; manifest {manifest.path}")
     return 0
 
 

@@ -373,6 +373,8 @@ class Engine:
         self._tensor_levels_bytes = 0  # their planned bytes, at most TENSOR_LEVELS_MAX_BYTES
         self._tensor_levels_lock = threading.Lock()
         self._lock = threading.Lock()
+        #: expert bytes of vocabulary tensors read whole (a tokenizer merge), outside the plan
+        self.vocab_expert_bytes_read = 0
         self.blocks_merged = 0
         self.units_merged = 0
         self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.kernels)
@@ -403,6 +405,9 @@ class Engine:
         for role, src in enumerate([self.base, *self.experts]):
             c, loc = src.vocab_locs[name]  # type: ignore[attr-defined]
             buf = c.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+            if role:
+                with self._lock:
+                    self.vocab_expert_bytes_read += len(buf)
             if self.manifest is not None:
                 label = "base" if role == 0 else self.labels[role - 1]
                 self.manifest.write({"type": "read", "source": label, "file": loc.file,
@@ -1022,13 +1027,6 @@ class Session:
                 for label, c in [("base", self.base),
                                  *zip(self.engine.labels, self.experts)]}
 
-    def _vocab_expert_bytes(self) -> int:
-        """Expert bytes of a tokenizer merge's vocabulary tensors: read whole, outside the
-        plan (so ``expert_bytes_read`` can exceed ``total_expert_bytes``)."""
-        eng = self.engine
-        return sum(src.vocab_locs[name][1].end - src.vocab_locs[name][1].start  # type: ignore[attr-defined]
-                   for name in eng.derived for src in eng.experts)
-
     def totals_record(self) -> dict[str, Any]:
         read = self.source_bytes()
         expert_read = sum(v for k, v in read.items() if k != "base")
@@ -1037,7 +1035,7 @@ class Session:
             extra = {"sidecar_bytes_read": self.sidecar_bytes(),
                      "sidecar_bytes_planned": self.plan.sidecar_bytes}
             expert_read += sum(extra["sidecar_bytes_read"].values())
-        vocab = self._vocab_expert_bytes()
+        vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan
         if vocab:
             extra["expert_bytes_vocabulary"] = vocab
         return {

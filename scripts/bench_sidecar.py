@@ -179,11 +179,14 @@ class MlmLoss:
 
         self.loss = make_family.mlm_loss
         self.tokenizer_dir = tokenizer_dir
+        info = json.loads((family / "family.json").read_text())
+        self.seq_len = int(info.get("seq_len", 128))  # as the family's own losses
         self.texts = {p.stem: json.loads(p.read_text())
                       for p in sorted((family / "eval").glob("*.json"))}
 
     def __call__(self, model_dir: Path) -> dict[str, float]:
-        return {c: round(self.loss(model_dir, t, tokenizer_dir=self.tokenizer_dir), 4)
+        return {c: round(self.loss(model_dir, t, seq_len=self.seq_len,
+                                   tokenizer_dir=self.tokenizer_dir), 4)
                 for c, t in self.texts.items()}
 
 

@@ -973,7 +973,8 @@ def make_minilm(out: Path, *, n_experts: int = 4, objective: str = "mlm", steps:
             log(f"  masked-LM loss, {m}: " + ", ".join(f"{c} {v}" for c, v in row.items()))
     info.update({"experts": names, "recipes": recipes,
                  "model_bytes": (base / "model.safetensors").stat().st_size, "dtype": "float32",
-                 "seconds": round(time.monotonic() - t_start, 1), "seed": seed})
+                 "seconds": round(time.monotonic() - t_start, 1), "seed": seed,
+                 "seq_len": seq_len})
     weights = [0.5] * n_experts
     write_specs(out, "base", names, weights, "float32", info, block_size="64KiB")
     # the full fine-tunes alone and the LoRA-merged experts alone (issue 14's two targets)
