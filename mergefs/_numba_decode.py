@@ -1,4 +1,5 @@
-"""The numba loop behind :mod:`mergefs.deltadecode` (imported on first use: importing numba
+"""The numba loops behind :mod:`mergefs.deltadecode` and :func:`mergefs.deltas.reconstruct`
+(imported on first use: importing numba
 costs ~0.15 s, which a merge without sidecars should not pay). See that module for what it
 computes and why it equals :func:`mergefs.deltas.reconstruct` (version 3) bit for bit.
 
@@ -283,3 +284,30 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             for q in range(cnt):
                 out[s + u32(data, o + 4 * q)] = u32(data, o + 4 * (cnt + q))
     return -1
+
+
+# -- the per-block helpers of mergefs.deltas.reconstruct -----------------------------------
+
+
+@_jit
+def quant_add(acc, raw, bits, step, cols):
+    """``acc[e] += value(code e) * step[e // cols]`` (the ``quant`` level, versions 1-2 and the
+    numpy route of :func:`mergefs.deltas.reconstruct`)."""
+    for e in range(acc.size):
+        acc[e] += value(code_at(raw, 0, e * bits, bits), bits) * step[e // cols]
+
+
+@_jit
+def ulp_bf16(out, w0, raw, bits):
+    """bfloat16 ``ulp`` level: the moved elements' patterns (the numpy route of
+    :func:`mergefs.deltas.reconstruct`)."""
+    n = w0.size
+    half = 1 << (bits - 1)
+    pos = ((n + 7) >> 3) * 8  # bit position of the first code
+    for e in range(n):
+        if (raw[e >> 3] >> (e & 7)) & 1:
+            code = code_at(raw, 0, pos, bits)
+            move = code - half + (1 if code >= half else 0)
+            b16 = np.int64(w0[e] >> 16) + move
+            out[e] = np.uint32(b16 & 0xFFFF) << 16
+            pos += bits

@@ -328,47 +328,10 @@ def _compiled(name: str) -> Any:
 
 def _define_compiled() -> tuple[Any, Any]:
     try:
-        import numba
-
-        @numba.njit(cache=True, nogil=True)
-        def _quant_add_nb(acc, raw, bits, step, cols):  # type: ignore[no-untyped-def]
-            mask = (1 << bits) - 1
-            half = np.float32(((1 << bits) - 1) / 2.0)
-            for e in range(acc.size):
-                bit = e * bits
-                byte = bit >> 3
-                sh = bit & 7
-                v = np.int32(raw[byte]) >> sh
-                if sh + bits > 8:
-                    v |= np.int32(raw[byte + 1]) << (8 - sh)
-                code = v & mask
-                if bits == 1:
-                    val = np.float32(2 * code - 1)
-                else:
-                    val = np.float32(code) - half
-                acc[e] += val * step[e // cols]
-
-        @numba.njit(cache=True, nogil=True)
-        def _ulp_bf16_nb(out, w0, raw, bits):  # type: ignore[no-untyped-def]
-            n = w0.size
-            half = 1 << (bits - 1)
-            mask = (1 << bits) - 1
-            pos = ((n + 7) >> 3) * 8  # bit position of the first code
-            for e in range(n):
-                if (raw[e >> 3] >> (e & 7)) & 1:
-                    byte = pos >> 3
-                    sh = pos & 7
-                    v = np.int32(raw[byte]) >> sh
-                    if sh + bits > 8:
-                        v |= np.int32(raw[byte + 1]) << (8 - sh)
-                    code = v & mask
-                    move = code - half + (1 if code >= half else 0)
-                    b16 = np.int32(w0[e] >> 16) + move
-                    out[e] = np.uint32(b16 & 0xFFFF) << 16
-                    pos += bits
-    except ImportError:
+        from ._numba_decode import quant_add, ulp_bf16  # module level: numba's disk cache
+    except ImportError:  # numba is missing
         return None, None
-    return _quant_add_nb, _ulp_bf16_nb
+    return quant_add, ulp_bf16
 
 
 def _popcount(block: memoryview, n: int) -> int:
@@ -402,6 +365,8 @@ def block_size_ok(level: Level, block: memoryview, rows_b: int, cols: int) -> bo
 
 #: kinds added to ``acc`` before ``W_hat = w0 + acc`` (the others overwrite values of ``W_hat``)
 ADDITIVE = ("lowrank", "quant", "rows", "vq")
+
+
 
 
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
