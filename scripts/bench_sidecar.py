@@ -19,7 +19,9 @@ For a masked-LM MiniLM family (``make_family.py minilm``: ``eval/<corpus>.json``
 experts) every merge's masked-LM loss on each corpus' held-out passages is reported too (fixed
 masks; ``mlm_loss`` in make_family.py). ``--mount`` also serves each sidecar budget through
 ``mergefs mount SPEC MNT --budget B`` and reads every file (cold sources): wall time, and whether
-the bytes equal ``materialise`` at the same budget.
+the bytes equal ``materialise`` at the same budget. ``--http`` serves the experts (and their
+published sidecars) over HTTP Range from this process and merges from the URLs, to see what the
+sidecars save where reads are slower than decoding.
 
 Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the sidecar ranges
 and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
@@ -219,6 +221,29 @@ def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
             "mount_same_bytes_as_merge": same}
 
 
+def http_spec(spec_path: Path) -> tuple[Path, Any]:
+    """A copy of the spec whose experts are URLs of an HTTP Range server over the family
+    folder (their published delta sidecars beside them), the base local, a fresh index_dir;
+    returns (its path, the started server)."""
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from servers import RangeHTTPServer
+
+    family = spec_path.parent.resolve()
+    server = RangeHTTPServer(family).start()
+    doc = yaml.safe_load(spec_path.read_text())
+    doc["base_model"] = str((family / doc["base_model"]).resolve())
+    for m in doc["models"]:
+        rel = (family / m["model"]).resolve().relative_to(family)
+        m["model"] = f"{server.url}/{rel.as_posix()}"
+    work = Path(tempfile.mkdtemp(prefix="bench-sidecar-http-"))
+    doc["index_dir"] = str(work / "index")
+    out = work / spec_path.name
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out, server
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(axis=1).mean())
 
@@ -327,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--embed-metric", action="store_true",
                    help="MiniLM: mean cosine of sentence embeddings to the full merge's")
+    p.add_argument("--http", action="store_true",
+                   help="serve the experts over HTTP Range (tests/servers.py, 127.0.0.1, in this "
+                   "process; the base stays local) and merge from the URLs: sidecars must be "
+                   "published already (implies --no-compress)")
     p.add_argument("--mount", action="store_true",
                    help="also serve each sidecar budget through mergefs mount and read it all")
     p.add_argument("--rate-distortion", action="store_true",
@@ -344,9 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     from mergefs import deltadecode
 
     deltadecode.decode_into = _timed_decode_into(deltadecode.decode_into)  # the kernel alone
-    spec = load_spec(str(args.family / args.spec))
+    spec_path = args.family / args.spec
+    server = None
+    if args.http:
+        spec_path, server = http_spec(spec_path)
+        args.no_compress = True
+    spec = load_spec(str(spec_path))
     base_dir = Path(spec.base)
-    sources = [base_dir, *[Path(e.path) for e in spec.experts]]
+    sources = [base_dir, args.family] if server else \
+        [base_dir, *[Path(e.path) for e in spec.experts]]
     base, experts = open_family(spec)
     index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
     lay = index.layout
@@ -388,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             pct = None if b == "full" else float(b) / 100
             for sidecars in (False, True):
                 budget = None if pct is None else int(pct * bf16_bytes)
+                if server is not None:
+                    server.log.reset()
                 s, wall = merge(spec, tmp / "b", sources, budget=budget, sidecars=sidecars)
                 got = load_f64(tmp / "b")
                 kept, err, upd = energy(got, full, w0, names)
@@ -408,16 +445,21 @@ def main(argv: list[str] | None = None) -> int:
                        "wall_s": round(wall, 2), "blocks_decoded": DECODE["blocks"],
                        "decode_s": round(DECODE["seconds"], 3),
                        "decode_compute_s": round(DECODE["compute"], 3)}
-                if sidecars and pct is not None:  # beside decode_s: the reads it replaces
+                if sidecars and pct is not None and server is None:  # the reads it replaces
                     secs, nbytes = replaced_read_seconds(s, sources)
                     row["replaced_exact_read_cold_s"] = round(secs, 3)
                     row["replaced_exact_bytes"] = nbytes
+                if server is not None:  # GETs of the merge (its index is already built)
+                    got_requests = [r for r in server.log.served if r.method == "GET"]
+                    row["http_gets"] = len(got_requests)
+                    row["http_sidecar_gets"] = sum("mergefs-delta" in r.path
+                                                   for r in got_requests)
                 if embed is not None:
                     row["cosine_to_full"] = cosine(embed(tmp / "b"), e_full)
                 if mlm is not None and pct is not None:
                     row["mlm_loss"] = mlm(tmp / "b")
                 if args.mount and sidecars and pct is not None:
-                    row.update(through_mount(args.family / args.spec, budget, sources, tmp,
+                    row.update(through_mount(spec_path, budget, sources, tmp,
                                              tmp / "b"))
                 rows.append(row)
                 print(json.dumps(row))
@@ -438,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                     break
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if server is not None:
+            server.stop()
+            shutil.rmtree(spec_path.parent, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
