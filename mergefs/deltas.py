@@ -367,8 +367,6 @@ def block_size_ok(level: Level, block: memoryview, rows_b: int, cols: int) -> bo
 ADDITIVE = ("lowrank", "quant", "rows", "vq")
 
 
-
-
 def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memoryview],
                 shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
                 cols: int, version: str = DELTA_VERSION) -> np.ndarray:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -318,6 +318,18 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
 TENSOR_LEVELS_MAX_BYTES = 128 << 20
 
 
+@dataclass(eq=False)
+class _HeldLevels:
+    """One tensor's planned sidecar ranges of one expert, read once for all its units."""
+
+    planned: np.ndarray  # the tensor's planned blocks (relative to its first block)
+    depths: np.ndarray  # their level depths
+    left: int  # planned blocks not decoded yet: the entry is dropped at 0
+    nbytes: int  # the planned bytes (counted against TENSOR_LEVELS_MAX_BYTES)
+    payloads: Any = None  # mergefs.deltadecode.Payloads once read
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class Engine:
     """Merges units of a plan. Thread-safe: units may be merged concurrently."""
 
@@ -367,9 +379,9 @@ class Engine:
         for i, sc in self.deltas.items():
             sc.recorder = functools.partial(self._record_sidecar, self.labels[i], sc.name)
         #: a tensor's planned sidecar ranges, read once for units smaller than the tensor
-        #: (the mount's row-block units): (expert, tensor) -> [lock, payloads or None, blocks
-        #: left to decode, bytes]; dropped when every planned block was decoded
-        self._tensor_levels: dict[tuple[int, str], list[Any]] = {}
+        #: (the mount's row-block units), by (expert, tensor); dropped when every planned
+        #: block was decoded
+        self._tensor_levels: dict[tuple[int, str], _HeldLevels] = {}
         self._tensor_levels_bytes = 0  # their planned bytes, at most TENSOR_LEVELS_MAX_BYTES
         self._tensor_levels_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -627,40 +639,47 @@ class Engine:
         bytes are the plan's either way: only when they are read changes."""
         from .deltadecode import Payloads, read_payloads
 
-        assert self.plan.levels is not None
-        lay = self.layout
-        first = int(lay.first_block[tl.t])
-        row = self.plan.levels[i, first:int(lay.first_block[tl.t + 1])]
-        planned = np.flatnonzero(row)
-        if len(planned) <= len(js):
-            return None
-        sc = self.deltas[i]
-        depths = row[planned].astype(np.int64)
         key = (i, tl.name)
         with self._tensor_levels_lock:
-            entry = self._tensor_levels.get(key)
-            if entry is None:
-                sizes = sc.range_end - sc.range_start
-                nbytes = sum(int(sizes[lv.first_range + planned[depths > lvl]].sum())
-                             for lvl, lv in enumerate(tl.levels[:int(depths.max())]))
-                if nbytes > TENSOR_LEVELS_MAX_BYTES or \
-                        self._tensor_levels_bytes + nbytes > TENSOR_LEVELS_MAX_BYTES:
-                    return None  # (entries of tensors a reader left half read stay until
-                    # their blocks are decoded: a cap on them all, not only per tensor)
-                self._tensor_levels_bytes += nbytes
-                entry = self._tensor_levels[key] = [threading.Lock(), None, len(planned),
-                                                    nbytes]
-        with entry[0]:  # one reader per tensor; the others wait for its bytes
-            if entry[1] is None:
-                entry[1] = read_payloads(sc, tl, planned, depths, tl.name)
-            got: Payloads = entry[1]
+            held = self._tensor_levels.get(key)
+            if held is None:
+                held = self._hold_levels(i, tl, len(js))
+                if held is None:
+                    return None
+        with held.lock:  # one reader per tensor; the others wait for its bytes
+            if held.payloads is None:
+                held.payloads = read_payloads(self.deltas[i], tl, held.planned, held.depths,
+                                              tl.name)
+            got: Payloads = held.payloads
         with self._tensor_levels_lock:
-            entry[2] -= len(js)
-            if entry[2] <= 0 and self._tensor_levels.get(key) is entry:
+            held.left -= len(js)
+            if held.left <= 0 and self._tensor_levels.get(key) is held:
                 del self._tensor_levels[key]
-                self._tensor_levels_bytes -= entry[3]
-        sel = np.searchsorted(planned, js)
+                self._tensor_levels_bytes -= held.nbytes
+        sel = np.searchsorted(held.planned, js)
         return Payloads(got.data, got.off[:, sel], got.size[:, sel])
+
+    def _hold_levels(self, i: int, tl: Any, unit_blocks: int) -> _HeldLevels | None:
+        """A new entry of ``_tensor_levels`` for expert i's tensor ``tl`` (under its lock), or
+        None: a unit of ``unit_blocks`` blocks holds every planned block, or the cap is
+        reached (entries of tensors a reader left half read stay until their blocks are
+        decoded: a cap on them all, not only per tensor)."""
+        assert self.plan.levels is not None
+        lay = self.layout
+        row = self.plan.levels[i, int(lay.first_block[tl.t]):int(lay.first_block[tl.t + 1])]
+        planned = np.flatnonzero(row)
+        if len(planned) <= unit_blocks:
+            return None
+        depths = row[planned].astype(np.int64)
+        sizes = self.deltas[i].range_bytes()
+        nbytes = sum(int(sizes[lv.first_range + planned[depths > lvl]].sum())
+                     for lvl, lv in enumerate(tl.levels[:int(depths.max())]))
+        if self._tensor_levels_bytes + nbytes > TENSOR_LEVELS_MAX_BYTES:
+            return None
+        self._tensor_levels_bytes += nbytes
+        held = self._tensor_levels[(i, tl.name)] = _HeldLevels(planned, depths, len(planned),
+                                                              nbytes)
+        return held
 
     def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
                         buf: memoryview) -> None:
