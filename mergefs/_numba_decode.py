@@ -177,11 +177,16 @@ def add_products(acc, cols, u, v, nk):
 
 
 @_jit
-def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, uscale, v,
-           book, data, off, size):
+def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, loop,
+           uscale, v, book, data, off, size, p, prow, pscale):
     """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
     memory as float32); returns the first block whose ranges have the wrong sizes (nothing
-    written from it on), or -1."""
+    written from it on), or -1.
+
+    Low-rank levels with ``loop[lvl]`` are summed here component by component (version 3, and
+    float16 levels of version 4); block ``j``'s other low-rank levels (version 4) are already
+    multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
+    ``pscale[j]`` (a power of two)."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -198,14 +203,20 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             additive |= kind[lvl] <= 3
         if additive:
             acc[:n] = 0
+        if prow[j] >= 0:  # the exact product, scaled (exact), then +0 (never -0)
+            ps = pscale[j]
+            for r in range(rb):
+                pr = prow[j] + r
+                for e in range(cols):
+                    acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
         nk = 0  # low-rank: every component's U value of a row, then V row by V row
         for lvl in range(depth):
-            if kind[lvl] == 0:
+            if kind[lvl] == 0 and loop[lvl]:
                 nk += ks[lvl]
         if nk > 0:
             c = 0
             for lvl in range(depth):
-                if kind[lvl] != 0:
+                if kind[lvl] != 0 or not loop[lvl]:
                     continue
                 k, b, o = ks[lvl], bits[lvl], off[lvl, j]
                 sc = uscale[first[lvl]:first[lvl] + k]
@@ -246,16 +257,17 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
                     scale = f32(data, o + 4 * r)
                     ar = acc[r * cols:(r + 1) * cols]
                     codes = data[o + 4 * rb + r * per:o + 4 * rb + (r + 1) * per]
+                    f0 = first[lvl]
                     if dim == 8:  # the one dimension mergefs writes: a constant trip count
-                        for q in range(per):
-                            w = book[first[lvl] + np.int64(codes[q])]
+                        for q in range(per):  # (no array view per code: it costs refcounts)
+                            w = f0 + np.int64(codes[q])
                             for d in range(8):
-                                ar[q * 8 + d] += w[d] * scale
+                                ar[q * 8 + d] += book[w, d] * scale
                     else:
                         for q in range(per):
-                            w = book[first[lvl] + np.int64(codes[q])]
+                            w = f0 + np.int64(codes[q])
                             for d in range(dim):
-                                ar[q * dim + d] += w[d] * scale
+                                ar[q * dim + d] += book[w, d] * scale
         if additive:
             o_f = out_f[s:s + n]
             w_f = w0_f[s:s + n]
@@ -283,6 +295,65 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             o, cnt = off[lvl, j], size[lvl, j] // 8
             for q in range(cnt):
                 out[s + u32(data, o + 4 * q)] = u32(data, o + 4 * (cnt + q))
+    return -1
+
+
+def q_luts():
+    """``luts[b][x, t] = 2 * (value of the t-th b-bit code of byte x)`` for b = 1, 2, 4, 8
+    (index 0, 3, 5-7: unused), float32."""
+    luts = np.zeros((9, 256, 8), np.float32)
+    for b in (1, 2, 4, 8):
+        for x in range(256):
+            for t in range(8 // b):
+                luts[b, x, t] = 2 * ((x >> (t * b)) & ((1 << b) - 1)) - ((1 << b) - 1)
+    return luts
+
+
+@_jit
+def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, size, luts):
+    """``uq[urow[j] + r, c] = 2 * (value of U code (r, c))`` of block ``j``'s low-rank levels
+    without ``loop`` within its depth, their components side by side in level order (odd
+    integers, exact in float32); blocks with ``urow[j] < 0`` are skipped. Returns the first
+    block whose ranges have the wrong sizes, or -1. ``luts[b][x, t]``: that value of the
+    ``t``-th ``b``-bit code of byte ``x`` (:func:`q_luts`)."""
+    for j in range(rows.size):
+        if urow[j] < 0:
+            continue
+        rb, depth = rows[j], depths[j]
+        if not sizes_ok(j, depth, rb, cols, kind, bits, ks, data, off, size):
+            return j
+        c = 0
+        for lvl in range(depth):
+            if kind[lvl] != 0 or loop[lvl]:
+                continue
+            k, b, o = ks[lvl], bits[lvl], off[lvl, j]
+            top = np.float32((1 << b) - 1)
+            mask = (1 << b) - 1
+            per = 8 // b
+            if b != 3 and k % per == 0:  # each row's codes start a byte: per byte, its codes
+                for r in range(rb):  # (2-d indexing, no array view per row: refcounts)
+                    row = urow[j] + r
+                    o_r = o + r * (k // per)
+                    for q in range(k // per):
+                        x = data[o_r + q]
+                        for t in range(per):
+                            uq[row, c + q * per + t] = luts[b, x, t]
+            elif b == 3 and k % 8 == 0:  # eight codes per three bytes
+                for r in range(rb):
+                    row = urow[j] + r
+                    o_r = o + r * (3 * k // 8)
+                    for q in range(k // 8):
+                        x = (np.int64(data[o_r + 3 * q]) | (np.int64(data[o_r + 3 * q + 1]) << 8)
+                             | (np.int64(data[o_r + 3 * q + 2]) << 16))
+                        for t in range(8):
+                            uq[row, c + q * 8 + t] = np.float32(2 * ((x >> (3 * t)) & 7)) - top
+            else:
+                for r in range(rb):
+                    row = urow[j] + r
+                    for q in range(k):
+                        code = code_at(data, o, (r * k + q) * b, b)
+                        uq[row, c + q] = np.float32(2 * code) - top
+            c += k
     return -1
 
 

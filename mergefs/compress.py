@@ -365,7 +365,7 @@ def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[
     n_rows = np.asarray([r1 - r0 for r0, r1 in rows], np.int64)
     w0f = np.ascontiguousarray(w0, dtype=np.float32).reshape(-1)
     w_hat = np.empty_like(w0f)
-    packed = decode.pack(levels, shared, cols)
+    packed = decode.pack(levels, shared, cols, dl.DELTA_VERSION)
     out: list[list[float]] = [[0.0] * len(rows) for _ in levels]
     for n in range(1, len(levels) + 1):
         decode.decode_into(w_hat, w0f, levels, cols, starts, n_rows,

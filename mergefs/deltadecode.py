@@ -3,13 +3,16 @@
 The engine reconstructs ``W_hat`` of every planned block of a unit, and the publisher measures
 every level prefix of every block, with :func:`decode_into`: one call per tensor (or run of
 blocks), each block with its own level depth, written straight into the caller's float32
-buffer. With numba, one compiled loop per call (defined, or loaded from numba's disk cache, at
-the first call: importing numba costs ~0.15 s, which a merge without sidecars need not pay);
-without it, or for ``ulp`` levels of float16 experts, :func:`mergefs.deltas.reconstruct` block by
-block. Both compute exactly the version-3 arithmetic of :mod:`mergefs.deltas` (the fixed-order
-low-rank product, no fused multiply-add: numba without ``fastmath`` does not contract), so the
-bits do not depend on which ran; sidecars of versions 1 and 2 (a BLAS low-rank product) are
-decoded block by block as before.
+buffer. Version 4: the quantised low-rank components of every block with the same number of
+them are one float32 BLAS product of integers on the grid of :func:`mergefs.deltas.grid_of`
+(exact, so the BLAS and its threads do not change a bit), unpacked and then combined with the
+other levels by compiled loops; version 3: the compiled loop sums the components in a fixed
+order (no fused multiply-add: numba without ``fastmath`` does not contract). The loops are
+defined, or loaded from numba's disk cache, at the first call (importing numba costs ~0.15 s,
+which a merge without sidecars need not pay); without numba, or for ``ulp`` levels of float16
+experts, :func:`mergefs.deltas.reconstruct` decodes block by block. Both compute exactly the
+arithmetic of :mod:`mergefs.deltas`, so the bits do not depend on which ran; sidecars of
+versions 1 and 2 (a BLAS low-rank product) are decoded block by block as before.
 
 :func:`read_payloads` reads the block ranges of a tensor's levels, one pread per adjacent run
 per level, into one buffer. Blocking; worker threads only, never the trio thread.
@@ -50,23 +53,38 @@ class Packed:
     kind: np.ndarray  # (L,) int64, KIND_CODE
     bits: np.ndarray  # (L,) int64
     k: np.ndarray  # (L,) int64
-    first: np.ndarray  # (L,) int64: lowrank, first row of ``v``/``uscale``; vq, of ``book``
-    uscale: np.ndarray  # (K,) float32: every lowrank level's U column scales, in order
-    v: np.ndarray  # (K, cols) float32: every lowrank level's V rows, in order
+    first: np.ndarray  # (L,) int64: looped lowrank, first row of ``v``/``uscale``; vq, of ``book``
+    loop: np.ndarray  # (L,) int64: 1 for lowrank levels summed component by component
+    uscale: np.ndarray  # (K,) float32: every looped lowrank level's U column scales, in order
+    v: np.ndarray  # (K, cols) float32: every looped lowrank level's V rows, in order
     book: np.ndarray  # (W, dim) float32: every vq level's codebook, in order
     compiled_ok: bool  # False: a level the compiled loop does not decode (float16 ulp)
+    #: version 4: exact low-rank components within depth d (d = 0 .. L)
+    n_exact: np.ndarray
+    #: version 4: per number of exact components n > 0 of some depth, (2**-G, W) of
+    #: :func:`mergefs.deltas.grid_of` over those components
+    grids: dict[int, tuple[np.float32, np.ndarray]]
 
 
 def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
-         cols: int) -> Packed:
+         cols: int, version: str = dl.DELTA_VERSION) -> Packed:
     n = len(levels)
     first = np.zeros(n, np.int64)
+    loop = np.zeros(n, np.int64)
     us, vs, books = [], [], []
     rows_v = rows_b = 0
+    n_exact = np.zeros(n + 1, np.int64)
+    grids: dict[int, tuple[np.float32, np.ndarray]] = {}
     for lvl, (lv, sh) in enumerate(zip(levels, shared)):
-        if lv.kind == "lowrank":
+        n_exact[lvl + 1] = n_exact[lvl]
+        if dl.exact_level(lv, version):
+            n_exact[lvl + 1] += lv.k
+            grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1])
+            grids[int(n_exact[lvl + 1])] = (np.float32(2.0 ** -grid), w)
+        elif lv.kind == "lowrank":
             assert sh is not None
             first[lvl] = rows_v
+            loop[lvl] = 1
             us.append(sh[0])
             vs.append(sh[1])
             rows_v += lv.k
@@ -79,12 +97,12 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
     return Packed(
         np.asarray([KIND_CODE[lv.kind] for lv in levels], np.int64),
         np.asarray([lv.bits for lv in levels], np.int64),
-        np.asarray([lv.k for lv in levels], np.int64), first,
+        np.asarray([lv.k for lv in levels], np.int64), first, loop,
         np.ascontiguousarray(np.concatenate(us) if us else np.zeros(1), dtype=np.float32),
         np.ascontiguousarray(np.vstack(vs) if vs else np.zeros((1, cols)), dtype=np.float32),
         np.ascontiguousarray(np.vstack([_pad(b, dim) for b in books]) if books
                              else np.zeros((1, 1)), dtype=np.float32),
-        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels))
+        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels), n_exact, grids)
 
 
 def _pad(book: np.ndarray, dim: int) -> np.ndarray:
@@ -95,12 +113,18 @@ def _pad(book: np.ndarray, dim: int) -> np.ndarray:
     return out
 
 
+#: version 4: blocks are decoded in chunks of at most this many elements (the exact products
+#: of a chunk are held at once)
+CHUNK_ELEMENTS = 1 << 20
+
+
 def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], cols: int,
                 starts: np.ndarray, rows: np.ndarray, depths: np.ndarray, payloads: Payloads,
                 shared: list[tuple[np.ndarray, np.ndarray] | None],
-                packed: Packed | None = None) -> None:
+                packed: Packed | None = None, version: str = dl.DELTA_VERSION) -> None:
     """``out[s:s + rows[j] * cols] = W_hat`` of block ``j`` (``s = starts[j]``: element offsets
-    into ``out`` and ``w0``, both flat float32) from its first ``depths[j]`` levels, version 3.
+    into ``out`` and ``w0``, both flat float32) from its first ``depths[j]`` levels, by the
+    arithmetic of sidecar ``version`` (3 or 4).
 
     ``shared`` and ``packed`` cover ``levels[:max(depths)]`` (``packed``: :func:`pack` of them,
     computed here when None). Raises :class:`mergefs.deltas.DeltaError` when a block's ranges
@@ -110,14 +134,14 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         return
     depth = int(depths.max())
     if packed is None:
-        packed = pack(levels[:depth], shared[:depth], cols)
+        packed = pack(levels[:depth], shared[:depth], cols, version)
     kernel = _compiled() if packed.compiled_ok else None
     if kernel is None:
         for j in range(len(starts)):
             s, n, k = int(starts[j]), int(rows[j]) * cols, int(depths[j])
             out[s:s + n] = dl.reconstruct(w0[s:s + n], levels[:k],
                                           [payloads.block(lvl, j) for lvl in range(k)],
-                                          shared[:k], int(rows[j]), cols)
+                                          shared[:k], int(rows[j]), cols, version=version)
         return
     ends = np.asarray(starts) + np.asarray(rows) * cols
     if int(np.min(starts)) < 0 or int(ends.max()) > min(out.size, w0.size):
@@ -131,14 +155,79 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         raise dl.DeltaError("a level range lies outside the bytes read (a damaged range "
                             "table)")  # unchecked in the loop
     w0 = np.ascontiguousarray(w0)
-    bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0,
-                 np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows, np.int64),
-                 np.ascontiguousarray(depths, np.int64), cols, packed.kind, packed.bits,
-                 packed.k, packed.first, packed.uscale, packed.v, packed.book, payloads.data,
-                 payloads.off, payloads.size)
+    starts = np.ascontiguousarray(starts, np.int64)
+    rows = np.ascontiguousarray(rows, np.int64)
+    depths = np.ascontiguousarray(depths, np.int64)
+    if not packed.grids:  # nothing multiplied out: one call
+        chunks = [(0, len(starts))]
+    else:
+        cum = np.cumsum(rows * cols)
+        cut = np.searchsorted(cum, np.arange(1, int(cum[-1]) // CHUNK_ELEMENTS + 1)
+                              * CHUNK_ELEMENTS, side="right")
+        edges = np.unique(np.concatenate([[0], cut, [len(starts)]]))
+        chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    for a, b in chunks:
+        cs, cr, cd = starts[a:b], rows[a:b], depths[a:b]
+        coff, csize = np.ascontiguousarray(off[:, a:b]), np.ascontiguousarray(size[:, a:b])
+        p, prow, pscale, bad = _exact_products(packed, cols, cr, cd, payloads.data, coff, csize)
+        if bad < 0:
+            bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, cs, cr, cd, cols,
+                         packed.kind, packed.bits, packed.k, packed.first, packed.loop,
+                         packed.uscale, packed.v, packed.book, payloads.data, coff, csize,
+                         p, prow, pscale)
+        if bad >= 0:
+            raise dl.DeltaError(f"block {a + bad} of the call: its level ranges do not have "
+                                "the sizes its levels imply (a damaged level table)")
+
+
+_NO_P = np.zeros((1, 1), np.float32)
+_LUTS: list[np.ndarray] = []
+
+
+def _q_luts() -> np.ndarray:
+    if not _LUTS:
+        from ._numba_decode import q_luts
+        _LUTS.append(q_luts())
+    return _LUTS[0]
+
+
+def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
+                    data: np.ndarray, off: np.ndarray, size: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Version 4: ``Q W`` of every block with exact low-rank components (one float32 BLAS
+    product per number of components, exact), as the compiled loop takes them: ``(p, prow,
+    pscale, bad)``, ``bad`` the first block whose ranges have the wrong sizes or -1."""
+    n = len(rows)
+    prow = np.full(n, -1, np.int64)
+    pscale = np.zeros(n, np.float32)
+    if not packed.grids:
+        return _NO_P, prow, pscale, -1
+    nk = packed.n_exact[depths]
+    sel = np.flatnonzero(nk > 0)
+    if len(sel) == 0:
+        return _NO_P, prow, pscale, -1
+    order = sel[np.argsort(nk[sel], kind="stable")]
+    r = rows[order]
+    prow[order] = np.cumsum(r) - r
+    total = int(r.sum())
+    uq = np.empty((total, int(nk[order[-1]])), np.float32)
+    from ._numba_decode import unpack_exact
+    bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
+                       packed.loop, data, off, size, _q_luts())
     if bad >= 0:
-        raise dl.DeltaError(f"block {bad} of the call: its level ranges do not have the sizes "
-                            "its levels imply (a damaged level table)")
+        return _NO_P, prow, pscale, int(bad)
+    p = np.empty((total, cols), np.float32)
+    ks = nk[order]
+    bounds = np.flatnonzero(np.diff(ks)) + 1
+    with dl.one_blas_thread():
+        for g0, g1 in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
+            k = int(ks[g0])
+            scale, w = packed.grids[k]
+            r0 = int(prow[order[g0]])
+            r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
+            np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
+            pscale[order[g0:g1]] = scale
+    return p, prow, pscale, -1
 
 
 def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
@@ -188,11 +277,14 @@ def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
                                               shared[:k], int(n_rows[j]), tl.cols,
                                               version=sc.meta["version"])
         return
+    version = sc.meta["version"]
     with sc._shared_lock:
         packed = sc._packed.get((tl.name, depth))
         if packed is None:
-            packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols)
-    decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed)
+            packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols,
+                                                         version)
+    decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed,
+                version)
 
 
 _LAZY: Any = object()

@@ -46,7 +46,17 @@ as the publisher's did). Version 3 (same layout and kinds as 2) fixes the produc
 order, so that a compiled decoder of many blocks at once (:mod:`mergefs.deltadecode`) and the
 numpy one here give the same bits on any machine: per element, starting from +0,
 ``acc += fl(u_k * v_kj)`` for the components ``k`` of every low-rank level in order, float32,
-each product and sum rounded (no fused multiply-add). :func:`reconstruct` decodes all three.
+each product and sum rounded (no fused multiply-add). Version 4 (same layout and kinds) makes
+the product of the quantised low-rank levels (2-8 bits) *exact*, so that any float32 matrix
+product (BLAS, fused multiply-adds, any order or blocking, any thread count) gives the same
+bits, at BLAS speed: with the block's ``n`` quantised components, ``Q[r, c] = 2 * (code value)``
+(odd integers, at most ``2**bits - 1``) and, on a power-of-two grid ``G`` (:func:`grid_of`, a
+function of those components' shared ranges only), ``W[c, e] = rint(uscale_c * V[c, e] *
+2**(G-1))`` (float64, then integers in float32), chosen so that ``sum_c (2**bits_c - 1) *
+max_e |W[c, e]| < 2**24``: every partial sum of ``Q W`` is an integer that float32 holds
+exactly. Then ``acc = fl(fl(Q W) * 2**-G) + 0`` (never -0), float16 low-rank levels are added
+component by component as in version 3, and the rest as before. :func:`reconstruct` decodes
+all four.
 
 Pure decoding and a blocking reader (pread, xxh3 checked per range); never on the trio thread.
 """
@@ -71,12 +81,16 @@ from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
 
-DELTA_VERSION = "3"
+DELTA_VERSION = "4"
 #: versions this reader opens: 1 has the same layout without the ``rows`` and ``vq`` kinds; 1
-#: and 2 have a BLAS low-rank product, 3 a fixed-order one (see the module docstring)
-READABLE_VERSIONS = ("1", "2", "3")
+#: and 2 have a BLAS low-rank product, 3 a fixed-order one, 4 an exact one (module docstring)
+READABLE_VERSIONS = ("1", "2", "3", "4")
 #: versions whose low-rank product is a BLAS sgemm (decoded block by block)
 BLAS_VERSIONS = ("1", "2")
+#: versions whose quantised low-rank levels are one exact integer product (:func:`grid_of`)
+EXACT_VERSIONS = ("4",)
+#: every integer of smaller magnitude is exact in float32
+EXACT_LIMIT = 1 << 24
 META_KEY = "mergefs_delta"
 #: uniform quantiser step per bit width, in units of the RMS (near-optimal for Gaussian values)
 GAUSS_STEP = {1: 0.0, 2: 0.996, 3: 0.586, 4: 0.335}
@@ -238,6 +252,52 @@ def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.n
     return u.reshape(rows_b, k) * uscale[None, :]
 
 
+def exact_level(level: Level, version: str) -> bool:
+    """Whether ``level`` is part of version 4's exact low-rank product."""
+    return version in EXACT_VERSIONS and level.kind == "lowrank" and level.bits != 16
+
+
+def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarray] | None]
+            ) -> tuple[int, np.ndarray]:
+    """``(G, W)`` of the exact low-rank product of these levels (their quantised low-rank
+    levels, in order; see the module docstring): the largest grid at which every partial sum
+    stays below ``2**24``, and ``W`` (components x cols, float32 integers).
+
+    Deterministic on any machine: ``uscale * V`` is exact in float64, scaling by a power of two
+    and ``rint`` are exact, the bound is summed exactly (``math.fsum``, Python integers).
+    Raises :class:`DeltaError` when no grid holds these values (non-finite or out of range: a
+    damaged sidecar)."""
+    rows, tops = [], []
+    for lv, sh in zip(levels, shared):
+        if lv.kind == "lowrank" and lv.bits != 16:
+            assert sh is not None
+            rows.append(sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None])
+            tops.append(np.full(lv.k, (1 << lv.bits) - 1, np.int64))
+    if not rows:
+        return 0, np.zeros((0, 0), np.float32)
+    x = np.vstack(rows)
+    top = np.concatenate(tops)
+    peak = np.abs(x).max(axis=1) if x.shape[1] else np.zeros(len(x))
+    if not np.isfinite(peak).all() or int(top.sum()) >= EXACT_LIMIT // 2:
+        raise DeltaError("low-rank values that no exact grid holds (non-finite, or too many "
+                         "components): a damaged sidecar")
+    total = math.fsum(float(t) * float(a) for t, a in zip(top, peak)) / 2.0
+    grid = 0 if total == 0.0 else 23 - math.frexp(total)[1]  # total * 2**grid < 2**23
+    if not -100 <= grid <= 149:  # 2**-grid must be a normal or subnormal float32, not 0 or inf
+        raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "
+                         "float32 grid holds: a damaged sidecar")
+    w = np.rint(x * 2.0 ** (grid - 1))
+    bound = sum(int(t) * int(m) for t, m in zip(top, np.abs(w).max(axis=1, initial=0.0)))
+    if bound >= EXACT_LIMIT:  # cannot happen for finite values (rint adds at most top / 2)
+        raise DeltaError("the exact low-rank grid overflows float32 (a damaged sidecar)")
+    return grid, w.astype(np.float32)
+
+
+def _uq(level: Level, rows_b: int, block: memoryview) -> np.ndarray:
+    """``2 * (code value)`` of a quantised low-rank level's block (rows_b, k), float32."""
+    return dequant(block, level.bits, rows_b * level.k).reshape(rows_b, level.k) * 2
+
+
 def rows_block_size(changed: int, rows_b: int, cols: int, bits: int) -> int:
     return packed_size(rows_b, 1) + 4 * changed + packed_size(changed * cols, bits)
 
@@ -388,7 +448,7 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
     if version in BLAS_VERSIONS:
         acc = _additive_blas(levels, blocks, shared, rows_b, cols)
     else:
-        acc = _additive(levels, blocks, shared, rows_b, cols)
+        acc = _additive(levels, blocks, shared, rows_b, cols, version in EXACT_VERSIONS)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     _overwrite(w_hat, w0, levels, blocks)
     return w_hat
@@ -396,14 +456,23 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
 
 def _additive(levels: Sequence[Level], blocks: Sequence[memoryview],
               shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
-              cols: int) -> np.ndarray | None:
-    """Version 3's ``acc`` (None without additive levels): from +0 (so never -0), the
-    low-rank components one by one, then the other additive levels in order."""
+              cols: int, exact: bool) -> np.ndarray | None:
+    """Versions 3 and 4's ``acc`` (None without additive levels): from +0 (so never -0),
+    version 4's exact product, the (other) low-rank components one by one, then the other
+    additive levels in order."""
     if not any(lv.kind in ADDITIVE for lv in levels):
         return None
     acc = np.zeros((rows_b, cols), np.float32)
+    version = EXACT_VERSIONS[0] if exact else "3"
+    qs = [_uq(lv, rows_b, block) for lv, block in zip(levels, blocks)
+          if exact_level(lv, version)]
+    if qs:
+        grid, w = grid_of(levels, shared)
+        with one_blas_thread():
+            p = np.hstack(qs) @ w  # exact: every partial sum is an integer below 2**24
+        acc = p * np.float32(2.0 ** -grid) + np.float32(0.0)
     for level, block, sh in zip(levels, blocks, shared):
-        if level.kind == "lowrank":
+        if level.kind == "lowrank" and not exact_level(level, version):
             assert sh is not None
             u = _u(level, rows_b, block, sh[0])
             for c in range(level.k):
@@ -737,7 +806,8 @@ def _table_problem(table: dict[str, np.ndarray], data_bytes: int) -> str:
 #: level kinds each sidecar version may hold, and the (bits, k) each kind decodes
 KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
                     "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
-                    "3": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
+                    "3": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
+                    "4": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
 
 
 def _level_problem(level: Level, version: str, n_ranges: int) -> str:

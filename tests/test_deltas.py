@@ -5,6 +5,8 @@ Expected deltas come from safetensors' own loader here, never from mergefs' inde
 
 from __future__ import annotations
 
+import math
+
 import shutil
 from pathlib import Path
 
@@ -336,23 +338,29 @@ def _np_codes(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
                         cols: int) -> np.ndarray:
-    """An independent decoder of the dense ladder (lowrank, vq, quant levels) from raw bytes."""
-    us, vs = [], []
+    """An independent decoder of the dense ladder (lowrank, vq, quant levels) from raw bytes;
+    version 4's low-rank product in int64 (no BLAS, no float sums)."""
+    qs, xs, tops = [], [], []
     for lv, buf, sh in zip(levels, blocks, shared_raw):
         if lv.kind != "lowrank":
             continue
         raw = np.frombuffer(bytes(sh), dtype=np.uint8)
         scales = raw[:8 * lv.k].view("<f4")
         v = _np_codes(raw[8 * lv.k:], lv.bits, lv.k * cols).reshape(lv.k, cols)
-        vs.append(v * scales[lv.k:, None])
+        xs.append((v * scales[lv.k:, None]).astype(np.float64)
+                  * scales[:lv.k].astype(np.float64)[:, None])
         u = _np_codes(np.frombuffer(bytes(buf), dtype=np.uint8), lv.bits, rows_b * lv.k)
-        us.append(u.reshape(rows_b, lv.k) * scales[None, :lv.k])
+        qs.append((2 * u.astype(np.float64)).astype(np.int64).reshape(rows_b, lv.k))
+        tops += [(1 << lv.bits) - 1] * lv.k
     acc = None
-    if us:  # version 3: component by component from +0, each product and sum rounded
-        acc = np.zeros((rows_b, cols), np.float32)
-        for u, v in zip(us, vs):
-            for c in range(u.shape[1]):
-                acc = acc + u[:, c:c + 1] * v[c:c + 1]
+    if qs:  # version 4: the exact integer product on the grid of the module docstring
+        x = np.vstack(xs)
+        total = math.fsum(t * float(np.abs(row).max()) for t, row in zip(tops, x)) / 2
+        grid = 23 - math.frexp(total)[1]
+        w = np.rint(x * 2.0 ** (grid - 1)).astype(np.int64)
+        assert sum(t * int(np.abs(row).max()) for t, row in zip(tops, w)) < 1 << 24
+        exact = np.hstack(qs) @ w  # int64: no rounding anywhere
+        acc = exact.astype(np.float32) * np.float32(2.0 ** -grid) + np.float32(0)
     for lv, buf, sh in zip(levels, blocks, shared_raw):
         raw = np.frombuffer(bytes(buf), dtype=np.uint8)
         if lv.kind == "vq":

@@ -1,0 +1,170 @@
+"""Version 4's exact low-rank product (issue 14): every float32 product of the grid's integers
+is exact, so the decoded bits do not depend on the BLAS, its thread count or the summation
+order; the grid is the largest that keeps every partial sum below 2**24; damaged values are
+refused; version-3 sidecars still decode with their fixed-order product."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import threadpoolctl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+from test_deltadecode import _setup
+
+from mergefs import compress, deltadecode, deltas
+
+
+def _dense_tensor(seed: int, m: int = 300, n: int = 96):
+    """One dense tensor's levels (the low-rank ladder, vq, quant) as the publisher builds them."""
+    rng = np.random.default_rng(seed)
+    w0 = rng.normal(0, 0.05, (m, n)).astype(np.float32)
+    spectrum = np.exp(-np.arange(n) / 12.0)
+    d = (rng.normal(0, 1, (m, n)) * spectrum) @ rng.normal(0, 1, (n, n)) * 1e-3 / np.sqrt(n)
+    wi = (w0 + d).astype(np.float32)
+    rows = [(r, min(m, r + 37)) for r in range(0, m, 37)]
+    built = compress.build_levels(w0, wi, rows)
+    levels = tuple(deltas.Level(kind, bits, k, 0 if s is not None else -1)
+                   for (kind, bits, k), s in zip(built.kinds, built.shared))
+    shared = [deltas.shared_value(lv, memoryview(s), n) if s is not None else None
+              for s, lv in zip(built.shared, levels)]
+    return w0, wi, rows, built, levels, shared
+
+
+def test_the_grid_product_is_exact_in_any_order() -> None:
+    """Q W by BLAS (1 and 2 threads), by a float32 sum in reversed component order, and in
+    int64: the same integers, all below 2**24."""
+    _, _, rows, built, levels, shared = _dense_tensor(1)
+    exact = [lvl for lvl, lv in enumerate(levels) if deltas.exact_level(lv, "4")]
+    assert len(exact) >= 3, [(lv.kind, lv.bits, lv.k) for lv in levels]
+    grid, w = deltas.grid_of(levels, shared)
+    r0, r1 = rows[2]
+    q = np.hstack([deltas._uq(levels[lvl], r1 - r0, memoryview(built.blocks[lvl][2]))
+                   for lvl in exact])
+    assert q.shape[1] == w.shape[0] and (np.abs(q) % 2 == 1).all()  # odd integers
+    want = q.astype(np.int64) @ w.astype(np.int64)
+    assert np.abs(want).max() < 1 << 24 and np.abs(want).max() > 1 << 20  # the grid is used
+    with threadpoolctl.threadpool_limits(1):
+        one = q @ w
+    with threadpoolctl.threadpool_limits(2):
+        two = q @ w
+    backwards = np.zeros_like(one)
+    for c in reversed(range(q.shape[1])):
+        backwards += q[:, c:c + 1] * w[c:c + 1]
+    for got in (one, two, backwards):
+        assert np.array_equal(got.astype(np.int64), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2, 3, 4, 8]), st.integers(1, 9),
+                          st.floats(1e-30, 1e30)), min_size=1, max_size=4),
+       st.integers(0, 2**32 - 1))
+def test_grid_is_the_largest_that_keeps_partial_sums_exact(spec, seed) -> None:
+    """For any scales: ``sum_c (2**bits - 1) max|W_c| < 2**24`` at the grid chosen, and one step
+    finer would break the bound the grid is chosen by (``total * 2**G < 2**23``)."""
+    rng = np.random.default_rng(seed)
+    cols = 5
+    levels, shared, tops, peaks = [], [], [], []
+    for bits, k, scale in spec:
+        us = (rng.uniform(0.1, 1, k) * scale).astype(np.float32)
+        v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
+        levels.append(deltas.Level("lowrank", bits, k, 0))
+        shared.append((us, v))
+        x = v.astype(np.float64) * us.astype(np.float64)[:, None]
+        tops += [(1 << bits) - 1] * k
+        peaks += list(np.abs(x).max(axis=1))
+    total = math.fsum(t * p for t, p in zip(tops, peaks)) / 2
+    if not 0 < total or not -100 <= 23 - math.frexp(total)[1] <= 149:
+        with pytest.raises(deltas.DeltaError):
+            deltas.grid_of(levels, shared)
+        return
+    grid, w = deltas.grid_of(levels, shared)
+    assert sum(t * int(np.abs(row).max()) for t, row in zip(tops, w)) < 1 << 24
+    assert total * 2.0 ** grid < 2**23 <= total * 2.0 ** (grid + 1)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
+def test_a_damaged_lowrank_scale_is_refused(bad: float) -> None:
+    """A non-finite (or absurd) U scale: a DeltaError from both decoders, nothing written."""
+    w0, _, rows, built, levels, shared = _dense_tensor(2)
+    us, v = shared[0]
+    us = us.copy()
+    us[0] = bad
+    shared = [(us, v), *shared[1:]]
+    r0, r1 = rows[0]
+    n = w0.shape[1]
+    blocks = [memoryview(built.blocks[lvl][0]) for lvl in range(len(levels))]
+    with pytest.raises(deltas.DeltaError, match="damaged sidecar"):
+        deltas.reconstruct(w0[r0:r1].reshape(-1), levels, blocks, shared, r1 - r0, n)
+    sizes = np.asarray([[len(b)] for b in blocks], np.int64)
+    off = (np.cumsum(sizes.reshape(-1)) - sizes.reshape(-1)).reshape(sizes.shape)
+    payloads = deltadecode.Payloads(np.frombuffer(b"".join(bytes(b) for b in blocks), np.uint8),
+                                    off, sizes)
+    out = np.full((r1 - r0) * n, np.nan, np.float32)
+    with pytest.raises(deltas.DeltaError, match="damaged sidecar"):
+        deltadecode.decode_into(out, w0[r0:r1].reshape(-1), levels, n, np.array([0]),
+                                np.array([r1 - r0]), np.array([len(levels)]), payloads, shared)
+    assert np.isnan(out).all()
+
+
+def test_float16_levels_keep_the_fixed_order_product() -> None:
+    """A float16 low-rank level (exact low-rank deltas: adapter factors) is not on the grid:
+    version 4 adds it component by component after the grid's product, like version 3."""
+    rng = np.random.default_rng(3)
+    cols, rb = 16, 5
+    us = rng.uniform(0.5, 1, 3).astype(np.float32)
+    v = rng.normal(0, 1, (3, cols)).astype(np.float32)
+    lv = deltas.Level("lowrank", 16, 3, 0)
+    block = rng.normal(0, 1, rb * 3).astype("<f2").tobytes()
+    w0 = rng.normal(0, 1, rb * cols).astype(np.float32)
+    got = deltas.reconstruct(w0, (lv,), [memoryview(block)], [(us, v)], rb, cols)
+    u = np.frombuffer(block, "<f2").astype(np.float32).reshape(rb, 3) * us
+    acc = np.zeros((rb, cols), np.float32)
+    for c in range(3):
+        acc = acc + u[:, c:c + 1] * v[c:c + 1]
+    assert np.array_equal(got, w0 + acc.reshape(-1))
+    assert np.array_equal(got, deltas.reconstruct(w0, (lv,), [memoryview(block)], [(us, v)],
+                                                  rb, cols, version="3"))
+
+
+def test_version_3_sidecar_decodes_with_its_fixed_order_product(tmp_path) -> None:
+    """A version-3 file (a version-4 one relabelled) decodes, through the engine's batched
+    decoder, with version 3's component-by-component product, which rounds differently."""
+    fam, _, base, experts, index, paths = _setup(tmp_path, seed=34)
+    path = paths[0]
+    loaded = load_file(path)
+    with safe_open(path, "np") as f:
+        meta = json.loads(f.metadata()[deltas.META_KEY])
+    meta["version"] = "3"
+    save_file(loaded, path, metadata={deltas.META_KEY: json.dumps(meta)})
+    sc = deltas.find(base, experts, index)[0]
+    assert sc.meta["version"] == "3"
+    w0s = load_file(str(fam.base / "model.safetensors"))
+    lay = index.layout
+    checked = differ = 0
+    for tl in sc.tensors.values():
+        if tl.levels[0].kind != "lowrank" or tl.levels[0].bits == 16:
+            continue
+        w0 = w0s[tl.name].astype(np.float32).reshape(-1)
+        depth = len(tl.levels)
+        blocks = np.asarray([b for b in lay.blocks_of(tl.t) if not index.zero[0, b]])
+        js = blocks - int(lay.first_block[tl.t])
+        starts = lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]])
+        n_rows = (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols
+        out = np.full_like(w0, np.nan)
+        deltadecode.decode_blocks(sc, tl, js, np.full(js.size, depth), starts, n_rows, w0, out)
+        shared = [sc.shared(lv, tl.cols) for lv in tl.levels]
+        for j, s, r in zip(js, starts, n_rows):
+            bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in tl.levels]
+            args = (w0[s:s + r * tl.cols], tl.levels, bufs, shared, int(r), tl.cols)
+            v3, v4 = deltas.reconstruct(*args, version="3"), deltas.reconstruct(*args)
+            assert np.array_equal(out[s:s + r * tl.cols].view(np.uint32), v3.view(np.uint32))
+            differ += not np.array_equal(v3.view(np.uint32), v4.view(np.uint32))
+            checked += 1
+    assert checked > 5
+    assert differ > 0  # the two products round differently: the version decides the route
