@@ -328,7 +328,6 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
                 continue
             k, b, o = ks[lvl], bits[lvl], off[lvl, j]
             top = np.float32((1 << b) - 1)
-            mask = (1 << b) - 1
             per = 8 // b
             if b != 3 and k % per == 0:  # each row's codes start a byte: per byte, its codes
                 for r in range(rb):  # (2-d indexing, no array view per row: refcounts)

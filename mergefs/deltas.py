@@ -894,6 +894,10 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
         if why is not None:
             log.warning("ignoring delta sidecar %s: %s", path, why)
             continue
+        if m["version"] not in EXACT_VERSIONS:
+            log.info("delta sidecar %s is of version %s: it decodes with the slower product of "
+                     "that version; `mergefs compress` writes version %s", path, m["version"],
+                     DELTA_VERSION)
         found[i] = sc
     return found
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Delta sidecar decode alone (issue 14): every block a budget's plan reconstructs, decoded from
-sidecar bytes already in memory, one thread, by three routes on the same blocks:
+sidecar bytes already in memory, by several routes on the same blocks:
 
-- ``batched``: :func:`mergefs.deltadecode.decode_into`, one compiled call per (expert, tensor)
-  (what the engine runs for version-3 sidecars),
-- ``numpy_blocks``: the same version-3 arithmetic block by block in numpy (the fallback),
-- ``blas_blocks``: the version-2 route, block by block with a BLAS low-rank product (what the
-  engine ran before version 3; different bits, same work),
+- ``batched``: :func:`mergefs.deltadecode.decode_into`, one call per (expert, tensor), by the
+  sidecars' own arithmetic (version 4: the exact low-rank product by BLAS; what the engine
+  runs), one thread;
+- ``batched_v3``: the same call with version 3's fixed-order compiled product (different bits,
+  same work: what the engine ran before version 4);
+- ``numpy_blocks``: the sidecars' arithmetic block by block in numpy (the fallback);
+- ``blas_blocks``: the version-2 route, block by block with a rounding BLAS product;
+- ``batched_2threads``: ``batched`` with the (expert, tensor) calls shared by two threads, as
+  the engine's two workers run them: wall time,
 
 best of ``--repeat`` runs each, against the cold pread of the exact expert bytes those blocks
-replace (``bench_sidecar.replaced_read_seconds``). Needs published sidecars (``mergefs
-compress``).
+replace (``bench_sidecar.replaced_read_seconds``), by one thread and by two. Needs published
+sidecars (``mergefs compress``).
 
     python scripts/bench_decode.py --family /tmp/minilm --spec spec-full.yaml --budgets 10,20
 """
@@ -22,6 +26,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,26 +60,41 @@ def _jobs(s: Session) -> list[tuple[Any, ...]]:
             w0 = decode_f32(base.read_tensor(tl.name), base.tensors[tl.name].dtype)
             jobs.append((tl, w0, lay.elem_start[blocks] - e0,
                          (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols, depths,
-                         payloads, shared, deltadecode.pack(tl.levels[:depth], shared, tl.cols)))
+                         payloads, shared,
+                         {v: deltadecode.pack(tl.levels[:depth], shared, tl.cols, v)
+                          for v in {sc.meta["version"], "3"}}, sc.meta["version"]))
     return jobs
 
 
 def _run(jobs: list[tuple[Any, ...]], route: str) -> float:
+    if route == "batched_2threads":
+        order = sorted(jobs, key=lambda j: -int(j[3].sum()) * j[0].cols)  # largest first
+        shares: list[list[tuple[Any, ...]]] = [[], []]
+        load = [0, 0]
+        for job in order:  # greedy: each call to the less loaded thread
+            k = int(np.argmin(load))
+            shares[k].append(job)
+            load[k] += int(job[3].sum()) * job[0].cols
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda share: _run(share, "batched"), shares))
+        return time.perf_counter() - t0
     t0 = time.perf_counter()
-    for tl, w0, starts, n_rows, depths, payloads, shared, packed in jobs:
+    for tl, w0, starts, n_rows, depths, payloads, shared, packed, version in jobs:
         out = np.empty_like(w0)
-        if route == "batched":
+        if route in ("batched", "batched_v3"):
+            v = "3" if route == "batched_v3" else version
             deltadecode.decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths,
-                                    payloads, shared, packed)
+                                    payloads, shared, packed[v], v)
             continue
-        version = "2" if route == "blas_blocks" else "3"
+        v = "2" if route == "blas_blocks" else version
         with deltas.one_blas_thread():
             for j in range(len(starts)):
                 s, k = int(starts[j]), int(depths[j])
                 n = int(n_rows[j]) * tl.cols
                 out[s:s + n] = deltas.reconstruct(
                     w0[s:s + n], tl.levels[:k], [payloads.block(lvl, j) for lvl in range(k)],
-                    shared[:k], int(n_rows[j]), tl.cols, version=version)
+                    shared[:k], int(n_rows[j]), tl.cols, version=v)
     return time.perf_counter() - t0
 
 
@@ -84,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default="spec.yaml")
     p.add_argument("--budgets", default="10,20", help="%% of the experts' bf16 bytes")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="only the batched routes")
     args = p.parse_args(argv)
     spec = load_spec(str(args.family / args.spec))
     sources = [Path(spec.base), *[Path(e.path) for e in spec.experts]]
@@ -97,10 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"budget": b, "blocks": int(sum(len(j[2]) for j in jobs)),
                                "load_avg_1m": round(os.getloadavg()[0], 2)}
         _run(jobs, "batched")  # numba: compiled or loaded from its cache
-        for route in ("batched", "numpy_blocks", "blas_blocks"):
-            row[f"{route}_s"] = round(min(_run(jobs, route) for _ in range(args.repeat)), 4)
-        secs, nbytes = replaced_read_seconds(s, sources)
-        row["replaced_exact_read_cold_s"] = round(secs, 4)
+        _run(jobs, "batched_v3")
+        routes = ["batched", "batched_v3", "batched_2threads", "numpy_blocks", "blas_blocks"]
+        if args.quick:
+            routes = routes[:3]
+        with deltas.one_blas_thread():  # held once, as the engine's workers hold it
+            for route in routes:
+                row[f"{route}_s"] = round(min(_run(jobs, route) for _ in range(args.repeat)), 4)
+        for threads in (1, 2):
+            secs, nbytes = min(replaced_read_seconds(s, sources, threads)
+                               for _ in range(args.repeat))
+            row[f"replaced_exact_read_cold_{threads}threads_s"] = round(secs, 4)
         row["replaced_exact_bytes"] = nbytes
         s.close()
         print(json.dumps(row))

@@ -26,8 +26,9 @@ sidecars save where reads are slower than decoding.
 Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the sidecar ranges
 and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
 :func:`mergefs.deltadecode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
-pread of the exact expert bytes those blocks replace. ``scripts/bench_decode.py`` times the
-decoding alone, one thread, by the batched and the block-by-block routes.
+pread of the exact expert bytes those blocks replace, by one thread and (``_2threads_s``) by two
+as the engine's workers read. ``scripts/bench_decode.py`` times the decoding alone, by one and
+two threads, by the sidecars' own arithmetic and by earlier versions' on the same blocks.
 
     python scripts/bench_sidecar.py --family /tmp/minilm --budgets 5,10,20,full
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -43,6 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,24 +111,41 @@ def _timed_decode_into(orig: Any) -> Any:
     return wrapper
 
 
-def replaced_read_seconds(s: Session, sources: list[Path]) -> tuple[float, int]:
-    """Cold pread time of the exact expert bytes of every block the plan reconstructed."""
+def replaced_read_seconds(s: Session, sources: list[Path], threads: int = 1
+                          ) -> tuple[float, int]:
+    """Cold pread time (wall) of the exact expert bytes of every block the plan reconstructed,
+    one pread per block; ``threads`` > 1: the blocks in that many contiguous shares, read
+    concurrently (as the engine's workers read units)."""
     if s.plan.levels is None:
         return 0.0, 0
     evict(*sources)
     lay = s.index.layout
-    total, t0 = 0, time.perf_counter()
+    spans = []
     for i, b in zip(*np.nonzero(s.plan.levels)):
         e = s.experts[int(i)]
         loc = e.tensors[lay.tensors[int(lay.tensor_of[b])]]
         item = (loc.end - loc.start) // max(1, int(np.prod(loc.shape)))
-        start = loc.start + int(lay.elem_start[b]) * item
-        end = loc.start + int(lay.elem_end[b]) * item
-        fd = os.open(e.path_of(loc.file), os.O_RDONLY)
-        try:
-            total += len(os.pread(fd, end - start, start))
-        finally:
-            os.close(fd)
+        spans.append((e.path_of(loc.file), loc.start + int(lay.elem_start[b]) * item,
+                      loc.start + int(lay.elem_end[b]) * item))
+
+    def read(share: list[tuple[Any, int, int]]) -> int:
+        got = 0
+        for path, start, end in share:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got += len(os.pread(fd, end - start, start))
+            finally:
+                os.close(fd)
+        return got
+
+    cut = np.linspace(0, len(spans), threads + 1).astype(int)
+    shares = [spans[a:b] for a, b in itertools.pairwise(cut)]
+    t0 = time.perf_counter()
+    if threads == 1:
+        total = read(spans)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read, shares))
     return time.perf_counter() - t0, total
 
 
@@ -448,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                 if sidecars and pct is not None and server is None:  # the reads it replaces
                     secs, nbytes = replaced_read_seconds(s, sources)
                     row["replaced_exact_read_cold_s"] = round(secs, 3)
+                    row["replaced_exact_read_cold_2threads_s"] = round(
+                        replaced_read_seconds(s, sources, 2)[0], 3)
                     row["replaced_exact_bytes"] = nbytes
                 if server is not None:  # GETs of the merge (its index is already built)
                     got_requests = [r for r in server.log.served if r.method == "GET"]

@@ -6,7 +6,6 @@ Expected deltas come from safetensors' own loader here, never from mergefs' inde
 from __future__ import annotations
 
 import math
-
 import shutil
 from pathlib import Path
 

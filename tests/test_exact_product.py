@@ -42,7 +42,7 @@ def test_the_grid_product_is_exact_in_any_order() -> None:
     _, _, rows, built, levels, shared = _dense_tensor(1)
     exact = [lvl for lvl, lv in enumerate(levels) if deltas.exact_level(lv, "4")]
     assert len(exact) >= 3, [(lv.kind, lv.bits, lv.k) for lv in levels]
-    grid, w = deltas.grid_of(levels, shared)
+    _, w = deltas.grid_of(levels, shared)
     r0, r1 = rows[2]
     q = np.hstack([deltas._uq(levels[lvl], r1 - r0, memoryview(built.blocks[lvl][2]))
                    for lvl in exact])
