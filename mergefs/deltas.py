@@ -291,7 +291,7 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     if grid < -100:
         raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "
                          "float32 grid holds: a damaged sidecar")
-    w = np.rint(x * 2.0 ** (grid - 1))
+    w = np.rint(x * math.ldexp(1.0, grid - 1))  # ldexp: exact, not up to the libm's pow
     bound = sum(int(t) * int(m) for t, m in zip(top, np.abs(w).max(axis=1, initial=0.0)))
     if bound >= EXACT_LIMIT:  # cannot happen for finite values (rint adds at most top / 2)
         raise DeltaError("the exact low-rank grid overflows float32 (a damaged sidecar)")
@@ -475,7 +475,7 @@ def _additive(levels: Sequence[Level], blocks: Sequence[memoryview],
         grid, w = grid_of(levels, shared)
         with one_blas_thread():
             p = np.hstack(qs) @ w  # exact: every partial sum is an integer below 2**24
-        acc = p * np.float32(2.0 ** -grid) + np.float32(0.0)
+        acc = p * np.float32(math.ldexp(1.0, -grid)) + np.float32(0.0)
     for level, block, sh in zip(levels, blocks, shared):
         if level.kind == "lowrank" and not exact_level(level, version):
             assert sh is not None
