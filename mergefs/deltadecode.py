@@ -20,6 +20,7 @@ per level, into one buffer. Blocking; worker threads only, never the trio thread
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,7 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
         if dl.exact_level(lv, version):
             n_exact[lvl + 1] += lv.k
             grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1])
-            grids[int(n_exact[lvl + 1])] = (np.float32(2.0 ** -grid), w)
+            grids[int(n_exact[lvl + 1])] = (np.float32(math.ldexp(1.0, -grid)), w)
         elif lv.kind == "lowrank":
             assert sh is not None
             first[lvl] = rows_v

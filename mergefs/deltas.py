@@ -261,7 +261,8 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
             ) -> tuple[int, np.ndarray]:
     """``(G, W)`` of the exact low-rank product of these levels (their quantised low-rank
     levels, in order; see the module docstring): the largest grid at which every partial sum
-    stays below ``2**24``, and ``W`` (components x cols, float32 integers).
+    stays below ``2**24`` (at most 149: ``2**-149`` is the smallest float32), and ``W``
+    (components x cols, float32 integers).
 
     Deterministic on any machine: ``uscale * V`` is exact in float64, scaling by a power of two
     and ``rint`` are exact, the bound is summed exactly (``math.fsum``, Python integers).
@@ -283,10 +284,14 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
                          "components): a damaged sidecar")
     total = math.fsum(float(t) * float(a) for t, a in zip(top, peak)) / 2.0
     grid = 0 if total == 0.0 else 23 - math.frexp(total)[1]  # total * 2**grid < 2**23
-    if not -100 <= grid <= 149:  # 2**-grid must be a normal or subnormal float32, not 0 or inf
+    # 2**-grid must be a float32 (normal or subnormal), not 0: tiny (subnormal) deltas, which
+    # an honest publisher writes, take the finest grid there is (still exact: a coarser grid
+    # only lowers the bound); 2**-grid overflowing is a damaged sidecar
+    grid = min(grid, 149)
+    if grid < -100:
         raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "
                          "float32 grid holds: a damaged sidecar")
-    w = np.rint(x * 2.0 ** (grid - 1))
+    w = np.rint(x * math.ldexp(1.0, grid - 1))  # ldexp: exact, not up to the libm's pow
     bound = sum(int(t) * int(m) for t, m in zip(top, np.abs(w).max(axis=1, initial=0.0)))
     if bound >= EXACT_LIMIT:  # cannot happen for finite values (rint adds at most top / 2)
         raise DeltaError("the exact low-rank grid overflows float32 (a damaged sidecar)")
@@ -470,7 +475,7 @@ def _additive(levels: Sequence[Level], blocks: Sequence[memoryview],
         grid, w = grid_of(levels, shared)
         with one_blas_thread():
             p = np.hstack(qs) @ w  # exact: every partial sum is an integer below 2**24
-        acc = p * np.float32(2.0 ** -grid) + np.float32(0.0)
+        acc = p * np.float32(math.ldexp(1.0, -grid)) + np.float32(0.0)
     for level, block, sh in zip(levels, blocks, shared):
         if level.kind == "lowrank" and not exact_level(level, version):
             assert sh is not None
