@@ -73,10 +73,7 @@ def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
         spec = load_spec(args.spec, strict=strict)
     check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
-        try:
-            spec = spec.with_budget(parse_budget(args.budget))
-        except MergefsError as exc:
-            raise MergefsError(f"--budget: {exc}") from None
+        spec = spec.with_budget(parse_budget(args.budget, "--budget"))
     return spec
 
 
@@ -362,10 +359,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()] if args.budgets \
         else None  # a sweep spec: each variant at its own budget; else the default list
     for b in budgets or []:
-        try:
-            parse_budget(b)
-        except MergefsError as exc:
-            raise MergefsError(f"--budgets: {exc}") from None
+        parse_budget(b, "--budgets")
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else []
     rows = run_sweep(args.spec, budgets, methods, parse_grid(args.grid or []),
                      strict=getattr(args, "strict", False), progress=not args.json)
