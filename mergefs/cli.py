@@ -394,16 +394,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     torn = f"; ignored {res.torn_lines} torn line(s)" if res.torn_lines else ""
     if res.variants:  # a sweep mount's manifest
         for name, r in res.variants:
-            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {r.reads_verified} source "
-                  f"ranges, {r.outputs_verified} outputs verified")
+            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {_replay_checked(r)}")
         unread = f"; nothing was read from {', '.join(res.unread_variants)}" \
             if res.unread_variants else ""
-        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} outputs "
-              f"verified{unread}{torn}")
+        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} merged units "
+              f"reproduced{unread}{torn}")
         return 0
-    print(f"replay OK (plan {res.plan_hash[:16]}): {res.reads_verified} source ranges, "
-          f"{res.outputs_verified} outputs, {res.tensors_verified} tensors verified{torn}")
+    print(f"replay OK (plan {res.plan_hash[:16]}): {_replay_checked(res)}{torn}")
     return 0
+
+
+def _replay_checked(res: Any) -> str:
+    """What a replay checked, in words: a mount's manifest records reads and merged units, a
+    merge's also whole tensors (checked only when ``--out`` writes them)."""
+    tensors = "tensor" if res.output_tensors == 1 else "tensors"
+    whole = f", {res.tensors_verified} whole tensors reproduced" if res.tensors_verified else ""
+    return (f"{res.reads_verified} source ranges ({human_bytes(res.bytes_verified)}) re-read "
+            f"and matched, {res.outputs_verified} merged units of {res.output_tensors} "
+            f"{tensors} reproduced{whole}")
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
