@@ -207,10 +207,16 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
                   f"  ({rep['blocks_zero']} zero-delta)")
     block_bytes = session.index.expert_block_bytes()  # (N, B): experts' dtypes may differ
+    sidecar = plan.sidecar_bytes_by_expert
     for i, label in enumerate(session.engine.labels):
         got, all_i = int((block_bytes[i] * plan.selected[i]).sum()), int(block_bytes[i].sum())
-        table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
-                      f"{human_bytes(all_i)}{pct(got, all_i)}")
+        if sidecar is None:
+            table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
+                          f"{human_bytes(all_i)}{pct(got, all_i)}")
+        else:  # exact blocks + the delta sidecar ranges: the rows add up to the planned reads
+            table.add_row(f"  reads of {label}", f"{human_bytes(got)} exact + "
+                          f"{human_bytes(sidecar[i])} sidecar of {human_bytes(all_i)}"
+                          f"{pct(got + sidecar[i], all_i)}")
     if rep["bound_tight"] is not None:
         table.add_row("||E|| tight bound, before output rounding", f"{rep['bound_tight']:.6g}")
         table.add_row("||E|| loose bound, before output rounding", f"{rep['bound_loose']:.6g}")
