@@ -125,9 +125,8 @@ def test_replay_out_refuses_a_partial_mount_manifest(tmp_path: Path,
         replay(spec.manifest, out=tmp_path / "again")
 
 
-def test_replay_summary_of_a_mount_manifest_says_what_it_checked(
-        tmp_path: Path, review_family, capsys: pytest.CaptureFixture[str]  # type: ignore[no-untyped-def]
-        ) -> None:
+def test_replay_summary_of_a_mount_manifest_says_what_it_checked(  # type: ignore[no-untyped-def]
+        tmp_path: Path, review_family, capsys: pytest.CaptureFixture[str]) -> None:
     """A mount records source reads and merged units, not whole tensors: the summary once said
     "0 tensors verified" after verifying every recorded read and unit."""
     spec_path = write_case_spec(tmp_path / "spec.yaml", review_family, "task_arithmetic",
