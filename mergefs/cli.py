@@ -73,10 +73,7 @@ def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
         spec = load_spec(args.spec, strict=strict)
     check_writes(_sources(spec), index_dir=spec.index_dir)
     if getattr(args, "budget", None) is not None:
-        try:
-            spec = spec.with_budget(parse_budget(args.budget))
-        except MergefsError as exc:
-            raise MergefsError(f"--budget: {exc}") from None
+        spec = spec.with_budget(parse_budget(args.budget, "--budget"))
     return spec
 
 
@@ -210,10 +207,16 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"
                   f"  ({rep['blocks_zero']} zero-delta)")
     block_bytes = session.index.expert_block_bytes()  # (N, B): experts' dtypes may differ
+    sidecar = plan.sidecar_bytes_by_expert
     for i, label in enumerate(session.engine.labels):
         got, all_i = int((block_bytes[i] * plan.selected[i]).sum()), int(block_bytes[i].sum())
-        table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
-                      f"{human_bytes(all_i)}{pct(got, all_i)}")
+        if sidecar is None:
+            table.add_row(f"  reads of {label}", f"{human_bytes(got)} of "
+                          f"{human_bytes(all_i)}{pct(got, all_i)}")
+        else:  # exact blocks + the delta sidecar ranges: the rows add up to the planned reads
+            table.add_row(f"  reads of {label}", f"{human_bytes(got)} exact + "
+                          f"{human_bytes(sidecar[i])} sidecar of {human_bytes(all_i)}"
+                          f"{pct(got + sidecar[i], all_i)}")
     if rep["bound_tight"] is not None:
         table.add_row("||E|| tight bound, before output rounding", f"{rep['bound_tight']:.6g}")
         table.add_row("||E|| loose bound, before output rounding", f"{rep['bound_loose']:.6g}")
@@ -362,10 +365,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()] if args.budgets \
         else None  # a sweep spec: each variant at its own budget; else the default list
     for b in budgets or []:
-        try:
-            parse_budget(b)
-        except MergefsError as exc:
-            raise MergefsError(f"--budgets: {exc}") from None
+        parse_budget(b, "--budgets")
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else []
     rows = run_sweep(args.spec, budgets, methods, parse_grid(args.grid or []),
                      strict=getattr(args, "strict", False), progress=not args.json)
@@ -400,16 +400,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     torn = f"; ignored {res.torn_lines} torn line(s)" if res.torn_lines else ""
     if res.variants:  # a sweep mount's manifest
         for name, r in res.variants:
-            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {r.reads_verified} source "
-                  f"ranges, {r.outputs_verified} outputs verified")
+            print(f"variant {name} OK (plan {r.plan_hash[:16]}): {_replay_checked(r)}")
         unread = f"; nothing was read from {', '.join(res.unread_variants)}" \
             if res.unread_variants else ""
-        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} outputs "
-              f"verified{unread}{torn}")
+        print(f"replay OK: {len(res.variants)} variants, {res.outputs_verified} merged units "
+              f"reproduced{unread}{torn}")
         return 0
-    print(f"replay OK (plan {res.plan_hash[:16]}): {res.reads_verified} source ranges, "
-          f"{res.outputs_verified} outputs, {res.tensors_verified} tensors verified{torn}")
+    print(f"replay OK (plan {res.plan_hash[:16]}): {_replay_checked(res)}{torn}")
     return 0
+
+
+def _replay_checked(res: Any) -> str:
+    """What a replay checked, in words: a mount's manifest records reads and merged units, a
+    merge's also whole tensors (checked only when ``--out`` writes them)."""
+    tensors = "tensor" if res.output_tensors == 1 else "tensors"
+    whole = f", {res.tensors_verified} whole tensors reproduced" if res.tensors_verified else ""
+    return (f"{res.reads_verified} source ranges ({human_bytes(res.bytes_verified)}) re-read "
+            f"and matched, {res.outputs_verified} merged units of {res.output_tensors} "
+            f"{tensors} reproduced{whole}")
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ class LevelChoice:
     resid: np.ndarray  # (N, B) float64, residual norm of the option taken
     exact_bytes: int
     sidecar_bytes: int  # block ranges and shared ranges the plan reads
+    sidecar_bytes_by_expert: tuple[int, ...]  # the same, per expert (sums to sidecar_bytes)
 
 
 @dataclass
@@ -164,15 +165,17 @@ def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dic
     selected = state == EXACT
     levels = np.where(state > 0, state, 0).astype(np.int16)
     resid = np.where(selected | index.zero, 0.0, index.norms)
-    sidecar = 0
+    sidecar = [0] * state.shape[0]
     needed: set[tuple[int, int]] = set()
     for i, b in zip(*np.nonzero(levels)):
         lv = opts[int(i)][1][int(b)][: int(levels[i, b])]
-        sidecar += sum(size for size, _, _ in lv)
+        sidecar[int(i)] += sum(size for size, _, _ in lv)
         needed.update((int(i), sid) for _, sid, _ in lv if sid >= 0)
         resid[i, b] = lv[-1][2]
-    sidecar += sum(int(shared_bytes[i][sid]) for i, sid in needed)
-    return LevelChoice(selected, levels, resid, int((raw * selected).sum()), sidecar)
+    for i, sid in needed:
+        sidecar[i] += int(shared_bytes[i][sid])
+    return LevelChoice(selected, levels, resid, int((raw * selected).sum()), sum(sidecar),
+                       tuple(sidecar))
 
 
 def bounds(coeffs: np.ndarray, resid: np.ndarray, rounding: np.ndarray | None = None

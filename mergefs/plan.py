@@ -82,6 +82,8 @@ class Plan:
     #: delta sidecars (:mod:`mergefs.levelplan`)
     levels: np.ndarray | None = None
     sidecar_bytes: int = 0  # included in planned_bytes
+    #: per expert, its part of ``sidecar_bytes`` (None without delta sidecars)
+    sidecar_bytes_by_expert: tuple[int, ...] | None = None
     #: bounds on the output bytes' error, output rounding included (None: not additive, or an
     #: index without base norms)
     bound_output_tight: float | None = None
@@ -381,4 +383,5 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
     return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
                      (tight, loose, exact, update, out_tight, out_loose),
                      plan_hash(spec, index, got.selected, got.levels, sidecars),
-                     levels=got.levels, sidecar_bytes=got.sidecar_bytes)
+                     levels=got.levels, sidecar_bytes=got.sidecar_bytes,
+                     sidecar_bytes_by_expert=got.sidecar_bytes_by_expert)

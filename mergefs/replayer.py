@@ -47,7 +47,9 @@ class _Checker:
         self.tensors = {t["name"]: t["xxh3"] for t in tensors}
         self.sources = sources
         self.checked_reads = 0
+        self.checked_read_bytes = 0
         self.checked_outputs = 0
+        self.checked_output_tensors: set[str] = set()
         self.checked_tensors = 0
 
     def write(self, rec: dict[str, Any]) -> None:
@@ -66,6 +68,7 @@ class _Checker:
                     f"{path}: changed since the manifest was written: bytes [{rec['start']}, "
                     f"{rec['end']}) ({rec['tensor']}) differ")
             self.checked_reads += 1
+            self.checked_read_bytes += rec["end"] - rec["start"]
         elif kind == "output":
             want = self.outputs.get((rec["tensor"], rec["b0"], rec["b1"]))
             if want is not None:
@@ -73,6 +76,7 @@ class _Checker:
                     raise ManifestError(f"output of {rec['tensor']} blocks [{rec['b0']}, "
                                         f"{rec['b1']}) does not reproduce its recorded hash")
                 self.checked_outputs += 1
+                self.checked_output_tensors.add(rec["tensor"])
         elif kind == "tensor":
             want = self.tensors.get(rec["name"])
             if want is not None:
@@ -174,6 +178,10 @@ def _check_tiling(path: str | Path, engine: Engine,
 
 @dataclass(frozen=True)
 class ReplayResult:
+    """What a replay checked: source ranges re-read (and their bytes), merged units (outputs)
+    reproduced and the tensors they belong to, and whole tensors reproduced (only with
+    ``out``: a merge's manifest records them, a mount's does not)."""
+
     reads_verified: int
     outputs_verified: int
     tensors_verified: int
@@ -183,6 +191,8 @@ class ReplayResult:
     variants: tuple[tuple[str, ReplayResult], ...] = ()
     #: a sweep manifest: variants from which nothing was read (nothing to verify)
     unread_variants: tuple[str, ...] = ()
+    bytes_verified: int = 0  # the source bytes of the ranges re-read
+    output_tensors: int = 0  # how many tensors the reproduced units belong to
 
 
 def replay(manifest_path: str | Path, out: str | Path | None = None,
@@ -237,7 +247,9 @@ def _replay_sweep(manifest_path: str | Path) -> ReplayResult:
     return ReplayResult(sum(r.reads_verified for _, r in done),
                         sum(r.outputs_verified for _, r in done),
                         sum(r.tensors_verified for _, r in done), sweep.torn_lines,
-                        str(sweep.header.get("index_key", "")), tuple(done), tuple(unread))
+                        str(sweep.header.get("index_key", "")), tuple(done), tuple(unread),
+                        sum(r.bytes_verified for _, r in done),
+                        sum(r.output_tensors for _, r in done))
 
 
 def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Path | None,
@@ -312,7 +324,9 @@ def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Pa
             log.warning("%s: ignored %d torn line(s) (an interrupted write)", manifest_path,
                         contents.torn_lines)
         return ReplayResult(checker.checked_reads, checker.checked_outputs,
-                            checker.checked_tensors, contents.torn_lines, h["plan_hash"])
+                            checker.checked_tensors, contents.torn_lines, h["plan_hash"],
+                            bytes_verified=checker.checked_read_bytes,
+                            output_tensors=len(checker.checked_output_tensors))
     finally:
         for c in [base, *experts]:
             c.close()

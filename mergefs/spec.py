@@ -132,12 +132,13 @@ class Budget:
         return f"{int(self.value)} bytes"
 
 
-def parse_budget(value: object) -> Budget:
+def parse_budget(value: object, what: str = "budget") -> Budget:
     """``full``, a fraction ``0.1`` (``1`` is full), ``10%``, or a size with a unit: ``2GiB``,
     ``1500000B``. A bare number above 1 has no unit and is refused as ambiguous (it was once read
-    as bytes, which silently read nothing: ``budget: 10`` meant ten bytes, not 10%)."""
+    as bytes, which silently read nothing: ``budget: 10`` meant ten bytes, not 10%).
+    ``what`` names the value in errors (``--budget`` on the command line)."""
     err = (
-        f"budget: expected 'full', a fraction in [0, 1] like 0.1, a percentage like 10%, "
+        f"{what}: expected 'full', a fraction in [0, 1] like 0.1, a percentage like 10%, "
         f"or a size like 2GiB; got {value!r}"
     )
     if isinstance(value, bool) or value is None:
@@ -146,9 +147,9 @@ def parse_budget(value: object) -> Budget:
         if not math.isfinite(value):
             raise BudgetError(err)
         if value < 0:
-            raise BudgetError(f"budget: must not be negative, got {value!r}")
+            raise BudgetError(f"{what}: must not be negative, got {value!r}")
         if value > 1:
-            raise BudgetError(f"budget: {value!r} is ambiguous: write {value:g}% for a share of "
+            raise BudgetError(f"{what}: {value!r} is ambiguous: write {value:g}% for a share of "
                               f"the expert bytes, or {value:g}B / {value:g}MiB for a size")
         return Budget("full") if value == 1 else Budget("fraction", float(value))
     if isinstance(value, str):
@@ -156,29 +157,29 @@ def parse_budget(value: object) -> Budget:
         if text in ("full", "all", "100%"):
             return Budget("full")
         if text.startswith("-"):
-            raise BudgetError(f"budget: must not be negative, got {value!r}")
+            raise BudgetError(f"{what}: must not be negative, got {value!r}")
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
         if m:
             pct = float(m.group(1))
             if pct > 100:
-                raise BudgetError(f"budget: {value!r} is more than 100% of the expert bytes")
+                raise BudgetError(f"{what}: {value!r} is more than 100% of the expert bytes")
             return Budget("full") if pct == 100 else Budget("fraction", pct / 100)
         try:
             as_float = float(text)
         except ValueError:
             if re.fullmatch(r"\d+(?:\.\d+)?\s*[a-z]+", text):  # a size: the unit is required
                 try:
-                    return Budget("bytes", float(parse_size(text, "budget")))
+                    return Budget("bytes", float(parse_size(text, what)))
                 except ValueError:
                     pass
             raise BudgetError(err) from None
         if not math.isfinite(as_float):
             raise BudgetError(err)
         if as_float > 1:
-            raise BudgetError(f"budget: {value.strip()} is ambiguous: write {value.strip()}% "
+            raise BudgetError(f"{what}: {value.strip()} is ambiguous: write {value.strip()}% "
                               f"for a share of the expert bytes, or {value.strip()}B / "
                               f"{value.strip()}MiB for a size")
-        return parse_budget(as_float)
+        return parse_budget(as_float, what)
     raise BudgetError(err)
 
 

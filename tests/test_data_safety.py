@@ -96,8 +96,18 @@ def test_bare_budget_numbers_are_refused(tmp_path: Path, fam: Family) -> None:
     for value in ("10", "100"):
         one_line_error(run_cli("merge", str(spec), str(tmp_path / "o"), "--budget", value),
                        f"{value} is ambiguous", f"{value}%", f"{value}B")
+    # the option is named once ("--budget: 10 is ...", not "--budget: budget: 10 is ...")
+    (tmp_path / "mnt").mkdir()
+    for argv, option in (
+            (["merge", str(spec), str(tmp_path / "o"), "--budget", "10"], "--budget"),
+            (["plan", str(spec), "--budget", "10"], "--budget"),
+            (["mount", str(spec), str(tmp_path / "mnt"), "--budget", "10"], "--budget"),
+            (["sweep", str(spec), "--budgets", "5%,10"], "--budgets")):
+        line = one_line_error(run_cli(*argv))
+        assert line.startswith(f"mergefs: error: {option}: 10 is ambiguous"), (argv, line)
     in_spec = spec_for(tmp_path, fam, name="bare.yaml", budget=100)
-    one_line_error(run_cli("plan", str(in_spec)), "budget: 100 is ambiguous")
+    line = one_line_error(run_cli("plan", str(in_spec)))
+    assert line.startswith(f"mergefs: error: {in_spec}: budget: 100 is ambiguous"), line
     # a negative budget reaches the budget parser (exit 1), not argparse (exit 2)
     one_line_error(run_cli("plan", str(spec), "--budget", "-5%"), "must not be negative")
     assert not (tmp_path / "o").exists()

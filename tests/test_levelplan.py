@@ -172,6 +172,36 @@ def test_cli_compress_then_plan_reports_sidecar_bytes(tmp_path: Path,
     assert rep["blocks_from_sidecar"] > 0
 
 
+def test_plan_table_rows_show_each_experts_sidecar_bytes(
+        published: tuple[Family, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each "reads of" row once showed only exact bytes: with sidecars the rows did not add up
+    to the planned expert reads."""
+    from mergefs import cli
+    from mergefs.spec import human_bytes
+
+    _, spec_path = published
+    monkeypatch.setenv("COLUMNS", "200")  # one line per row
+    probe = Session(load_spec(str(spec_path)), budget_bytes=0)
+    budget = probe.plan.total_expert_bytes // 20
+    probe.close()
+    s, _ = _merge(spec_path, tmp_path / "out", budget)
+    p = s.plan
+    assert p.levels is not None and p.sidecar_bytes_by_expert is not None
+    assert sum(p.sidecar_bytes_by_expert) == p.sidecar_bytes
+    assert dict(zip(s.engine.labels, p.sidecar_bytes_by_expert)) == s.sidecar_bytes()  # as read
+    exact = (s.index.expert_block_bytes() * p.selected).sum(axis=1)
+    assert int(exact.sum()) + p.sidecar_bytes == p.planned_bytes
+    capsys.readouterr()
+    assert cli.main(["plan", str(spec_path), "--budget", f"{budget}B"]) == 0
+    out = capsys.readouterr().out
+    for i, label in enumerate(s.engine.labels):
+        side = p.sidecar_bytes_by_expert[i]
+        assert side > 0
+        row = next(ln for ln in out.splitlines() if f"reads of {label} " in ln)
+        assert f"{human_bytes(int(exact[i]))} exact + {human_bytes(side)} sidecar of " in row, row
+
+
 def test_mount_serves_the_same_reconstructed_merge(tmp_path: Path, mounts: Any) -> None:
     import os
 

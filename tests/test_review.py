@@ -26,7 +26,7 @@ from mergefs.engine import Session
 from mergefs.errors import ManifestError
 from mergefs.manifest import ManifestWriter, read_manifest
 from mergefs.replayer import replay
-from mergefs.spec import load_spec
+from mergefs.spec import human_bytes, load_spec
 from mergefs.view import View
 
 # -- zero-size tensors --------------------------------------------------------------------------
@@ -123,6 +123,39 @@ def test_replay_out_refuses_a_partial_mount_manifest(tmp_path: Path,
     assert replay(spec.manifest).outputs_verified > 0  # what was recorded verifies
     with pytest.raises(ManifestError, match="without --out"):
         replay(spec.manifest, out=tmp_path / "again")
+
+
+def test_replay_summary_of_a_mount_manifest_says_what_it_checked(  # type: ignore[no-untyped-def]
+        tmp_path: Path, review_family, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mount records source reads and merged units, not whole tensors: the summary once said
+    "0 tensors verified" after verifying every recorded read and unit."""
+    spec_path = write_case_spec(tmp_path / "spec.yaml", review_family, "task_arithmetic",
+                                tmp_path / "idx")
+    spec = load_spec(spec_path)
+    session = Session(spec, manifest=ManifestWriter(spec.manifest))
+    view = View(session, UnitCache(1 << 20), readahead_units=0)
+    try:
+        view.read_path("model.safetensors", 0, 20000)
+    finally:
+        view.close()
+        session.finish()
+        session.close()
+    contents = read_manifest(spec.manifest)
+    reads = {(r["source"], r["file"], r["start"], r["end"]) for r in contents.reads}
+    units = {(o["tensor"], o["b0"], o["b1"]) for o in contents.outputs}
+    tensors = {o["tensor"] for o in contents.outputs}
+    assert reads and units and not contents.tensors
+    capsys.readouterr()
+    assert cli.main(["replay", str(spec.manifest)]) == 0
+    line = capsys.readouterr().out.strip()
+    read_bytes = sum(e - s for _, _, s, e in reads)
+    noun = "tensor" if len(tensors) == 1 else "tensors"
+    assert line == (f"replay OK (plan {contents.header['plan_hash'][:16]}): {len(reads)} source "
+                    f"ranges ({human_bytes(read_bytes)}) re-read and matched, {len(units)} "
+                    f"merged units of {len(tensors)} {noun} reproduced"), line
+    res = replay(spec.manifest)
+    assert (res.reads_verified, res.bytes_verified, res.outputs_verified) == \
+        (len(reads), read_bytes, len(units))
 
 
 def test_replay_out_with_another_unit_size(tmp_path: Path, review_family,  # type: ignore[no-untyped-def]
