@@ -14,8 +14,9 @@ experts, :func:`mergefs.deltas.reconstruct` decodes block by block. Both compute
 arithmetic of :mod:`mergefs.deltas`, so the bits do not depend on which ran; sidecars of
 versions 1 and 2 (a BLAS low-rank product) are decoded block by block as before.
 
-:func:`read_payloads` reads the block ranges of a tensor's levels, one pread per adjacent run
-per level, into one buffer. Blocking; worker threads only, never the trio thread.
+:func:`read_payloads` reads the block ranges of a tensor's levels, one span per adjacent run
+per level, into one buffer (a remote sidecar: spans and the levels' shared ranges coalesced
+into a few requests). Blocking; worker threads only, never the trio thread.
 """
 
 from __future__ import annotations
@@ -234,25 +235,37 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
 def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
                   tensor: str = "") -> Payloads:
     """Level ``l`` of the tensor's blocks ``js`` (ascending, relative to its first block) whose
-    depth exceeds ``l``: one pread per run of adjacent blocks per level, as ``read_runs``."""
+    depth exceeds ``l``: one span per run of adjacent blocks per level, as ``read_runs``, all
+    read by one :meth:`~mergefs.deltas.DeltaSidecar.read_spans` with (remote sidecars) the shared
+    ranges of those levels no thread has read yet, which it caches: a remote sidecar fetches
+    them all in a few requests."""
     depth = int(depths.max()) if len(js) else 0
     off = np.zeros((depth, len(js)), np.int64)
     size = np.zeros((depth, len(js)), np.int64)
-    pieces: list[memoryview] = []
-    pos = 0
+    spans: list[tuple[int, int]] = []
+    runs: list[tuple[int, np.ndarray, np.ndarray]] = []  # (level, columns, range ids)
     for lvl, lv in enumerate(tl.levels[:depth]):
         sel = np.flatnonzero(depths > lvl)
         ranges = lv.first_range + np.asarray(js, np.int64)[sel]
         cuts = np.flatnonzero(np.diff(ranges) != 1) + 1
         for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ranges)]):
-            r0, r1 = int(ranges[a]), int(ranges[b - 1]) + 1
-            buf = sc.read(r0, r1, tensor)
-            run = ranges[a:b]
-            off[lvl, sel[a:b]] = pos + sc.range_start[run] - sc.range_start[r0]
-            size[lvl, sel[a:b]] = sc.range_end[run] - sc.range_start[run]
-            pieces.append(buf)
-            pos += len(buf)
-    data = np.frombuffer(b"".join(pieces), dtype=np.uint8) if pieces else np.zeros(0, np.uint8)
+            spans.append((int(ranges[a]), int(ranges[b - 1]) + 1))
+            runs.append((lvl, sel[a:b], ranges[a:b]))
+    levels = tl.levels[:depth]
+    shared_ids = sc.claim_shared(levels) if sc.fetch is not None else []
+    try:
+        bufs = sc.read_spans(spans + [(r, r + 1) for r in shared_ids], tensor)
+        for r, buf in zip(shared_ids, bufs[len(spans):]):
+            sc.keep_shared(next(lv for lv in levels if lv.shared == r), tl.cols, buf)
+    finally:
+        sc.release_shared(shared_ids)
+    pos = 0
+    for (lvl, cols, run), (r0, _), buf in zip(runs, spans, bufs):
+        off[lvl, cols] = pos + sc.range_start[run] - sc.range_start[r0]
+        size[lvl, cols] = sc.range_end[run] - sc.range_start[run]
+        pos += len(buf)
+    data = (np.frombuffer(b"".join(bufs[:len(spans)]), dtype=np.uint8) if spans
+            else np.zeros(0, np.uint8))
     return Payloads(data, off, size)
 
 

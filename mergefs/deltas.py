@@ -617,9 +617,12 @@ def delta_name(sidecar_name: str) -> str:
 class DeltaSidecar:
     """One expert's delta sidecar, opened: the range table in memory, payloads read on demand.
 
-    ``bytes_read`` counts payload bytes returned by pread (the range table and header are read
-    once at open and counted in ``header_bytes``). Shared ranges are cached after the first read
-    (a few KiB per tensor), so each is read and counted once. Thread-safe.
+    ``bytes_read`` counts payload bytes fetched (pread or ranged GET; the range table and header
+    are read once at open and counted in ``header_bytes``), ``reads`` the fetches, and
+    ``gap_bytes`` the part of ``bytes_read`` between the ranges :meth:`read_spans` coalesced
+    (fetched and dropped). Shared ranges are cached after the first read (a few KiB per
+    tensor), so each is read and counted once, but for two threads that both miss it at once.
+    Thread-safe.
     """
 
     path: Path | str  # a local path, or the URL of a sidecar beside a remote expert
@@ -633,6 +636,10 @@ class DeltaSidecar:
     header_bytes: int
     bytes_read: int = 0
     reads: int = 0
+    gap_bytes: int = 0
+    #: :meth:`read_spans`: spans at most this many bytes apart share one fetch (a remote
+    #: sidecar: its source's ``coalesce_gap``); local sidecars read each span by one pread
+    coalesce_gap_bytes: int = 0
     #: called as ``recorder(tensor, start, end, buf)`` for every payload pread (absolute
     #: file offsets): the engine's manifest hook
     recorder: Any = None
@@ -642,8 +649,14 @@ class DeltaSidecar:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _shared: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     _shared_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: shared range ids a thread is reading (:meth:`claim_shared`); others wait on _shared_cv
+    _shared_pending: set[int] = field(default_factory=set)
+    _shared_cv: threading.Condition = field(init=False)
     #: :mod:`mergefs.deltadecode`'s packed shared values, by (tensor, depth), under _shared_lock
     _packed: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._shared_cv = threading.Condition(self._shared_lock)
 
     @property
     def name(self) -> str:
@@ -657,6 +670,47 @@ class DeltaSidecar:
         start, end = int(self.range_start[r0]), int(self.range_end[r1 - 1])
         if end == start:
             return memoryview(b"")
+        view = self._fetch(start, end)
+        self._verify(r0, r1, view, start, tensor)
+        return view
+
+    def read_spans(self, spans: Sequence[tuple[int, int]], tensor: str = ""
+                   ) -> list[memoryview]:
+        """:meth:`read` of each span ``(r0, r1)`` of adjacent ranges (range ids), each
+        verified and recorded as :meth:`read` does; for a remote sidecar, spans whose bytes lie
+        at most ``coalesce_gap_bytes`` apart share one fetch (the bytes between them are
+        fetched, counted in ``bytes_read`` and ``gap_bytes``, and dropped, as
+        :mod:`mergefs.remote` does for exact blocks). A local sidecar reads span by span."""
+        if self.fetch is None:
+            return [self.read(r0, r1, tensor) for r0, r1 in spans]
+        out: list[memoryview] = [memoryview(b"")] * len(spans)
+        byte_spans = [(int(self.range_start[r0]), int(self.range_end[r1 - 1]))
+                      for r0, r1 in spans]
+        todo = sorted((k for k, (a, b) in enumerate(byte_spans) if b > a),
+                      key=lambda k: byte_spans[k][0])
+        g = 0
+        while g < len(todo):
+            e, end = g, byte_spans[todo[g]][1]
+            while e + 1 < len(todo) and byte_spans[todo[e + 1]][0] - end <= \
+                    self.coalesce_gap_bytes:
+                e += 1
+                end = max(end, byte_spans[todo[e]][1])
+            start = byte_spans[todo[g]][0]
+            view = self._fetch(start, end)
+            used = 0
+            for k in todo[g:e + 1]:
+                a, b = byte_spans[k]
+                out[k] = view[a - start:b - start]
+                self._verify(spans[k][0], spans[k][1], out[k], a, tensor)
+                used += b - a
+            if used < end - start:
+                with self._lock:
+                    self.gap_bytes += end - start - used
+            g = e + 1
+        return out
+
+    def _fetch(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of ``data`` by one fetch or pread, counted."""
         if self.fetch is not None:
             buf = self.fetch(self.data_offset + start, self.data_offset + end)
         else:
@@ -670,15 +724,19 @@ class DeltaSidecar:
         with self._lock:
             self.bytes_read += len(buf)
             self.reads += 1
-        view = memoryview(buf)
+        return memoryview(buf)
+
+    def _verify(self, r0: int, r1: int, view: memoryview, start: int, tensor: str) -> None:
+        """Check the checksums of ranges ``r0 .. r1 - 1`` in ``view`` (which starts at byte
+        ``start`` of ``data``) and record the span."""
         for r in range(r0, r1):
             lo, hi = int(self.range_start[r]) - start, int(self.range_end[r]) - start
             if xxhash.xxh3_64_intdigest(view[lo:hi]) != int(self.range_xxh3[r]):
                 raise SourceChanged(f"{self.path}: checksum of range {r} differs (delta sidecar "
                                     "corrupt or changed since it was published)")
         if self.recorder is not None:
-            self.recorder(tensor, self.data_offset + start, self.data_offset + end, view)
-        return view
+            self.recorder(tensor, self.data_offset + start, self.data_offset + start + len(view),
+                          view)
 
     def read_runs(self, first: int, js: Sequence[int], tensor: str = "") -> dict[int, memoryview]:
         """Block ranges ``first + j`` for ``j`` in ``js`` (ascending), one pread per adjacent
@@ -706,13 +764,38 @@ class DeltaSidecar:
                ) -> tuple[np.ndarray, np.ndarray] | None:
         if level.shared < 0:
             return None
-        with self._shared_lock:  # read (and counted, and recorded) once
+        with self._shared_cv:  # read (and counted, and recorded) once
+            while level.shared in self._shared_pending:  # another thread's claim
+                self._shared_cv.wait()
             got = self._shared.get(level.shared)
             if got is None:
                 got = shared_value(level, self.read(level.shared, level.shared + 1, tensor),
                                    cols)
                 self._shared[level.shared] = got
         return got
+
+    def claim_shared(self, levels: Sequence[Level]) -> list[int]:
+        """The shared range ids of ``levels`` neither cached nor claimed yet (ascending), now
+        claimed by the caller, who reads them (:meth:`read_spans`: verified, counted,
+        recorded), then passes each to :meth:`keep_shared` and finally all to
+        :meth:`release_shared`; meanwhile :meth:`shared` of them waits."""
+        with self._shared_cv:
+            ids = sorted({lv.shared for lv in levels if lv.shared >= 0
+                          and lv.shared not in self._shared
+                          and lv.shared not in self._shared_pending})
+            self._shared_pending.update(ids)
+        return ids
+
+    def keep_shared(self, level: Level, cols: int, buf: memoryview) -> None:
+        """Cache the shared value of ``level`` from its range's bytes (claimed and read)."""
+        value = shared_value(level, buf, cols)
+        with self._shared_cv:
+            self._shared[level.shared] = value
+
+    def release_shared(self, ids: Sequence[int]) -> None:
+        with self._shared_cv:
+            self._shared_pending.difference_update(ids)
+            self._shared_cv.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -731,11 +814,14 @@ def open_sidecar(path: Path) -> DeltaSidecar:
         return _parse(path, fetch)
 
 
-def open_remote_sidecar(url: str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar:
+def open_remote_sidecar(url: str, fetch: Callable[[int, int], bytes],
+                        coalesce_gap_bytes: int) -> DeltaSidecar:
     """A sidecar beside a remote expert: header and range table fetched by two or three
-    ranged reads, payload ranges on demand through ``fetch(start, end)``."""
+    ranged reads, payload ranges on demand through ``fetch(start, end)``; ranges at most
+    ``coalesce_gap_bytes`` apart share one fetch (:meth:`DeltaSidecar.read_spans`)."""
     sc = _parse(url, fetch)
     sc.fetch = fetch
+    sc.coalesce_gap_bytes = coalesce_gap_bytes
     return sc
 
 
@@ -870,7 +956,7 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
                     continue
                 url, fetch = got
                 path = url
-                sc = open_remote_sidecar(url, fetch)
+                sc = open_remote_sidecar(url, fetch, e.options.gap_bytes)
             else:
                 path = sidecar._local_path(e, name)
                 if not path.is_file():

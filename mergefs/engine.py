@@ -1037,8 +1037,18 @@ class Session:
                 **{lab: e.counters.bytes_read for lab, e in zip(self.engine.labels, self.experts)}}
 
     def sidecar_bytes(self) -> dict[str, int]:
-        """Delta sidecar payload bytes read per expert (expert I/O, issue 14)."""
+        """Delta sidecar payload bytes read per expert (expert I/O, issue 14): fetched, the
+        gaps between coalesced ranges included."""
         return {self.engine.labels[i]: sc.bytes_read for i, sc in sorted(self.deltas.items())}
+
+    def sidecar_gap_bytes(self) -> dict[str, int]:
+        """Of :meth:`sidecar_bytes`, those between the ranges a remote read coalesced (fetched
+        and dropped, in no plan)."""
+        return {self.engine.labels[i]: sc.gap_bytes for i, sc in sorted(self.deltas.items())}
+
+    def sidecar_requests(self) -> dict[str, int]:
+        """Delta sidecar payload fetches per expert (preads, or ranged GETs of a remote one)."""
+        return {self.engine.labels[i]: sc.reads for i, sc in sorted(self.deltas.items())}
 
     def source_requests(self) -> dict[str, int]:
         """Read requests per source: preads (local) or requests sent, retries included (remote)."""
@@ -1052,6 +1062,8 @@ class Session:
         extra: dict[str, Any] = {}
         if self.plan.levels is not None:
             extra = {"sidecar_bytes_read": self.sidecar_bytes(),
+                     "sidecar_gap_bytes_read": self.sidecar_gap_bytes(),
+                     "sidecar_reads": self.sidecar_requests(),
                      "sidecar_bytes_planned": self.plan.sidecar_bytes}
             expert_read += sum(extra["sidecar_bytes_read"].values())
         vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan

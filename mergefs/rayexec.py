@@ -235,7 +235,7 @@ class ShardDone:
     hashes: dict[str, str]
     lines: list[str]  # manifest records (JSON), in the order the task made them
     counters: list[dict[str, int]]  # per source: base, then experts
-    sidecar_bytes: dict[int, int]
+    sidecar_counts: dict[int, tuple[int, int, int]]  # per expert: bytes_read, gap_bytes, reads
     blocks_merged: int
     units_merged: int
     worker: dict[str, Any]
@@ -274,7 +274,8 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
             hashes = engine.write_shard(Path(job.staging) / tmp_name, f, pool, on_bytes)
         return ShardDone(file, tmp_name, hashes, list(records.lines),
                          [c.counters.snapshot() for c in [base, *experts]],
-                         {i: sc.bytes_read for i, sc in deltas.items()},
+                         {i: (sc.bytes_read, sc.gap_bytes, sc.reads)
+                          for i, sc in deltas.items()},
                          engine.blocks_merged, engine.units_merged, worker_id())
     finally:
         for c in [base, *experts]:
@@ -343,6 +344,9 @@ def _absorb(session: Any, res: ShardDone) -> None:
             engine.manifest.write({**json.loads(line), "worker": res.worker})
     for src, counts in zip([session.base, *session.experts], res.counters):
         src.counters.absorb(counts)
-    for i, n in res.sidecar_bytes.items():
-        session.deltas[i].bytes_read += n
+    for i, (n, gap, reads) in res.sidecar_counts.items():
+        sc = session.deltas[i]
+        sc.bytes_read += n
+        sc.gap_bytes += gap
+        sc.reads += reads
     engine.add_merged(res.blocks_merged, res.units_merged)

@@ -350,7 +350,7 @@ def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_b
         got = e.aux_reader(name) if hasattr(e, "aux_reader") else None
         if got is None or got[0] != where:
             raise DeltaError(f"{where}: not found beside {e.root}")
-        return open_remote_sidecar(*got)
+        return open_remote_sidecar(*got, e.options.gap_bytes)
 
     try:
         levels = levels_from_runs(h["levels"], n_blocks)

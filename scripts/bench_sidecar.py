@@ -73,6 +73,8 @@ def evict(*dirs: Path) -> None:
 
 
 def load_f64(d: Path) -> dict[str, np.ndarray]:
+    import ml_dtypes  # noqa: F401 (numpy then knows the "bfloat16" safetensors asks for)
+
     out = {}
     for p in sorted(d.glob("*.safetensors")):
         if "mergefs-" in p.name:

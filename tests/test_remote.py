@@ -662,6 +662,61 @@ def test_slices_over_http_equal_the_local_slices(tmp_path: Path, fam: Family,
             assert "model.layers.1.mlp.up_proj.weight" in f.keys()  # noqa: SIM118 (safe_open is not a dict)
 
 
+def test_http_sidecar_levels_of_a_tensor_share_one_get(tmp_path: Path, fam: Family) -> None:
+    """Over HTTP, a budgeted merge with delta sidecars fetches the planned block ranges of a
+    tensor at every level and the shared ranges of those levels in one GET per tensor and
+    expert (they lie within ``coalesce_gap`` of each other), where ``coalesce_gap: 0`` needs a
+    GET per run of adjacent ranges; its bytes equal the same merge over the local sidecars,
+    its totals count the bytes and GETs the server sent, gap bytes included, and replay
+    verifies its reads."""
+    root = tmp_path / "served"
+    shutil.copytree(fam.root, root / "fam")
+    base = str(root / "fam" / "base")
+    budget = "25%"
+    local = write_spec(tmp_path / "local.yaml", base,
+                       [str(root / "fam" / f"expert-{i}") for i in range(3)], budget=budget)
+    assert cli.main(["compress", str(local)]) == 0  # the sidecars beside the served experts
+    l_session, _ = merge(local, tmp_path / "local-out")
+    srv = RangeHTTPServer(root).start()
+    try:
+        experts = [f"{srv.url}/fam/expert-{i}" for i in range(3)]
+        runs: dict[str, tuple[Session, dict[str, Any], list[Any]]] = {}
+        for name, gap in (("coalesced", "1MiB"), ("gap0", 0)):
+            spec = write_spec(tmp_path / f"{name}.yaml", base, experts, budget=budget,
+                              remote={"coalesce_gap": gap})
+            srv.log.reset()
+            session, totals = merge(spec, tmp_path / f"{name}-out")
+            runs[name] = (session, totals, srv.log.requests("/mergefs-delta.", "GET"))
+            assert_same_dir(tmp_path / f"{name}-out", tmp_path / "local-out")
+        manifest = tmp_path / "http.manifest.jsonl"
+        assert cli.main(["merge", str(tmp_path / "coalesced.yaml"), str(tmp_path / "cli-out"),
+                         "--manifest", str(manifest)]) == 0
+        assert cli.main(["replay", str(manifest)]) == 0
+    finally:
+        srv.stop()
+    session, totals, gets = runs["coalesced"]
+    levels = session.plan.levels
+    assert levels is not None and np.array_equal(levels, l_session.plan.levels)
+    lay = session.index.layout
+    tensors_read = sum(bool(levels[i, int(lay.first_block[t]):int(lay.first_block[t + 1])].any())
+                       for i in session.deltas for t in range(len(lay.tensors)))
+    assert len(session.deltas) == 3 and tensors_read > 3
+    opened = 3 * len(session.deltas)  # at open: header length, header, range table
+    assert len(gets) - opened == tensors_read
+    _, totals0, gets0 = runs["gap0"]
+    assert len(gets0) - opened > 2 * tensors_read  # a GET per level run, and per shared range
+    header_bytes = sum(sc.header_bytes for sc in session.deltas.values())
+    for tot, got in ((totals, gets), (totals0, gets0)):  # as the server counts them
+        assert sum(tot["sidecar_reads"].values()) == len(got) - opened
+        assert sum(tot["sidecar_bytes_read"].values()) == \
+            sum(s.end - s.start for s in got) - header_bytes
+    assert sum(totals0["sidecar_gap_bytes_read"].values()) == 0
+    assert sum(totals0["sidecar_bytes_read"].values()) == totals0["sidecar_bytes_planned"]
+    gap = sum(totals["sidecar_gap_bytes_read"].values())
+    assert gap > 0
+    assert sum(totals["sidecar_bytes_read"].values()) - gap == totals["sidecar_bytes_planned"]
+
+
 def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
         tmp_path: Path, fam: Family, s3: CountingMotoServer) -> None:
     """`mergefs compress` over s3:// experts uploads each delta sidecar beside its expert; a
@@ -675,7 +730,8 @@ def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
     remote_experts = [f"s3://{BUCKET}/deltas/expert-{i}" for i in range(3)]
     local_experts = [str(local_fam / f"expert-{i}") for i in range(3)]
     remote = write_spec(tmp_path / "remote.yaml", str(local_fam / "base"), remote_experts,
-                        budget=budget, storage_options=opts)
+                        budget=budget, storage_options=opts,
+                        remote={"coalesce_gap": 0})  # a 1 MiB gap spans this small sidecar
     local = write_spec(tmp_path / "local.yaml", str(local_fam / "base"), local_experts,
                        budget=budget)
     for spec in (remote, local):
@@ -686,7 +742,7 @@ def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
 
     local_sc = open_sidecar(next((local_fam / "expert-0").glob("mergefs-delta.*")))
     blob = s3.fs.cat(names[0])
-    remote_sc = open_remote_sidecar(names[0], lambda a, b: blob[a:b])
+    remote_sc = open_remote_sidecar(names[0], lambda a, b: blob[a:b], 0)
     # the same levels and payloads (the headers differ: each names its own expert)
     assert np.array_equal(remote_sc.range_xxh3, local_sc.range_xxh3)
     assert np.array_equal(remote_sc.range_resid, local_sc.range_resid, equal_nan=True)
