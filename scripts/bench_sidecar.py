@@ -463,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                        if s.plan.bound_output_tight is not None else None,
                        "bytes_read": tot["expert_bytes_read"],
                        "sidecar_bytes": sum(tot.get("sidecar_bytes_read", {}).values()),
+                       "sidecar_gap_bytes": sum(tot.get("sidecar_gap_bytes_read", {}).values()),
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,
                        "wall_s": round(wall, 2), "blocks_decoded": DECODE["blocks"],
                        "decode_s": round(DECODE["seconds"], 3),
