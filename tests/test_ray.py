@@ -337,6 +337,32 @@ def test_compress_on_ray_writes_the_local_delta_sidecars(tmp_path: Path, cluster
     assert written() == local
 
 
+def test_budgeted_merge_with_sidecars_on_ray_counts_as_the_local_one(
+        tmp_path: Path, cluster: LocalRayCluster, fam: Family) -> None:
+    """A budgeted merge that reconstructs blocks from delta sidecars gives on Ray the bytes of
+    the local run, and its totals count every task's sidecar reads: at least the local run's
+    (each task opens the sidecars and reads once a shared range it needs: here the vq codebook
+    of each expert, used by tensors of all three output files, is read three times), no gap
+    bytes (local sidecars)."""
+    copy = tmp_path / "fam"
+    shutil.copytree(fam.root, copy)
+    spec = write_spec(tmp_path / "s.yaml", str(copy / "base"),
+                      [str(copy / f"expert-{i}") for i in range(2)], budget="25%")
+    assert cli.main(["compress", str(spec)]) == 0
+    local, local_totals = run_merge(spec, tmp_path / "local", tmp_path / "local.jsonl", False)
+    _, dist_totals = run_merge(spec, tmp_path / "ray", tmp_path / "ray.jsonl", True)
+    assert local.plan.levels is not None and local.plan.levels.any()
+    assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")
+    assert sum(local_totals["sidecar_bytes_read"].values()) == \
+        local_totals["sidecar_bytes_planned"]
+    for key in ("sidecar_reads", "sidecar_bytes_read"):
+        assert all(dist_totals[key][lab] >= n > 0 for lab, n in local_totals[key].items())
+    assert set(dist_totals["sidecar_gap_bytes_read"].values()) == {0}
+    assert dist_totals["expert_bytes_read"] - local_totals["expert_bytes_read"] == \
+        sum(dist_totals["sidecar_bytes_read"].values()) \
+        - sum(local_totals["sidecar_bytes_read"].values())  # the exact reads are the same
+
+
 def test_a_worker_reusing_its_family_rechecks_local_files(tmp_path: Path, fam: Family) -> None:
     """The per-process family cache (no cluster needed): a second task of the same run sees a
     local file that changed since the first one opened it."""
