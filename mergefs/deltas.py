@@ -621,8 +621,8 @@ class DeltaSidecar:
     are read once at open and counted in ``header_bytes``), ``reads`` the fetches, and
     ``gap_bytes`` the part of ``bytes_read`` between the ranges :meth:`read_spans` coalesced
     (fetched and dropped). Shared ranges are cached after the first read (a few KiB per
-    tensor), so each is read and counted once, but for two threads that both miss it at once.
-    Thread-safe.
+    tensor), so each is read and counted once (a thread reading one makes the others wait,
+    :meth:`claim_shared`). Thread-safe.
     """
 
     path: Path | str  # a local path, or the URL of a sidecar beside a remote expert
@@ -640,8 +640,10 @@ class DeltaSidecar:
     #: :meth:`read_spans`: spans at most this many bytes apart share one fetch (a remote
     #: sidecar: its source's ``coalesce_gap``); local sidecars read each span by one pread
     coalesce_gap_bytes: int = 0
-    #: called as ``recorder(tensor, start, end, buf)`` for every payload pread (absolute
-    #: file offsets): the engine's manifest hook
+    #: called as ``recorder(tensor, start, end, buf)`` for every span read (absolute file
+    #: offsets), after its checksums: the engine's manifest hook. A fetch that coalesced
+    #: spans records each span, not the gaps between them (as the exact path records the
+    #: ranges it asked for), so the records do not depend on ``coalesce_gap_bytes``
     recorder: Any = None
     #: ``fetch(start, end)``: bytes of the file (a remote sidecar: ranged GETs); None: pread
     fetch: Callable[[int, int], bytes] | None = None
