@@ -69,7 +69,11 @@ class Packed:
 
 
 def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
-         cols: int, version: str = dl.DELTA_VERSION) -> Packed:
+         cols: int, version: str = dl.DELTA_VERSION,
+         grid_cache: dict[int, tuple[np.float32, np.ndarray]] | None = None) -> Packed:
+    """``grid_cache``: the grids of this tensor's exact prefixes computed before, by number of
+    components (the engine packs a tensor once per depth its units ask for; a grid depends only
+    on its prefix), filled here."""
     n = len(levels)
     first = np.zeros(n, np.int64)
     loop = np.zeros(n, np.int64)
@@ -81,8 +85,14 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
         n_exact[lvl + 1] = n_exact[lvl]
         if dl.exact_level(lv, version):
             n_exact[lvl + 1] += lv.k
-            grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1])
-            grids[int(n_exact[lvl + 1])] = (np.float32(math.ldexp(1.0, -grid)), w)
+            nk = int(n_exact[lvl + 1])
+            got = grid_cache.get(nk) if grid_cache is not None else None
+            if got is None:
+                grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1])
+                got = (np.float32(math.ldexp(1.0, -grid)), w)
+                if grid_cache is not None:
+                    grid_cache[nk] = got
+            grids[nk] = got
         elif lv.kind == "lowrank":
             assert sh is not None
             first[lvl] = rows_v
@@ -160,7 +170,8 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
     starts = np.ascontiguousarray(starts, np.int64)
     rows = np.ascontiguousarray(rows, np.int64)
     depths = np.ascontiguousarray(depths, np.int64)
-    if not packed.grids:  # nothing multiplied out: one call
+    if not packed.grids or len(starts) == 1 \
+            or int(rows.sum()) * cols <= CHUNK_ELEMENTS:  # one call
         chunks = [(0, len(starts))]
     else:
         cum = np.cumsum(rows * cols)
@@ -170,7 +181,9 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         chunks = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     for a, b in chunks:
         cs, cr, cd = starts[a:b], rows[a:b], depths[a:b]
-        coff, csize = np.ascontiguousarray(off[:, a:b]), np.ascontiguousarray(size[:, a:b])
+        coff, csize = off, size
+        if len(chunks) > 1 or not (off.flags.c_contiguous and size.flags.c_contiguous):
+            coff, csize = np.ascontiguousarray(off[:, a:b]), np.ascontiguousarray(size[:, a:b])
         p, prow, pscale, bad = _exact_products(packed, cols, cr, cd, payloads.data, coff, csize)
         if bad < 0:
             bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, cs, cr, cd, cols,
@@ -205,13 +218,20 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     if not packed.grids:
         return _NO_P, prow, pscale, -1
     nk = packed.n_exact[depths]
-    sel = np.flatnonzero(nk > 0)
-    if len(sel) == 0:
-        return _NO_P, prow, pscale, -1
-    order = sel[np.argsort(nk[sel], kind="stable")]
-    r = rows[order]
-    prow[order] = np.cumsum(r) - r
-    total = int(r.sum())
+    if n == 1:  # one block (the mount's units): no sorting
+        if nk[0] == 0:
+            return _NO_P, prow, pscale, -1
+        order = np.zeros(1, np.int64)
+        prow[0] = 0
+        total = int(rows[0])
+    else:
+        sel = np.flatnonzero(nk > 0)
+        if len(sel) == 0:
+            return _NO_P, prow, pscale, -1
+        order = sel[np.argsort(nk[sel], kind="stable")]
+        r = rows[order]
+        prow[order] = np.cumsum(r) - r
+        total = int(r.sum())
     uq = np.empty((total, int(nk[order[-1]])), np.float32)
     from ._numba_decode import unpack_exact
     bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
@@ -220,7 +240,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         return _NO_P, prow, pscale, int(bad)
     p = np.empty((total, cols), np.float32)
     ks = nk[order]
-    bounds = np.flatnonzero(np.diff(ks)) + 1
+    bounds = np.flatnonzero(np.diff(ks)) + 1 if n > 1 else np.zeros(0, np.int64)
     with dl.one_blas_thread():
         for g0, g1 in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
             k = int(ks[g0])
@@ -295,8 +315,9 @@ def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
     with sc._shared_lock:
         packed = sc._packed.get((tl.name, depth))
         if packed is None:
+            cache = sc._packed.setdefault((tl.name, 0), {})  # depth 0: the tensor's grids
             packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols,
-                                                         version)
+                                                         version, cache)
     decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed,
                 version)
 

@@ -1001,6 +1001,15 @@ class Session:
         self.manifest = manifest
         self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
                              recipe=self.recipe, deltas=self.deltas)
+        #: BLAS held at one thread while sidecars are decoded (the workers use the cores):
+        #: once per session, not per decode call, which set and restored OpenBLAS's thread
+        #: count per unit (the mount's 64 KiB units: seconds per file)
+        self._one_blas: Any = None
+        if self.engine.deltas:
+            from .deltas import one_blas_thread
+
+            self._one_blas = one_blas_thread()
+            self._one_blas.__enter__()
         if manifest is not None:
             manifest.write(self.header_record())
 
@@ -1100,6 +1109,9 @@ class Session:
             c.close()
         for sc in self.deltas.values():
             sc.close()
+        if self._one_blas is not None:
+            self._one_blas, held = None, self._one_blas
+            held.__exit__(None, None, None)
 
 
 def _find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
