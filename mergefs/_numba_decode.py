@@ -178,7 +178,7 @@ def add_products(acc, cols, u, v, nk):
 
 @_jit
 def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, loop,
-           uscale, v, book, data, off, size, p, prow, pscale):
+           uscale, v, book, data, off, size, p, prow, pscale, wgrid):
     """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
     memory as float32); returns the first block whose ranges have the wrong sizes (nothing
     written from it on), or -1.
@@ -186,7 +186,9 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     Low-rank levels with ``loop[lvl]`` are summed here component by component (version 3, and
     float16 levels of version 4); block ``j``'s other low-rank levels (version 4) are already
     multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
-    ``pscale[j]`` (a power of two)."""
+    ``pscale[j]`` (a power of two); ``prow[j] == -2``: ``p`` holds the block's ``Q`` instead,
+    multiplied here by ``wgrid`` (one block: a compiled loop instead of a BLAS call; the same
+    integers, exact in any order)."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -209,6 +211,11 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
                 pr = prow[j] + r
                 for e in range(cols):
                     acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
+        elif prow[j] == -2:
+            ps = pscale[j]
+            add_products(acc, cols, p[:rb], wgrid, p.shape[1])  # from +0: exact integers
+            for e in range(n):
+                acc[e] = acc[e] * ps + np.float32(0.0)
         nk = 0  # low-rank: every component's U value of a row, then V row by V row
         for lvl in range(depth):
             if kind[lvl] == 0 and loop[lvl]:

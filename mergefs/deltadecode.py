@@ -184,12 +184,13 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         coff, csize = off, size
         if len(chunks) > 1 or not (off.flags.c_contiguous and size.flags.c_contiguous):
             coff, csize = np.ascontiguousarray(off[:, a:b]), np.ascontiguousarray(size[:, a:b])
-        p, prow, pscale, bad = _exact_products(packed, cols, cr, cd, payloads.data, coff, csize)
+        p, prow, pscale, bad, wgrid = _exact_products(packed, cols, cr, cd, payloads.data,
+                                                      coff, csize)
         if bad < 0:
             bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, cs, cr, cd, cols,
                          packed.kind, packed.bits, packed.k, packed.first, packed.loop,
                          packed.uscale, packed.v, packed.book, payloads.data, coff, csize,
-                         p, prow, pscale)
+                         p, prow, pscale, wgrid)
         if bad >= 0:
             raise dl.DeltaError(f"block {a + bad} of the call: its level ranges do not have "
                                 "the sizes its levels imply (a damaged level table)")
@@ -208,39 +209,45 @@ def _q_luts() -> np.ndarray:
 
 def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
                     data: np.ndarray, off: np.ndarray, size: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
     """Version 4: ``Q W`` of every block with exact low-rank components (one float32 BLAS
     product per number of components, exact), as the compiled loop takes them: ``(p, prow,
-    pscale, bad)``, ``bad`` the first block whose ranges have the wrong sizes or -1."""
+    pscale, bad, wgrid)``, ``bad`` the first block whose ranges have the wrong sizes or -1.
+    One block: ``p`` is its ``Q`` and ``wgrid`` its ``W`` (``prow`` -2), which the compiled
+    loop multiplies (a BLAS call and the grouping cost more than that product)."""
     n = len(rows)
     prow = np.full(n, -1, np.int64)
     pscale = np.zeros(n, np.float32)
     if not packed.grids:
-        return _NO_P, prow, pscale, -1
-    nk = packed.n_exact[depths]
-    if n == 1:  # one block (the mount's units): no sorting
-        if nk[0] == 0:
-            return _NO_P, prow, pscale, -1
-        order = np.zeros(1, np.int64)
-        prow[0] = 0
-        total = int(rows[0])
-    else:
-        sel = np.flatnonzero(nk > 0)
-        if len(sel) == 0:
-            return _NO_P, prow, pscale, -1
-        order = sel[np.argsort(nk[sel], kind="stable")]
-        r = rows[order]
-        prow[order] = np.cumsum(r) - r
-        total = int(r.sum())
-    uq = np.empty((total, int(nk[order[-1]])), np.float32)
+        return _NO_P, prow, pscale, -1, _NO_P
     from ._numba_decode import unpack_exact
+    nk = packed.n_exact[depths]
+    if n == 1:  # one block (the mount's units): Q only, the compiled loop multiplies
+        k = int(nk[0])
+        if k == 0:
+            return _NO_P, prow, pscale, -1, _NO_P
+        uq = np.empty((int(rows[0]), k), np.float32)
+        prow[0] = 0
+        bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
+                           packed.loop, data, off, size, _q_luts())
+        scale, w = packed.grids[k]
+        prow[0], pscale[0] = -2, scale
+        return uq, prow, pscale, int(bad), w
+    sel = np.flatnonzero(nk > 0)
+    if len(sel) == 0:
+        return _NO_P, prow, pscale, -1, _NO_P
+    order = sel[np.argsort(nk[sel], kind="stable")]
+    r = rows[order]
+    prow[order] = np.cumsum(r) - r
+    total = int(r.sum())
+    uq = np.empty((total, int(nk[order[-1]])), np.float32)
     bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
                        packed.loop, data, off, size, _q_luts())
     if bad >= 0:
-        return _NO_P, prow, pscale, int(bad)
+        return _NO_P, prow, pscale, int(bad), _NO_P
     p = np.empty((total, cols), np.float32)
     ks = nk[order]
-    bounds = np.flatnonzero(np.diff(ks)) + 1 if n > 1 else np.zeros(0, np.int64)
+    bounds = np.flatnonzero(np.diff(ks)) + 1
     with dl.one_blas_thread():
         for g0, g1 in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
             k = int(ks[g0])
@@ -249,7 +256,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
             np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
             pscale[order[g0:g1]] = scale
-    return p, prow, pscale, -1
+    return p, prow, pscale, -1, _NO_P
 
 
 def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
