@@ -239,30 +239,39 @@ def _blas_decode(w0b, levels, bufs, shared, rows_b: int, cols: int) -> np.ndarra
     return w0b + acc.reshape(-1)
 
 
-def test_version_2_sidecar_still_decodes_with_its_blas_product(tmp_path: Path) -> None:
-    """A version-2 file (here: a version-3 one relabelled) opens and the engine's decoder
-    reconstructs its low-rank levels with the BLAS product, as mergefs did for version 2."""
-    fam, _, base, experts, index, paths = _setup(tmp_path, seed=33)
-    path = paths[0]
-    loaded = load_file(path)
-    with safe_open(path, "np") as f:
+def relabelled_lowrank_tensors(tmp_path: Path, seed: int, version: str):
+    """Expert 0's sidecar of a :func:`_setup` family relabelled as ``version`` and opened, and
+    per tensor whose first level is a quantised low-rank one ``(tl, w0, js, starts, n_rows)``:
+    its non-zero blocks as :func:`mergefs.deltadecode.decode_blocks` takes them."""
+    fam, _, base, experts, index, paths = _setup(tmp_path, seed=seed)
+    loaded = load_file(paths[0])
+    with safe_open(paths[0], "np") as f:
         meta = json.loads(f.metadata()[deltas.META_KEY])
-    meta["version"] = "2"
-    save_file(loaded, path, metadata={deltas.META_KEY: json.dumps(meta)})
+    meta["version"] = version
+    save_file(loaded, paths[0], metadata={deltas.META_KEY: json.dumps(meta)})
     sc = deltas.find(base, experts, index)[0]
-    assert sc.meta["version"] == "2"
+    assert sc.meta["version"] == version
     w0s = load_file(str(fam.base / "model.safetensors"))
     lay = index.layout
-    checked = differ = 0
+    cases = []
     for tl in sc.tensors.values():
         if tl.levels[0].kind != "lowrank" or tl.levels[0].bits == 16:
             continue
-        w0 = w0s[tl.name].astype(np.float32).reshape(-1)
-        depth = len([lv for lv in tl.levels if lv.kind in ("lowrank", "vq")])
         blocks = np.asarray([b for b in lay.blocks_of(tl.t) if not index.zero[0, b]])
-        js = blocks - int(lay.first_block[tl.t])
-        starts = lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]])
-        n_rows = (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols
+        cases.append((tl, w0s[tl.name].astype(np.float32).reshape(-1),
+                      blocks - int(lay.first_block[tl.t]),
+                      lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]]),
+                      (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols))
+    return sc, cases
+
+
+def test_version_2_sidecar_still_decodes_with_its_blas_product(tmp_path: Path) -> None:
+    """A version-2 file (here: a version-3 one relabelled) opens and the engine's decoder
+    reconstructs its low-rank levels with the BLAS product, as mergefs did for version 2."""
+    sc, cases = relabelled_lowrank_tensors(tmp_path, 33, "2")
+    checked = differ = 0
+    for tl, w0, js, starts, n_rows in cases:
+        depth = len([lv for lv in tl.levels if lv.kind in ("lowrank", "vq")])
         out = np.full_like(w0, np.nan)
         deltadecode.decode_blocks(sc, tl, js, np.full(js.size, depth), starts, n_rows, w0, out)
         shared = [sc.shared(lv, tl.cols) for lv in tl.levels[:depth]]

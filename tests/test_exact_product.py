@@ -5,7 +5,6 @@ refused; version-3 sidecars still decode with their fixed-order product."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -13,11 +12,22 @@ import pytest
 import threadpoolctl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
-from test_deltadecode import _setup
+from test_deltadecode import relabelled_lowrank_tensors
 
 from mergefs import compress, deltadecode, deltas
+
+
+def _built(w0: np.ndarray, wi: np.ndarray):
+    """One tensor's levels as the publisher builds them, 37-row blocks: (rows, built, levels,
+    decoded shared values)."""
+    m, n = w0.shape
+    rows = [(r, min(m, r + 37)) for r in range(0, m, 37)]
+    built = compress.build_levels(w0, wi, rows)
+    levels = tuple(deltas.Level(kind, bits, k, 0 if s is not None else -1)
+                   for (kind, bits, k), s in zip(built.kinds, built.shared))
+    shared = [deltas.shared_value(lv, memoryview(s), n) if s is not None else None
+              for s, lv in zip(built.shared, levels)]
+    return rows, built, levels, shared
 
 
 def _dense_tensor(seed: int, m: int = 300, n: int = 96):
@@ -27,12 +37,7 @@ def _dense_tensor(seed: int, m: int = 300, n: int = 96):
     spectrum = np.exp(-np.arange(n) / 12.0)
     d = (rng.normal(0, 1, (m, n)) * spectrum) @ rng.normal(0, 1, (n, n)) * 1e-3 / np.sqrt(n)
     wi = (w0 + d).astype(np.float32)
-    rows = [(r, min(m, r + 37)) for r in range(0, m, 37)]
-    built = compress.build_levels(w0, wi, rows)
-    levels = tuple(deltas.Level(kind, bits, k, 0 if s is not None else -1)
-                   for (kind, bits, k), s in zip(built.kinds, built.shared))
-    shared = [deltas.shared_value(lv, memoryview(s), n) if s is not None else None
-              for s, lv in zip(built.shared, levels)]
+    rows, built, levels, shared = _built(w0, wi)
     return w0, wi, rows, built, levels, shared
 
 
@@ -103,12 +108,7 @@ def test_a_subnormal_delta_publishes_and_decodes(scale: float) -> None:
     d = rng.normal(0, 1, (m, 6)) @ rng.normal(0, 1, (6, n)) * scale
     wi = d.astype(np.float32)
     assert np.abs(wi).max() < np.finfo(np.float32).tiny and np.count_nonzero(wi) > m * n // 2
-    rows = [(r, min(m, r + 37)) for r in range(0, m, 37)]
-    built = compress.build_levels(w0, wi, rows)
-    levels = tuple(deltas.Level(kind, bits, k, 0 if s is not None else -1)
-                   for (kind, bits, k), s in zip(built.kinds, built.shared))
-    shared = [deltas.shared_value(lv, memoryview(s), n) if s is not None else None
-              for s, lv in zip(built.shared, levels)]
+    rows, built, levels, shared = _built(w0, wi)
     assert deltas.exact_level(levels[0], "4"), levels
     grid, _ = deltas.grid_of(levels, shared)
     assert grid == 149
@@ -176,27 +176,10 @@ def test_float16_levels_keep_the_fixed_order_product() -> None:
 def test_version_3_sidecar_decodes_with_its_fixed_order_product(tmp_path) -> None:
     """A version-3 file (a version-4 one relabelled) decodes, through the engine's batched
     decoder, with version 3's component-by-component product, which rounds differently."""
-    fam, _, base, experts, index, paths = _setup(tmp_path, seed=34)
-    path = paths[0]
-    loaded = load_file(path)
-    with safe_open(path, "np") as f:
-        meta = json.loads(f.metadata()[deltas.META_KEY])
-    meta["version"] = "3"
-    save_file(loaded, path, metadata={deltas.META_KEY: json.dumps(meta)})
-    sc = deltas.find(base, experts, index)[0]
-    assert sc.meta["version"] == "3"
-    w0s = load_file(str(fam.base / "model.safetensors"))
-    lay = index.layout
+    sc, cases = relabelled_lowrank_tensors(tmp_path, 34, "3")
     checked = differ = 0
-    for tl in sc.tensors.values():
-        if tl.levels[0].kind != "lowrank" or tl.levels[0].bits == 16:
-            continue
-        w0 = w0s[tl.name].astype(np.float32).reshape(-1)
+    for tl, w0, js, starts, n_rows in cases:
         depth = len(tl.levels)
-        blocks = np.asarray([b for b in lay.blocks_of(tl.t) if not index.zero[0, b]])
-        js = blocks - int(lay.first_block[tl.t])
-        starts = lay.elem_start[blocks] - int(lay.elem_start[lay.first_block[tl.t]])
-        n_rows = (lay.elem_end[blocks] - lay.elem_start[blocks]) // tl.cols
         out = np.full_like(w0, np.nan)
         deltadecode.decode_blocks(sc, tl, js, np.full(js.size, depth), starts, n_rows, w0, out)
         shared = [sc.shared(lv, tl.cols) for lv in tl.levels]

@@ -107,9 +107,9 @@ def test_replay_out_of_a_mount_manifest(tmp_path: Path, review_family) -> None: 
         (want / "model.safetensors").read_bytes()
 
 
-def test_replay_out_refuses_a_partial_mount_manifest(tmp_path: Path,
-                                                     review_family) -> None:  # type: ignore[no-untyped-def]
-    spec_path = write_case_spec(tmp_path / "spec.yaml", review_family, "task_arithmetic",
+def _partial_mount_manifest(tmp_path: Path, family):  # type: ignore[no-untyped-def]
+    """The spec of a mount's manifest (through the view) that read a few tensors only."""
+    spec_path = write_case_spec(tmp_path / "spec.yaml", family, "task_arithmetic",
                                 tmp_path / "idx")
     spec = load_spec(spec_path)
     session = Session(spec, manifest=ManifestWriter(spec.manifest))
@@ -120,6 +120,12 @@ def test_replay_out_refuses_a_partial_mount_manifest(tmp_path: Path,
         view.close()
         session.finish()
         session.close()
+    return spec
+
+
+def test_replay_out_refuses_a_partial_mount_manifest(tmp_path: Path,
+                                                     review_family) -> None:  # type: ignore[no-untyped-def]
+    spec = _partial_mount_manifest(tmp_path, review_family)
     assert replay(spec.manifest).outputs_verified > 0  # what was recorded verifies
     with pytest.raises(ManifestError, match="without --out"):
         replay(spec.manifest, out=tmp_path / "again")
@@ -129,17 +135,7 @@ def test_replay_summary_of_a_mount_manifest_says_what_it_checked(  # type: ignor
         tmp_path: Path, review_family, capsys: pytest.CaptureFixture[str]) -> None:
     """A mount records source reads and merged units, not whole tensors: the summary once said
     "0 tensors verified" after verifying every recorded read and unit."""
-    spec_path = write_case_spec(tmp_path / "spec.yaml", review_family, "task_arithmetic",
-                                tmp_path / "idx")
-    spec = load_spec(spec_path)
-    session = Session(spec, manifest=ManifestWriter(spec.manifest))
-    view = View(session, UnitCache(1 << 20), readahead_units=0)
-    try:
-        view.read_path("model.safetensors", 0, 20000)
-    finally:
-        view.close()
-        session.finish()
-        session.close()
+    spec = _partial_mount_manifest(tmp_path, review_family)
     contents = read_manifest(spec.manifest)
     reads = {(r["source"], r["file"], r["start"], r["end"]) for r in contents.reads}
     units = {(o["tensor"], o["b0"], o["b1"]) for o in contents.outputs}
