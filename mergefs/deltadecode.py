@@ -322,7 +322,7 @@ def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
     with sc._shared_lock:
         packed = sc._packed.get((tl.name, depth))
         if packed is None:
-            cache = sc._packed.setdefault((tl.name, 0), {})  # depth 0: the tensor's grids
+            cache = sc._packed.setdefault((tl.name, -1), {})  # no depth is -1: the grids
             packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols,
                                                          version, cache)
     decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed,

@@ -654,7 +654,8 @@ class DeltaSidecar:
     #: shared range ids a thread is reading (:meth:`claim_shared`); others wait on _shared_cv
     _shared_pending: set[int] = field(default_factory=set)
     _shared_cv: threading.Condition = field(init=False)
-    #: :mod:`mergefs.deltadecode`'s packed shared values, by (tensor, depth), under _shared_lock
+    #: :mod:`mergefs.deltadecode`'s packed shared values, by (tensor, depth), and (tensor, -1): the
+    #: tensor's exact grids; under _shared_lock
     _packed: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

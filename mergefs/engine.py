@@ -1004,14 +1004,14 @@ class Session:
         #: BLAS held at one thread while sidecars are decoded (the workers use the cores):
         #: once per session, not per decode call, which set and restored OpenBLAS's thread
         #: count per unit (the mount's 64 KiB units: seconds per file)
-        self._one_blas: Any = None
+        if manifest is not None:
+            manifest.write(self.header_record())
+        self._one_blas: Any = None  # taken last: nothing after it can fail before close()
         if self.engine.deltas:
             from .deltas import one_blas_thread
 
             self._one_blas = one_blas_thread()
             self._one_blas.__enter__()
-        if manifest is not None:
-            manifest.write(self.header_record())
 
     def header_record(self) -> dict[str, Any]:
         return {
