@@ -117,8 +117,9 @@ def sizes_ok(j, depth, rb, cols, kind, bits, ks, data, off, size):
 
 
 @_jit
-def add_codes(a, data, o, e0, bits, step, lut):
-    """``a[e] += fl(value of code e0 + e * step)``: the codes packed from ``data[o]``."""
+def add_codes(a, data, o, e0, bits, step, lut, blut):
+    """``a[e] += fl(value of code e0 + e * step)``: the codes packed from ``data[o]``
+    (``blut[bits, x, t]``: the value of the ``t``-th code of byte ``x``, :func:`byte_luts`)."""
     lut_b = lut[bits]
     if bits == 3:  # codes straddle bytes
         for e in range(a.size):
@@ -128,14 +129,36 @@ def add_codes(a, data, o, e0, bits, step, lut):
     per = 8 // bits
     if (e0 * bits) % 8 == 0 and a.size % per == 0:  # whole bytes: per byte, its codes
         byte0 = o + (e0 * bits >> 3)
-        for q in range(a.size // per):
-            x = data[byte0 + q]
-            for c in range(per):
-                a[q * per + c] += lut_b[(x >> (c * bits)) & mask] * step
+        if per == 4:  # a constant trip count per byte: the compiler keeps it in registers
+            for q in range(a.size // 4):
+                x = np.int64(data[byte0 + q])
+                for c in range(4):
+                    a[q * 4 + c] += blut[bits, x, c] * step
+        elif per == 8:
+            for q in range(a.size // 8):
+                x = np.int64(data[byte0 + q])
+                for c in range(8):
+                    a[q * 8 + c] += blut[bits, x, c] * step
+        else:
+            for q in range(a.size // per):
+                x = data[byte0 + q]
+                for c in range(per):
+                    a[q * per + c] += lut_b[(x >> (c * bits)) & mask] * step
         return
     for e in range(a.size):
         bit = (e0 + e) * bits
         a[e] += lut_b[(data[o + (bit >> 3)] >> (bit & 7)) & mask] * step
+
+
+@_jit
+def byte_luts(lut):
+    """``blut[b, x, t] = lut[b, t-th b-bit code of byte x]`` for b = 1, 2, 4 (float32)."""
+    blut = np.zeros((5, 256, 8), np.float32)
+    for b in (1, 2, 4):
+        for x in range(256):
+            for t in range(8 // b):
+                blut[b, x, t] = lut[b, (x >> (t * b)) & ((1 << b) - 1)]
+    return blut
 
 
 @_jit
@@ -195,6 +218,7 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     for b in (1, 2, 3, 4, 8):
         for c in range(1 << b):
             lut[b, c] = value(c, b)
+    blut = byte_luts(lut)
     for j in range(starts.size):
         s, rb, depth = starts[j], rows[j], depths[j]
         n = rb * cols
@@ -246,7 +270,7 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             if kd == 1:  # quant: a step per row, then the codes
                 for r in range(rb):
                     add_codes(acc[r * cols:(r + 1) * cols], data, o + 4 * rb, r * cols, b,
-                              f32(data, o + 4 * r), lut)
+                              f32(data, o + 4 * r), lut, blut)
             elif kd == 2 and size[lvl, j] > 0:  # rows: bitmap, steps, changed rows' codes
                 nm = (rb + 7) // 8
                 ch = popcount(data, o, rb)
@@ -255,7 +279,7 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
                 for r in range(rb):
                     if (data[o + (r >> 3)] >> (r & 7)) & 1:
                         add_codes(acc[r * cols:(r + 1) * cols], data, codes, c * cols, b,
-                                  f32(data, o + nm + 4 * c), lut)
+                                  f32(data, o + nm + 4 * c), lut, blut)
                         c += 1
             elif kd == 3:  # vq: a scale per row, then one byte per dim elements
                 dim = ks[lvl]
