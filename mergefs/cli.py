@@ -202,6 +202,12 @@ def _plan_table(spec: Spec, session: Any) -> Table:
     if "sidecar_bytes" in rep:  # delta sidecars (issue 14)
         table.add_row("  of which delta sidecar reads", f"{human_bytes(rep['sidecar_bytes'])}"
                       f"  ({rep['blocks_from_sidecar']} blocks reconstructed)")
+        if rep["replaced_read_seconds_model"]:  # local sidecars: what decoding costs
+            limit = rep["decode_limit"]
+            table.add_row("  modelled decode, one thread",
+                          f"{rep['decode_seconds_model']:.3g} s against "
+                          f"{rep['replaced_read_seconds_model']:.3g} s to read the exact bytes "
+                          f"it replaces (limit: {f'{limit:g}x' if limit else 'none'})")
     table.add_row("non-zero expert bytes", human_bytes(rep["nonzero_expert_bytes"]))
     table.add_row("all expert bytes", human_bytes(rep["total_expert_bytes"]))
     table.add_row("expert blocks read / total", f"{rep['blocks_read']} / {rep['blocks_total']}"

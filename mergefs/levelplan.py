@@ -13,18 +13,30 @@ first block that needs it, so the running total, and the plan, never exceed the 
 
 For additive methods the bound is ``||E|| <= sqrt(sum_b (sum_i |c_i| r_ib)^2)`` with ``r_ib``
 the residual of the option taken (design.md, with ``D_ib`` replaced by the residual
-``D_ib - D_hat_ib``, which is what a reconstructed block leaves out). Pure; no I/O.
+``D_ib - D_hat_ib``, which is what a reconstructed block leaves out).
+
+*Decode time* (:class:`DecodeCost`): for experts whose sidecars are local files, decoding a
+plan's blocks should not take longer than reading the exact bytes they replace (else the
+budget saves nothing on that disk). Each option's decode time is modelled per element from its
+levels (a fixed model of :mod:`mergefs.deltadecode` on the reference machine, so plans are the
+same on every machine); when the byte-budget plan decodes for longer than ``ratio`` times the
+modelled read of the replaced bytes, pairs are moved to shallower options, always the move that
+saves the most decode time per unit of energy lost (ties: tensor, block, expert), until it
+does not. Moves only lower bytes. Remote sidecars are not limited (their reads are 10-100x
+slower than decoding). Pure; no I/O.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .deltas import DeltaSidecar
+from .deltas import DeltaSidecar, Level, exact_level
 from .index import BlockIndex
 
 EXACT = -1
@@ -40,6 +52,33 @@ class LevelChoice:
     exact_bytes: int
     sidecar_bytes: int  # block ranges and shared ranges the plan reads
     sidecar_bytes_by_expert: tuple[int, ...]  # the same, per expert (sums to sidecar_bytes)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Seconds per decoded element of :mod:`mergefs.deltadecode`, by what a block's levels
+    hold, and the exact read rate it is weighed against (measured on the reference machine,
+    one thread: docs/benchmarks.md, issue 14). ``ratio``: a plan may decode for at most this
+    many times the read time of the exact bytes it replaces."""
+
+    ratio: float = 1.0
+    element: float = 0.6e-9  # the passes every decoded element pays (w0 + delta, the buffers)
+    component: float = 0.022e-9  # version 4's exact product, per low-rank component (BLAS)
+    loop_component: float = 0.037e-9  # the fixed-order product (float16 levels, version 3)
+    kind: dict[str, float] = field(default_factory=lambda: {
+        "vq": 0.35e-9, "quant": 0.45e-9, "rows": 0.45e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
+    read_bytes_per_second: float = 1.8e9  # cold pread of exact expert bytes, local disk
+
+    def prefix_seconds(self, levels: tuple[Level, ...], version: str) -> list[float]:
+        """Seconds per element of each level prefix (1 .. len(levels))."""
+        out, t = [], self.element
+        for lv in levels:
+            if lv.kind == "lowrank":
+                t += lv.k * (self.component if exact_level(lv, version) else self.loop_component)
+            else:
+                t += self.kind.get(lv.kind, self.kind["quant"])
+            out.append(t)
+        return out
 
 
 @dataclass
@@ -86,7 +125,10 @@ def _hull(points: list[tuple[float, float, int]]) -> list[tuple[float, float, in
 
 
 def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
-           sidecars: Mapping[int, DeltaSidecar]) -> LevelChoice:
+           sidecars: Mapping[int, DeltaSidecar], decode: DecodeCost | None = None
+           ) -> LevelChoice:
+    """The plan's option per pair (module docstring); ``decode``: the decode-time limit on
+    experts with local sidecars (None: bytes only)."""
     lay = index.layout
     n, nb = index.norms.shape
     raw = index.expert_block_bytes()
@@ -157,7 +199,141 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             used += inc
             state[i, b] = ob
             paid.update(need)
+    if decode is not None:
+        table = _DecodeTable(index, coeffs, sidecars, decode, raw)
+        total = table.limit(state)
+        if total is not None:  # moved down: spend the bytes freed where decoding allows
+            got = _outcome(index, state, opts, shared_bytes, raw)
+            used = got.exact_bytes + got.sidecar_bytes
+            paid = {(int(i), lv.shared) for i, bb in zip(*np.nonzero(got.levels))
+                    for lv in _levels_of(sidecars[int(i)], lay, int(bb))[:int(got.levels[i, bb])]
+                    if lv.shared >= 0}
+            for _, _, b, i, oa, ob in segments:
+                if state[i, b] != oa:
+                    continue
+                dg = table.g(i, b, ob) - table.g(i, b, oa)
+                if total + dg > 0:
+                    continue
+                before, _ = cost_of(i, b, oa)
+                after, need = cost_of(i, b, ob)
+                inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
+                if used + inc <= budget_bytes:
+                    used += inc
+                    total += dg
+                    state[i, b] = ob
+                    paid.update(need)
     return _outcome(index, state, opts, shared_bytes, raw)
+
+
+def _levels_of(sc: DeltaSidecar, lay: Any, b: int) -> tuple[Level, ...]:
+    return sc.tensors[lay.tensors[int(lay.tensor_of[b])]].levels
+
+
+def decode_seconds(index: BlockIndex, levels: np.ndarray, sidecars: Mapping[int, DeltaSidecar],
+                   decode: DecodeCost, local_only: bool = True) -> tuple[float, float]:
+    """(modelled decode seconds, modelled read seconds of the exact bytes replaced) of a
+    plan's ``levels`` (N, B), over experts with local sidecars (all: ``local_only`` False)."""
+    lay = index.layout
+    raw = index.expert_block_bytes()
+    dec = read = 0.0
+    for i, sc in sidecars.items():
+        if local_only and sc.fetch is not None:
+            continue
+        for tl in sc.tensors.values():
+            blocks = lay.blocks_of(tl.t)
+            k = levels[i, blocks.start:blocks.stop].astype(np.int64)
+            sel = np.flatnonzero(k > 0)
+            if sel.size == 0:
+                continue
+            per = np.asarray([0.0, *decode.prefix_seconds(tl.levels, sc.meta["version"])])
+            b = blocks.start + sel
+            elems = (lay.elem_end[b] - lay.elem_start[b]).astype(np.float64)
+            dec += float((elems * per[k[sel]]).sum())
+            read += float(raw[i, b].sum()) / decode.read_bytes_per_second
+    return dec, read
+
+
+class _DecodeTable:
+    """Per pair of a local sidecar and option ``o``: ``g = decode(o) - ratio * read(exact)``
+    (modelled seconds; 0 for skip, exact and remote sidecars) and the energy it keeps; a plan
+    is within the limit when the sum of ``g`` over its pairs is at most 0."""
+
+    def __init__(self, index: BlockIndex, coeffs: np.ndarray,
+                 sidecars: Mapping[int, DeltaSidecar], decode: DecodeCost, raw: np.ndarray
+                 ) -> None:
+        self.index, self.sidecars, self.decode, self.raw = index, sidecars, decode, raw
+        self.c2 = coeffs.astype(np.float64) ** 2
+        self._per: dict[tuple[int, int], list[float]] = {}
+
+    def local(self, i: int) -> bool:
+        sc = self.sidecars.get(i)
+        return sc is not None and sc.fetch is None and self.c2[i] != 0
+
+    def g(self, i: int, b: int, o: int) -> float:
+        if o <= 0 or not self.local(i):
+            return 0.0
+        lay = self.index.layout
+        t = int(lay.tensor_of[b])
+        per = self._per.get((i, t))
+        if per is None:
+            sc = self.sidecars[i]
+            per = self._per[(i, t)] = self.decode.prefix_seconds(
+                sc.tensors[lay.tensors[t]].levels, sc.meta["version"])
+        elems = float(lay.elem_end[b] - lay.elem_start[b])
+        return elems * per[o - 1] - self.decode.ratio * float(self.raw[i, b]) \
+            / self.decode.read_bytes_per_second
+
+    def energy(self, i: int, b: int, o: int) -> float:
+        if o == 0:
+            return 0.0
+        full = self.c2[i] * float(self.index.norms[i, b]) ** 2
+        if o == EXACT:
+            return full
+        lay = self.index.layout
+        lv = _levels_of(self.sidecars[i], lay, b)[o - 1]
+        j = b - int(lay.first_block[int(lay.tensor_of[b])])
+        return full - self.c2[i] * float(self.sidecars[i].range_resid[lv.first_range + j]) ** 2
+
+    def limit(self, state: np.ndarray) -> float | None:
+        """Move pairs down (in ``state``) until the sum of ``g`` is at most 0: each time the
+        move that saves the most decode time per energy lost. Returns the sum of ``g`` after,
+        or None when the plan was within the limit (nothing moved)."""
+        lay = self.index.layout
+        pairs = [(int(i), int(b)) for i, b in zip(*np.nonzero(state > 0)) if self.local(int(i))]
+        total = sum(self.g(i, b, int(state[i, b])) for i, b in pairs)
+        if total <= 0:
+            return None
+
+        def best(i: int, b: int) -> tuple[float, int] | None:
+            """(decode saved per energy lost, target option) of the pair's best move down."""
+            k = int(state[i, b])
+            gk, ek = self.g(i, b, k), self.energy(i, b, k)
+            top: tuple[float, int] | None = None
+            for j in range(k):
+                saved, lost = gk - self.g(i, b, j), ek - self.energy(i, b, j)
+                if saved <= 0:
+                    continue
+                rate = saved / lost if lost > 0 else np.inf
+                if top is None or rate > top[0]:
+                    top = (rate, j)
+            return top
+
+        heap = []
+        for i, b in pairs:
+            got = best(i, b)
+            if got is not None:
+                heap.append((-got[0], int(lay.tensor_of[b]), b, i, got[1], int(state[i, b])))
+        heapq.heapify(heap)
+        while total > 0 and heap:
+            _, t, b, i, j, k = heapq.heappop(heap)
+            if int(state[i, b]) != k:
+                continue  # stale
+            total -= self.g(i, b, k) - self.g(i, b, j)
+            state[i, b] = j
+            got = best(i, b) if j > 0 else None
+            if got is not None:
+                heapq.heappush(heap, (-got[0], t, b, i, got[1], j))
+        return total
 
 
 def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dict,

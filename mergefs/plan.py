@@ -88,6 +88,12 @@ class Plan:
     #: index without base norms)
     bound_output_tight: float | None = None
     bound_output_loose: float | None = None
+    #: delta sidecars on local disks: the modelled decode seconds of the reconstructed blocks
+    #: and the modelled read seconds of the exact bytes they replace (one thread;
+    #: :class:`mergefs.levelplan.DecodeCost`), and the spec's ``decode_limit`` (None: none)
+    decode_seconds: float | None = None
+    replaced_read_seconds: float | None = None
+    decode_limit: float | None = None
 
     def report(self) -> dict[str, Any]:
         """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
@@ -114,6 +120,9 @@ class Plan:
         if self.levels is not None:  # delta sidecars: what part of the reads they are
             out["sidecar_bytes"] = self.sidecar_bytes
             out["blocks_from_sidecar"] = int((self.levels > 0).sum())
+            out["decode_seconds_model"] = self.decode_seconds
+            out["replaced_read_seconds_model"] = self.replaced_read_seconds
+            out["decode_limit"] = self.decode_limit
         return out
 
 
@@ -364,9 +373,12 @@ def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planne
 def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: np.ndarray,
                       sidecars: Any, total: int, nonzero_bytes: int) -> Plan:
     """A plan mixing skip / sidecar levels / exact per pair (:mod:`mergefs.levelplan`)."""
-    from .levelplan import bounds, choose
+    from .levelplan import DecodeCost, bounds, choose, decode_seconds
 
-    got = choose(index, coeffs, budget_bytes, sidecars)
+    limit = getattr(spec, "decode_limit", None)
+    got = choose(index, coeffs, budget_bytes, sidecars,
+                 DecodeCost(ratio=limit) if limit is not None else None)
+    dec, read = decode_seconds(index, got.levels, sidecars, DecodeCost())
     planned = got.exact_bytes + got.sidecar_bytes
     assert planned <= budget_bytes
     tight = loose = exact = update = out_tight = out_loose = None
@@ -384,4 +396,5 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
                      (tight, loose, exact, update, out_tight, out_loose),
                      plan_hash(spec, index, got.selected, got.levels, sidecars),
                      levels=got.levels, sidecar_bytes=got.sidecar_bytes,
-                     sidecar_bytes_by_expert=got.sidecar_bytes_by_expert)
+                     sidecar_bytes_by_expert=got.sidecar_bytes_by_expert,
+                     decode_seconds=dec, replaced_read_seconds=read, decode_limit=limit)

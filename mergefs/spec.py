@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters",
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
-                 "storage_options", "remote", "strict", "sweep", "variants")
+                 "storage_options", "remote", "strict", "sweep", "variants", "decode_limit")
+#: ``decode_limit`` when a spec gives none (docs/benchmarks.md, issue 14)
+DEFAULT_DECODE_LIMIT = 2.0
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
@@ -267,6 +269,10 @@ class Spec:
     tokenizer: TokenizerSpec | None = None
     #: a multi-document spec's named merges, in dependency order: (name, spec, output dir)
     intermediates: tuple[tuple[str, Spec, str], ...] = ()
+    #: delta sidecars on local disks: a plan decodes for at most this many times the modelled
+    #: read time of the exact bytes it replaces (:class:`mergefs.levelplan.DecodeCost`);
+    #: None: no limit
+    decode_limit: float | None = DEFAULT_DECODE_LIMIT
 
     @property
     def method_def(self) -> Method:
@@ -1020,6 +1026,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                               "index_dir")
     manifest = _resolve_path(base_dir, data.get("manifest", f"{stem}.manifest.jsonl"), source,
                              "manifest", follow=False)  # the pointer itself, not its target
+    decode_limit = _decode_limit(data.get("decode_limit", DEFAULT_DECODE_LIMIT), source)
     cache = data.get("cache") or {}
     if not isinstance(cache, dict) or set(cache) - {"memory", "dir"}:
         raise _err(source, "cache", "expected a mapping with 'memory' (a size) and/or 'dir'")
@@ -1072,6 +1079,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         raw["parameters"] = {k: settings.to_json(v) for k, v in glob_settings.items()}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log
         raw["storage_options"] = redact_options(top_options)
+    if "decode_limit" in data:
+        raw["decode_limit"] = decode_limit if decode_limit is not None else "none"
     if "remote" in data:
         raw["remote"] = {"coalesce_gap": remote_settings["gap_bytes"],
                          "concurrency": remote_settings["concurrency"],
@@ -1080,7 +1089,19 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
-                settings=glob_settings, tokenizer=tok)
+                settings=glob_settings, tokenizer=tok, decode_limit=decode_limit)
+
+
+def _decode_limit(value: Any, source: str) -> float | None:
+    """The ``decode_limit`` key: a positive number, or ``none`` (no limit)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise _err(source, "decode_limit", "expected a positive number (a plan decodes for at "
+                   "most this many times the read time of the exact bytes it replaces) or "
+                   f"'none', got {value!r}")
+    return float(value)
 
 
 # -- remote sources -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+import yaml
 from families import Family, make_family, write_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,10 +24,11 @@ from safetensors.numpy import load_file
 from mergefs import compress
 from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
-from mergefs.levelplan import _hull, level_runs, levels_from_runs
+from mergefs.levelplan import (DecodeCost, _hull, choose, decode_seconds, level_runs,
+                               levels_from_runs)
 from mergefs.manifest import ManifestWriter
 from mergefs.replayer import replay
-from mergefs.spec import load_spec
+from mergefs.spec import SpecError, load_spec
 
 BLOCK = 512
 WEIGHTS = [0.5, -0.3, 0.8]
@@ -263,3 +265,88 @@ def test_rows_levels_plan_within_budget_and_bound(tmp_path: Path) -> None:
     _, got = _merge(spec_path, tmp_path / "full", None)
     for k in want:
         assert np.array_equal(got[k].view(np.uint8), np.ascontiguousarray(want[k]).view(np.uint8))
+
+
+@given(frac=st.floats(0.02, 0.6), ratio=st.floats(0.05, 3.0))
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_decode_limit_holds_and_only_moves_pairs_down(published: tuple[Family, Path],
+                                                      frac: float, ratio: float) -> None:
+    """With a decode limit, the modelled decode time of the plan's local sidecar blocks is at
+    most ``ratio`` times the modelled read of the exact bytes they replace, and the plan stays
+    within the byte budget; where the byte-budget plan is within the limit, the two are the
+    same plan."""
+    _, spec_path = published
+    spec = load_spec(str(spec_path))
+    s = Session(spec, budget_bytes=0)
+    try:
+        index, sc = s.index, s.engine.deltas
+        coeffs = np.asarray(WEIGHTS)
+        budget = int(frac * s.plan.total_expert_bytes)
+        cost = DecodeCost(ratio=ratio)
+        free = choose(index, coeffs, budget, sc)
+        lim = choose(index, coeffs, budget, sc, cost)
+    finally:
+        s.close()
+    dec_free, read_free = decode_seconds(index, free.levels, sc, cost)
+    dec, read = decode_seconds(index, lim.levels, sc, cost)
+    assert dec <= ratio * read * (1 + 1e-9) + 1e-15
+    assert lim.exact_bytes + lim.sidecar_bytes <= budget
+    assert free.exact_bytes + free.sidecar_bytes <= budget
+    if dec_free <= ratio * read_free:
+        assert np.array_equal(lim.levels, free.levels)
+    else:
+        assert not np.array_equal(lim.levels, free.levels)
+
+
+def test_decode_limit_binds_on_the_published_family_and_spares_remote_sidecars(
+        published: tuple[Family, Path]) -> None:
+    """A tight limit changes this family's plan (the test above is not vacuous), and a sidecar
+    read over the network (``fetch`` set) is never limited: its reads are the slow part."""
+    _, spec_path = published
+    spec = load_spec(str(spec_path))
+    s = Session(spec, budget_bytes=0)
+    try:
+        index, sc = s.index, s.engine.deltas
+        budget = s.plan.total_expert_bytes // 4
+        coeffs = np.asarray(WEIGHTS)
+        free = choose(index, coeffs, budget, sc)
+        tight = DecodeCost(ratio=0.05)
+        assert not np.array_equal(choose(index, coeffs, budget, sc, tight).levels, free.levels)
+        for one in sc.values():
+            one.fetch = lambda a, b: b""  # as a remote sidecar; never called by the planner
+        try:
+            assert np.array_equal(choose(index, coeffs, budget, sc, tight).levels, free.levels)
+        finally:
+            for one in sc.values():
+                one.fetch = None
+    finally:
+        s.close()
+
+
+def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path]) -> None:
+    """``decode_limit`` in the spec: a number limits the plan as choose() does, ``none`` plans
+    by bytes alone; anything else is refused naming the key."""
+    _, spec_path = published
+    doc = yaml.safe_load(spec_path.read_text())
+    plans = {}
+    for value in (0.05, "none"):
+        path = spec_path.parent / f"spec-decode-{value}.yaml"  # the family's relative paths
+        path.write_text(yaml.safe_dump({**doc, "decode_limit": value}))
+        spec = load_spec(str(path))
+        assert spec.decode_limit == (None if value == "none" else value)
+        s = Session(spec, budget_bytes=0)
+        budget = s.plan.total_expert_bytes // 4
+        s.close()
+        s = Session(spec, budget_bytes=budget)
+        plans[value] = s.plan.levels
+        want = choose(s.index, np.asarray(WEIGHTS), budget, s.engine.deltas,
+                      DecodeCost(ratio=0.05) if value != "none" else None)
+        assert np.array_equal(s.plan.levels, want.levels)
+        s.close()
+    assert not np.array_equal(plans[0.05], plans["none"])
+    for bad in (0, -1, "fast", True, float("inf")):
+        path = spec_path.parent / "bad.yaml"
+        path.write_text(yaml.safe_dump({**doc, "decode_limit": bad}))
+        with pytest.raises(SpecError, match=r"bad\.yaml: decode_limit: expected a positive"):
+            load_spec(str(path))
