@@ -31,8 +31,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 

@@ -24,8 +24,14 @@ from safetensors.numpy import load_file
 from mergefs import compress
 from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
-from mergefs.levelplan import (DecodeCost, _hull, choose, decode_seconds, level_runs,
-                               levels_from_runs)
+from mergefs.levelplan import (
+    DecodeCost,
+    _hull,
+    choose,
+    decode_seconds,
+    level_runs,
+    levels_from_runs,
+)
 from mergefs.manifest import ManifestWriter
 from mergefs.replayer import replay
 from mergefs.spec import SpecError, load_spec
