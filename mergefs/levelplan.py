@@ -208,7 +208,21 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             paid = {(int(i), lv.shared) for i, bb in zip(*np.nonzero(got.levels))
                     for lv in _levels_of(sidecars[int(i)], lay, int(bb))[:int(got.levels[i, bb])]
                     if lv.shared >= 0}
-            for _, _, b, i, oa, ob in segments:
+            ups = []  # every pair's moves up from where it is, by energy gained per byte
+            for i, b in zip(*np.nonzero(~index.zero & (c2[:, None] > 0))):
+                i, b = int(i), int(b)
+                k = int(state[i, b])
+                if k == EXACT:
+                    continue
+                top = len(block_cost.get((i, b), ()))
+                base_cost, base_e = cost_of(i, b, k)[0], table.energy(i, b, k)
+                for o in [*range(k + 1, top + 1), EXACT]:
+                    gain = table.energy(i, b, o) - base_e
+                    if gain > 0:
+                        ups.append((-gain / max(cost_of(i, b, o)[0] - base_cost, 1e-9),
+                                    int(lay.tensor_of[b]), b, i, k, o))
+            ups.sort()
+            for _, _, b, i, oa, ob in ups:
                 if state[i, b] != oa:
                     continue
                 dg = table.g(i, b, ob) - table.g(i, b, oa)
