@@ -22,6 +22,7 @@ sidecars (``mergefs compress``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -105,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="10,20", help="%% of the experts' bf16 bytes")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="only the batched routes")
+    p.add_argument("--decode-limit", default=None,
+                   help="plan with this decode_limit (a number, or none) instead of the spec's")
     args = p.parse_args(argv)
     spec = load_spec(str(args.family / args.spec))
+    if args.decode_limit is not None:
+        spec = dataclasses.replace(spec, decode_limit=None if args.decode_limit == "none"
+                                   else float(args.decode_limit))
     sources = [Path(spec.base), *[Path(e.path) for e in spec.experts]]
     for b in args.budgets.split(","):
         probe = Session(spec, budget_bytes=0)
@@ -115,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         probe.close()
         s = Session(spec, budget_bytes=int(float(b) / 100 * bf16))
         jobs = _jobs(s)
-        row: dict[str, Any] = {"budget": b, "blocks": int(sum(len(j[2]) for j in jobs)),
+        row: dict[str, Any] = {"budget": b, "decode_limit": spec.decode_limit,
+                               "decode_model_s": s.plan.decode_seconds,
+                               "replaced_read_model_s": s.plan.replaced_read_seconds,
+                               "blocks": int(sum(len(j[2]) for j in jobs)),
                                "load_avg_1m": round(os.getloadavg()[0], 2)}
         _run(jobs, "batched")  # numba: compiled or loaded from its cache
         _run(jobs, "batched_v3")

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from safetensors.numpy import load_file
 
 from mergefs.compress import publish
@@ -380,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                    "published already (implies --no-compress)")
     p.add_argument("--mount", action="store_true",
                    help="also serve each sidecar budget through mergefs mount and read it all")
+    p.add_argument("--decode-limit", default=None,
+                   help="plan with this spec decode_limit (a number, or none) instead of the "
+                   "spec's own: written to a copy of the spec beside it, so the mount plans "
+                   "the same")
     p.add_argument("--rate-distortion", action="store_true",
                    help="print what ideal coders keep at the budgets, and stop")
     args = p.parse_args(argv)
@@ -396,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
 
     deltadecode.decode_into = _timed_decode_into(deltadecode.decode_into)  # the kernel alone
     spec_path = args.family / args.spec
+    if args.decode_limit is not None:
+        doc = yaml.safe_load(spec_path.read_text())
+        doc["decode_limit"] = args.decode_limit if args.decode_limit == "none" \
+            else float(args.decode_limit)
+        spec_path = spec_path.with_name(f"{spec_path.stem}.decode-{args.decode_limit}.yaml")
+        spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     server = None
     if args.http:
         spec_path, server = http_spec(spec_path)
@@ -467,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                        "share_of_bf16": tot["expert_bytes_read"] / bf16_bytes,
                        "wall_s": round(wall, 2), "blocks_decoded": DECODE["blocks"],
                        "decode_s": round(DECODE["seconds"], 3),
-                       "decode_compute_s": round(DECODE["compute"], 3)}
+                       "decode_compute_s": round(DECODE["compute"], 3),
+                       "decode_model_s": s.plan.decode_seconds,
+                       "replaced_read_model_s": s.plan.replaced_read_seconds,
+                       "decode_limit": s.plan.decode_limit}
                 if sidecars and pct is not None and server is None:  # the reads it replaces
                     secs, nbytes = replaced_read_seconds(s, sources)
                     row["replaced_exact_read_cold_s"] = round(secs, 3)
