@@ -512,7 +512,13 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"row": "layers", "budget": b, "sidecars": sidecars,
                            "kept_layers": round(kept_l, 5), "err_rel": err_l / upd_l,
                            "bytes_read": tot["expert_bytes_read"], "budget_bytes": lb,
-                           "wall_s": round(wall, 2)}
+                           "wall_s": round(wall, 2), "decode_s": round(DECODE["seconds"], 3),
+                           "decode_compute_s": round(DECODE["compute"], 3),
+                           "decode_model_s": plan.decode_seconds,
+                           "replaced_read_model_s": plan.replaced_read_seconds}
+                    if sidecars:
+                        row["replaced_exact_read_cold_s"] = round(
+                            replaced_read_seconds(s, sources)[0], 3)
                     rows.append(row)
                     print(json.dumps(row))
                 if pct is None:
