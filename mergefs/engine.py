@@ -539,11 +539,11 @@ class Engine:
         if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
                                                                       base_buf):
             return self._output(name, b0, b1, bytes(base_buf))
-        form = None if any(levels) else self._fused_form(name)
+        form = self._fused_form(name)
         size = int(np.prod(self.out_tensors[name].shape, dtype=np.int64))
-        if kernels.supports(form, [src_dtype, *(e.tensors[name].dtype for e, r
-                                                in zip(self.experts, runs) if r)], out_dtype,
-                            size):
+        if not any(levels) and kernels.supports(
+                form, [src_dtype, *(e.tensors[name].dtype for e, r in zip(self.experts, runs)
+                                    if r)], out_dtype, size):
             assert form is not None
             data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
                                      expert_bufs, e0, out_dtype, size)
@@ -568,6 +568,15 @@ class Engine:
                 assert full is not None
                 self._reconstruct(i, name, e0, w0, full, levels[i])
             values.append(full)
+        if any(levels) and kernels.supports(form, [src_dtype, "F32"], out_dtype, size):
+            # reconstructed units: the compiled kernel on the float32 values, the same
+            # arithmetic as the method's numpy path on them (tests/test_kernels.py)
+            assert form is not None
+            inputs = [None if k == REFERENCE or values[k] is None
+                      else [(0, values[k], "F32")] for k in self.spec.input_order]
+            data = kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype,
+                                       elem_offset=e0, tensor_size=size)
+            return self._output(name, b0, b1, data, fused=True)
         merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
 

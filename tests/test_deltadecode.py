@@ -15,7 +15,7 @@ from families import make_family, write_spec
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from mergefs import compress, deltadecode, deltas
+from mergefs import compress, deltadecode, deltas, kernels
 from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
 from mergefs.spec import load_spec
@@ -288,3 +288,56 @@ def test_version_2_sidecar_still_decodes_with_its_blas_product(tmp_path: Path) -
             checked += 1
     assert checked > 5
     assert differ > 0  # the two products round differently: the version decides the route
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "linear"])
+def test_reconstructed_units_merge_by_the_kernel_as_by_numpy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """Units with reconstructed blocks are merged by the compiled kernel on their float32
+    values (the fused path), with the same bytes as the method's numpy path on the same
+    values (the kernel turned off), for every unit, at budgets that also read exact blocks."""
+    fam = _mixed_family(tmp_path / "fam", 37)
+    spec_path = write_spec(tmp_path / "spec.yaml", fam, method=method, weights=[0.7, 0.4],
+                           extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
+    spec = load_spec(str(spec_path))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    compress.publish(base, experts, index)
+    total = int(index.expert_block_bytes().sum())
+    for c in [base, *experts]:
+        c.close()
+    real = kernels.fused_merge
+    exact_too = False
+    for frac in (0.05, 0.3, 0.6):
+        decoded = []  # kernel calls on reconstructed values (arrays; exact runs are raw bytes)
+
+        def spy(form, ref, ref_dtype, inputs, *a, **k):
+            decoded.append(any(isinstance(buf, np.ndarray) for runs in inputs if runs
+                               for _, buf, _ in runs))
+            return real(form, ref, ref_dtype, inputs, *a, **k)
+
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "fused_merge", spy)
+            s = Session(spec, budget_bytes=int(frac * total))
+            shutil.rmtree(tmp_path / "k", ignore_errors=True)
+            s.engine.materialise(tmp_path / "k", threads=2)
+            levels = s.plan.levels
+            assert levels is not None and (levels > 0).any()
+            exact_too |= bool(s.plan.selected.any())
+            s.finish()
+            s.close()
+        assert sum(decoded) > 0
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "supports", lambda *a, **k: False)
+            s = Session(spec, budget_bytes=int(frac * total))
+            shutil.rmtree(tmp_path / "n", ignore_errors=True)
+            s.engine.materialise(tmp_path / "n", threads=2)
+            assert s.engine.units_fused == 0
+            s.finish()
+            s.close()
+        got = load_file(str(tmp_path / "k" / "model.safetensors"))
+        want = load_file(str(tmp_path / "n" / "model.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in got:
+            assert got[k].tobytes() == want[k].tobytes(), (method, frac, k)
+    assert exact_too  # some budget mixes exact blocks with reconstructed ones
