@@ -62,12 +62,12 @@ class DecodeCost:
     many times the read time of the exact bytes it replaces."""
 
     ratio: float = 1.0
-    element: float = 0.6e-9  # the passes every decoded element pays (w0 + delta, the buffers)
-    component: float = 0.022e-9  # version 4's exact product, per low-rank component (BLAS)
-    loop_component: float = 0.037e-9  # the fixed-order product (float16 levels, version 3)
+    element: float = 0.9e-9  # the passes every decoded element pays (w0 + delta, the buffers)
+    component: float = 0.03e-9  # version 4's exact product, per low-rank component (BLAS)
+    loop_component: float = 0.045e-9  # the fixed-order product (float16 levels, version 3)
     kind: dict[str, float] = field(default_factory=lambda: {
-        "vq": 0.35e-9, "quant": 0.45e-9, "rows": 0.45e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
-    read_bytes_per_second: float = 1.8e9  # cold pread of exact expert bytes, local disk
+        "vq": 0.4e-9, "quant": 0.6e-9, "rows": 0.3e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
+    read_bytes_per_second: float = 1.6e9  # cold pread of exact expert bytes, local disk
 
     def prefix_seconds(self, levels: tuple[Level, ...], version: str) -> list[float]:
         """Seconds per element of each level prefix (1 .. len(levels))."""
