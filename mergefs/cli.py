@@ -29,7 +29,7 @@ log = logging.getLogger("mergefs")
 EPILOG = """\
 A spec is a mergekit YAML config (merge_method, base_model, models, parameters, dtype) plus
 mergefs keys: budget (full, 10%, 0.1, 2GiB), block_size (1MiB), index_dir, cache, manifest,
-decode_limit (2: with local delta sidecars, decode at most 2x the exact read it replaces).
+decode_limit (none; N: with local delta sidecars, decode at most N x the exact read it replaces).
 
 typical session:
   mergefs index spec.yaml                  # one pass over base + experts, reused afterwards

@@ -35,8 +35,10 @@ _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict", "sweep", "variants", "decode_limit")
-#: ``decode_limit`` when a spec gives none (docs/benchmarks.md, issue 14)
-DEFAULT_DECODE_LIMIT = 2.0
+#: ``decode_limit`` when a spec gives none: plans by bytes alone (docs/benchmarks.md, issue 14:
+#: on a local disk, a limit that makes decoding cheaper than the reads costs most of the
+#: layers' energy; remote sidecars are never limited)
+DEFAULT_DECODE_LIMIT: float | None = None
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
@@ -1094,7 +1096,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
 
 def _decode_limit(value: Any, source: str) -> float | None:
     """The ``decode_limit`` key: a positive number, or ``none`` (no limit)."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+    if value is None or isinstance(value, str) and value.strip().lower() in ("none", "off"):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value <= 0:

@@ -330,7 +330,8 @@ def test_decode_limit_binds_on_the_published_family_and_spares_remote_sidecars(
         s.close()
 
 
-def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path]) -> None:
+def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path],
+                                            tmp_path: Path) -> None:
     """``decode_limit`` in the spec: a number limits the plan as choose() does, ``none`` plans
     by bytes alone; anything else is refused naming the key."""
     _, spec_path = published
@@ -350,6 +351,13 @@ def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path]) -> N
                       DecodeCost(ratio=0.05) if value != "none" else None)
         assert np.array_equal(s.plan.levels, want.levels)
         s.close()
+        if value != "none":  # the limited plan's bound still holds on its merged bytes
+            s, got = _merge(path, tmp_path / "limited", budget)
+            ref = reference_merge_dir(spec_path)
+            err = np.sqrt(sum(float(((got[k].astype(np.float64) - ref[k].astype(np.float64))
+                                     ** 2).sum()) for k in ref if ref[k].dtype.kind == "f"))
+            assert s.plan.bound_output_tight is not None
+            assert err <= s.plan.bound_output_tight
     assert not np.array_equal(plans[0.05], plans["none"])
     for bad in (0, -1, "fast", True, float("inf")):
         path = spec_path.parent / "bad.yaml"
