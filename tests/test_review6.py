@@ -1,0 +1,43 @@
+"""review6: decode-limit sweeps (limit holds after the refill, budget, determinism)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from families import make_family, write_spec
+
+from mergefs import compress
+from mergefs.engine import Session, open_family
+from mergefs.index import load_or_build
+from mergefs.levelplan import DecodeCost, choose, decode_seconds
+from mergefs.spec import load_spec
+
+WEIGHTS = [0.5, -0.3, 0.8]
+
+
+def test_decode_limit_grid_holds_within_budget(tmp_path: Path) -> None:
+    fam = make_family(tmp_path / "fam", dtype="float32", seed=11)
+    sp = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
+                    extra={"block_size": 512, "index_dir": str(tmp_path / "idx")})
+    spec = load_spec(str(sp))
+    base, experts = open_family(spec)
+    index, _ = load_or_build(base, experts, spec.block_size, spec.index_dir)
+    compress.publish(base, experts, index)
+    s = Session(load_spec(str(sp)), budget_bytes=0)
+    try:
+        index, sc = s.index, s.engine.deltas
+        total = s.plan.total_expert_bytes
+        coeffs = np.asarray(WEIGHTS)
+        for frac in np.linspace(0.01, 1.0, 25):
+            for ratio in (0.01, 0.05, 0.2, 0.5, 1.0, 2.0, 5.0):
+                budget = int(frac * total)
+                cost = DecodeCost(ratio=ratio)
+                a = choose(index, coeffs, budget, sc, cost)
+                b = choose(index, coeffs, budget, sc, cost)
+                assert np.array_equal(a.levels, b.levels)
+                assert a.exact_bytes + a.sidecar_bytes <= budget, (frac, ratio)
+                dec, read = decode_seconds(index, a.levels, sc, cost)
+                assert dec <= ratio * read * (1 + 1e-9) + 1e-15, (frac, ratio, dec, read)
+    finally:
+        s.close()
