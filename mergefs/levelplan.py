@@ -22,7 +22,8 @@ levels (a fixed model of :mod:`mergefs.deltadecode` on the reference machine, so
 same on every machine); when the byte-budget plan decodes for longer than ``ratio`` times the
 modelled read of the replaced bytes, pairs are moved to shallower options, always the move that
 saves the most decode time per unit of energy lost (ties: tensor, block, expert), until it
-does not. Moves only lower bytes. Remote sidecars are not limited (their reads are 10-100x
+does not; the bytes that frees then go, by energy per byte, to deeper options or exact reads
+where the limit allows (never beyond the budget). Remote sidecars are not limited (their reads are 10-100x
 slower than decoding). Pure; no I/O.
 """
 

@@ -276,7 +276,7 @@ def test_rows_levels_plan_within_budget_and_bound(tmp_path: Path) -> None:
 @given(frac=st.floats(0.02, 0.6), ratio=st.floats(0.05, 3.0))
 @settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_decode_limit_holds_and_only_moves_pairs_down(published: tuple[Family, Path],
+def test_decode_limit_and_budget_hold(published: tuple[Family, Path],
                                                       frac: float, ratio: float) -> None:
     """With a decode limit, the modelled decode time of the plan's local sidecar blocks is at
     most ``ratio`` times the modelled read of the exact bytes they replace, and the plan stays
