@@ -178,7 +178,6 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
     segments.sort()
     state = np.zeros((n, nb), dtype=np.int16)  # 0 skip, k levels, EXACT
     paid: set[tuple[int, int]] = set()
-    used = 0
 
     def cost_of(i: int, b: int, o: int) -> tuple[int, list[tuple[int, int]]]:
         """Block bytes of option o and the shared ranges it needs that are not paid yet."""
@@ -190,25 +189,38 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                        if sid >= 0 and (i, sid) not in paid})  # a shared range once
         return block_cost[(i, b)][o - 1], need
 
-    for _, _, b, i, oa, ob in segments:
-        if state[i, b] != oa:
-            continue
-        before, _ = cost_of(i, b, oa)
-        after, need = cost_of(i, b, ob)
-        inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
-        if used + inc <= budget_bytes:
-            used += inc
-            state[i, b] = ob
-            paid.update(need)
+    def take(moves: list, used: int, table: _DecodeTable | None = None, total: float = 0.0
+             ) -> None:
+        """Apply moves ``(key, tensor, block, expert, from, to)`` in order, each if its pair
+        is still at ``from`` and its bytes fit (and, with ``table``, the decode limit holds:
+        ``total`` is the plan's sum of ``g``)."""
+        for _, _, b, i, oa, ob in moves:
+            if state[i, b] != oa:
+                continue
+            dg = table.g(i, b, ob) - table.g(i, b, oa) if table is not None else 0.0
+            if total + dg > 0:
+                continue
+            before, _ = cost_of(i, b, oa)
+            after, need = cost_of(i, b, ob)
+            inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
+            if used + inc <= budget_bytes:
+                used += inc
+                total += dg
+                state[i, b] = ob
+                paid.update(need)
+
+    take(segments, 0)
     if decode is not None:
         table = _DecodeTable(index, coeffs, sidecars, decode, raw)
         total = table.limit(state)
         if total is not None:  # moved down: spend the bytes freed where decoding allows
             got = _outcome(index, state, opts, shared_bytes, raw)
             used = got.exact_bytes + got.sidecar_bytes
-            paid = {(int(i), lv.shared) for i, bb in zip(*np.nonzero(got.levels))
-                    for lv in _levels_of(sidecars[int(i)], lay, int(bb))[:int(got.levels[i, bb])]
-                    if lv.shared >= 0}
+            paid.clear()
+            paid.update((int(i), lv.shared) for i, bb in zip(*np.nonzero(got.levels))
+                        for lv in _levels_of(sidecars[int(i)], lay,
+                                             int(bb))[:int(got.levels[i, bb])]
+                        if lv.shared >= 0)
             ups = []  # every pair's moves up from where it is, by energy gained per byte
             for i, b in zip(*np.nonzero(~index.zero & (c2[:, None] > 0))):
                 i, b = int(i), int(b)
@@ -223,20 +235,7 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                         ups.append((-gain / max(cost_of(i, b, o)[0] - base_cost, 1e-9),
                                     int(lay.tensor_of[b]), b, i, k, o))
             ups.sort()
-            for _, _, b, i, oa, ob in ups:
-                if state[i, b] != oa:
-                    continue
-                dg = table.g(i, b, ob) - table.g(i, b, oa)
-                if total + dg > 0:
-                    continue
-                before, _ = cost_of(i, b, oa)
-                after, need = cost_of(i, b, ob)
-                inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
-                if used + inc <= budget_bytes:
-                    used += inc
-                    total += dg
-                    state[i, b] = ob
-                    paid.update(need)
+            take(ups, used, table, total)
     return _outcome(index, state, opts, shared_bytes, raw)
 
 
