@@ -570,7 +570,7 @@ class Engine:
             values.append(full)
         if any(levels) and kernels.supports(form, [src_dtype, "F32"], out_dtype, size):
             # reconstructed units: the compiled kernel on the float32 values, the same
-            # arithmetic as the method's numpy path on them (tests/test_kernels.py)
+            # arithmetic as the method's numpy path on them (tests/test_deltadecode.py)
             assert form is not None
             inputs = [None if k == REFERENCE or values[k] is None
                       else [(0, values[k], "F32")] for k in self.spec.input_order]
