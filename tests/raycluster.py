@@ -31,9 +31,23 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (each socket held until all are chosen: two separate
+    ``free_port()`` calls can return the same port, and Ray refuses a node whose components
+    share one)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def ray_command() -> str | None:
@@ -63,14 +77,17 @@ class LocalRayCluster:
         ray = ray_command()
         assert ray is not None
         k = len(self.procs)
+        ports = free_ports(7)
+        while self.port in ports:  # the head's port, chosen before: not again
+            ports = free_ports(7)
         cmd = [ray, "start", "--block", f"--num-cpus={self.cpus}", "--num-gpus=0",
                f"--object-store-memory={self.object_store_bytes}", "--disable-usage-stats",
                "--node-ip-address=127.0.0.1",
-               f"--dashboard-agent-listen-port={free_port()}",
-               f"--dashboard-agent-grpc-port={free_port()}",
-               f"--metrics-export-port={free_port()}",
-               f"--runtime-env-agent-port={free_port()}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+               f"--dashboard-agent-listen-port={ports[0]}",
+               f"--dashboard-agent-grpc-port={ports[1]}",
+               f"--metrics-export-port={ports[2]}",
+               f"--runtime-env-agent-port={ports[3]}",
+               f"--node-manager-port={ports[4]}", f"--object-manager-port={ports[5]}"]
         if head:
             cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
                     f"--temp-dir={self.temp_dir}"]
@@ -82,17 +99,29 @@ class LocalRayCluster:
                                                stdin=subprocess.DEVNULL, start_new_session=True,
                                                preexec_fn=_die_with_parent))
 
-    def start(self, timeout_s: float = 60.0) -> LocalRayCluster:
-        """Start the nodes and wait until every one has joined (raises, after stopping, if not)."""
-        try:
-            self._start_node(head=True)
-            self._wait_nodes(1, timeout_s)
-            for _ in range(self.nodes - 1):
-                self._start_node(head=False)
-            self._wait_nodes(self.nodes, timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> LocalRayCluster:
+        """Start the nodes and wait until every one has joined (raises, after stopping, if not).
+        A node that exits because a port it was given is taken (by a port Ray picked itself, or
+        another program) is started again on new ports, up to ``attempts`` times in all."""
+        for attempt in range(attempts):
+            try:
+                self._start_node(head=True)
+                self._wait_nodes(1, timeout_s)
+                for _ in range(self.nodes - 1):
+                    self._start_node(head=False)
+                self._wait_nodes(self.nodes, timeout_s)
+                return self
+            except RuntimeError as exc:
+                self.stop()
+                if "port number" not in str(exc) or attempt == attempts - 1:
+                    raise
+                self.procs = []
+                self.temp_dir = tempfile.mkdtemp(prefix="mfray", dir="/tmp")
+                self.port = free_port()
+                self.address = f"127.0.0.1:{self.port}"
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _wait_nodes(self, n: int, timeout_s: float) -> None:
