@@ -201,7 +201,7 @@ def add_products(acc, cols, u, v, nk):
 
 @_jit
 def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, loop,
-           uscale, v, book, data, off, size, p, prow, pscale, wgrid):
+           uscale, v, book, data, off, size, p, prow, pscale, wgrid, pdig):
     """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
     memory as float32); returns the first block whose ranges have the wrong sizes (nothing
     written from it on), or -1.
@@ -211,7 +211,8 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
     ``pscale[j]`` (a power of two); ``prow[j] == -2``: ``p`` holds the block's ``Q`` instead,
     multiplied here by ``wgrid`` (one block: a compiled loop instead of a BLAS call; the same
-    integers, exact in any order)."""
+    integers, exact in any order). ``pdig > 1``: ``p`` holds the product's base-256 digit
+    columns of :func:`mergefs.intgemm.product`, summed here from the highest (exact)."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -233,8 +234,15 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             ps = pscale[j]
             for r in range(rb):
                 pr = prow[j] + r
-                for e in range(cols):
-                    acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
+                if pdig == 1:
+                    for e in range(cols):
+                        acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
+                else:
+                    for e in range(cols):
+                        x = p[pr, (pdig - 1) * cols + e]
+                        for d in range(pdig - 2, -1, -1):
+                            x += p[pr, d * cols + e]
+                        acc[r * cols + e] = x * ps + np.float32(0.0)
         elif prow[j] == -2:
             ps = pscale[j]
             add_products(acc, cols, p[:rb], wgrid, p.shape[1])  # from +0: exact integers
@@ -329,24 +337,32 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     return -1
 
 
-def q_luts():
+def q_luts(u8=False):
     """``luts[b][x, t] = 2 * (value of the t-th b-bit code of byte x)`` for b = 1, 2, 4, 8
-    (index 0, 3, 5-7: unused), float32."""
-    luts = np.zeros((9, 256, 8), np.float32)
+    (index 0, 3, 5-7: unused), float32; ``u8``: the uint8 ``x`` of
+    :func:`mergefs.intgemm.to_x` instead (that plus 128; an 8-bit code itself), int16."""
+    luts = np.zeros((9, 256, 8), np.int16 if u8 else np.float32)
     for b in (1, 2, 4, 8):
         for x in range(256):
             for t in range(8 // b):
-                luts[b, x, t] = 2 * ((x >> (t * b)) & ((1 << b) - 1)) - ((1 << b) - 1)
+                code = (x >> (t * b)) & ((1 << b) - 1)
+                if u8:
+                    luts[b, x, t] = code if b == 8 else 2 * code - ((1 << b) - 1) + 128
+                else:
+                    luts[b, x, t] = 2 * code - ((1 << b) - 1)
     return luts
 
 
 @_jit
-def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, size, luts):
+def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, size, luts,
+                 shift):
     """``uq[urow[j] + r, c] = 2 * (value of U code (r, c))`` of block ``j``'s low-rank levels
     without ``loop`` within its depth, their components side by side in level order (odd
     integers, exact in float32); blocks with ``urow[j] < 0`` are skipped. Returns the first
     block whose ranges have the wrong sizes, or -1. ``luts[b][x, t]``: that value of the
-    ``t``-th ``b``-bit code of byte ``x`` (:func:`q_luts`)."""
+    ``t``-th ``b``-bit code of byte ``x`` (:func:`q_luts`). ``shift`` 128 (``uq`` uint8 and
+    ``luts`` of ``q_luts(True)``): :func:`mergefs.intgemm.to_x` of the codes instead (the
+    widths that do not go through ``luts``, 3 bits, are never 8)."""
     for j in range(rows.size):
         if urow[j] < 0:
             continue
@@ -358,7 +374,7 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
             if kind[lvl] != 0 or loop[lvl]:
                 continue
             k, b, o = ks[lvl], bits[lvl], off[lvl, j]
-            top = np.float32((1 << b) - 1)
+            topi = (1 << b) - 1
             per = 8 // b
             if b != 3 and k % per == 0:  # each row's codes start a byte: per byte, its codes
                 for r in range(rb):  # (2-d indexing, no array view per row: refcounts)
@@ -376,13 +392,13 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
                         x = (np.int64(data[o_r + 3 * q]) | (np.int64(data[o_r + 3 * q + 1]) << 8)
                              | (np.int64(data[o_r + 3 * q + 2]) << 16))
                         for t in range(8):
-                            uq[row, c + q * 8 + t] = np.float32(2 * ((x >> (3 * t)) & 7)) - top
+                            uq[row, c + q * 8 + t] = 2 * ((x >> (3 * t)) & 7) - 7 + shift
             else:
                 for r in range(rb):
                     row = urow[j] + r
                     for q in range(k):
                         code = code_at(data, o, (r * k + q) * b, b)
-                        uq[row, c + q] = np.float32(2 * code) - top
+                        uq[row, c + q] = 2 * code - topi + shift
             c += k
     return -1
 

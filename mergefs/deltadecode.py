@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,15 @@ class Packed:
     #: version 4: per number of exact components n > 0 of some depth, (2**-G, W) of
     #: :func:`mergefs.deltas.grid_of` over those components
     grids: dict[int, tuple[np.float32, np.ndarray]]
+    #: version 4: per number of exact components, ``W`` prepacked for
+    #: :func:`mergefs.intgemm.product` (filled on first use)
+    int_weights: dict[int, Any] = field(default_factory=dict)
+
+    def eight(self, nk: int) -> np.ndarray:
+        """(nk,) bool: which of the first ``nk`` exact components have 8-bit codes."""
+        m = [bool(b == 8) for kd, lp, b, k in zip(self.kind, self.loop, self.bits, self.k)
+             if kd == 0 and not lp for _ in range(int(k))]
+        return np.asarray(m[:nk], bool)
 
 
 def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
@@ -184,79 +193,145 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         coff, csize = off, size
         if len(chunks) > 1 or not (off.flags.c_contiguous and size.flags.c_contiguous):
             coff, csize = np.ascontiguousarray(off[:, a:b]), np.ascontiguousarray(size[:, a:b])
-        p, prow, pscale, bad, wgrid = _exact_products(packed, cols, cr, cd, payloads.data,
-                                                      coff, csize)
+        groups, bad = _exact_products(packed, cols, cr, cd, payloads.data, coff, csize)
         if bad < 0:
-            bad = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, cs, cr, cd, cols,
-                         packed.kind, packed.bits, packed.k, packed.first, packed.loop,
-                         packed.uscale, packed.v, packed.book, payloads.data, coff, csize,
-                         p, prow, pscale, wgrid)
+            for g in groups:
+                whole = len(g.sel) == len(cs)
+                gs, gr, gd = (cs, cr, cd) if whole else (cs[g.sel], cr[g.sel], cd[g.sel])
+                goff, gsize = ((coff, csize) if whole else
+                               (np.ascontiguousarray(coff[:, g.sel]),
+                                np.ascontiguousarray(csize[:, g.sel])))
+                got = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, gs, gr, gd, cols,
+                             packed.kind, packed.bits, packed.k, packed.first, packed.loop,
+                             packed.uscale, packed.v, packed.book, payloads.data, goff, gsize,
+                             g.p, g.prow, g.pscale, g.wgrid, g.pdig)
+                if got >= 0:
+                    bad = int(got) if whole else int(g.sel[got])
+                    break
         if bad >= 0:
             raise dl.DeltaError(f"block {a + bad} of the call: its level ranges do not have "
                                 "the sizes its levels imply (a damaged level table)")
 
 
 _NO_P = np.zeros((1, 1), np.float32)
-_LUTS: list[np.ndarray] = []
+_LUTS: dict[bool, np.ndarray] = {}
 
 
-def _q_luts() -> np.ndarray:
-    if not _LUTS:
+def _q_luts(u8: bool = False) -> np.ndarray:
+    got = _LUTS.get(u8)
+    if got is None:
         from ._numba_decode import q_luts
-        _LUTS.append(q_luts())
-    return _LUTS[0]
+        got = _LUTS[u8] = q_luts(u8)
+    return got
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Blocks ``sel`` (indices into a chunk) decoded by one call of the compiled loop, with
+    their exact products: rows ``prow[i] ..`` of ``p`` (-1: none; -2: ``p`` is the block's
+    ``Q``, multiplied by ``wgrid`` in the loop), scaled by ``pscale[i]``, ``pdig`` digit
+    columns per product (:mod:`mergefs.intgemm`; 1: one float32 product)."""
+
+    sel: np.ndarray
+    p: np.ndarray
+    prow: np.ndarray
+    pscale: np.ndarray
+    wgrid: np.ndarray = field(default_factory=lambda: _NO_P)
+    pdig: int = 1
 
 
 def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
                     data: np.ndarray, off: np.ndarray, size: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
-    """Version 4: ``Q W`` of every block with exact low-rank components (one float32 BLAS
-    product per number of components, exact), as the compiled loop takes them: ``(p, prow,
-    pscale, bad, wgrid)``, ``bad`` the first block whose ranges have the wrong sizes or -1.
+                    ) -> tuple[list[_Group], int]:
+    """Version 4: ``Q W`` of every block with exact low-rank components, exact, as the
+    compiled loop takes them: ``(groups, bad)``, ``bad`` the first block whose ranges have the
+    wrong sizes or -1. Blocks with the same number of components are one product: oneDNN's
+    int8 matmul where :func:`mergefs.intgemm.available` and the product is large enough
+    (each such product its own group), else one float32 BLAS product (all of them one group).
     One block: ``p`` is its ``Q`` and ``wgrid`` its ``W`` (``prow`` -2), which the compiled
     loop multiplies (a BLAS call and the grouping cost more than that product)."""
     n = len(rows)
+    every = np.arange(n)
     prow = np.full(n, -1, np.int64)
     pscale = np.zeros(n, np.float32)
     if not packed.grids:
-        return _NO_P, prow, pscale, -1, _NO_P
+        return [_Group(every, _NO_P, prow, pscale)], -1
     from ._numba_decode import unpack_exact
     nk = packed.n_exact[depths]
     if n == 1:  # one block (the mount's units): Q only, the compiled loop multiplies
         k = int(nk[0])
         if k == 0:
-            return _NO_P, prow, pscale, -1, _NO_P
+            return [_Group(every, _NO_P, prow, pscale)], -1
         uq = np.empty((int(rows[0]), k), np.float32)
         prow[0] = 0
         bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
-                           packed.loop, data, off, size, _q_luts())
+                           packed.loop, data, off, size, _q_luts(), 0)
         scale, w = packed.grids[k]
         prow[0], pscale[0] = -2, scale
-        return uq, prow, pscale, int(bad), w
+        return [_Group(every, uq, prow, pscale, w)], int(bad)
     sel = np.flatnonzero(nk > 0)
     if len(sel) == 0:
-        return _NO_P, prow, pscale, -1, _NO_P
+        return [_Group(every, _NO_P, prow, pscale)], -1
     order = sel[np.argsort(nk[sel], kind="stable")]
-    r = rows[order]
-    prow[order] = np.cumsum(r) - r
-    total = int(r.sum())
-    uq = np.empty((total, int(nk[order[-1]])), np.float32)
-    bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
-                       packed.loop, data, off, size, _q_luts())
-    if bad >= 0:
-        return _NO_P, prow, pscale, int(bad), _NO_P
-    p = np.empty((total, cols), np.float32)
     ks = nk[order]
     bounds = np.flatnonzero(np.diff(ks)) + 1
+    runs = list(zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]))
+    fast = _int_route()
+    groups: list[_Group] = []
+    blas: list[tuple[int, int]] = []
+    for g0, g1 in runs:
+        k = int(ks[g0])
+        members = order[g0:g1]
+        if fast is None or k > fast.MAX_K or int(rows[members].sum()) * k * cols < fast.MIN_MACS:
+            blas.append((g0, g1))
+            continue
+        iw = packed.int_weights.get(k)
+        if iw is None:
+            iw = packed.int_weights[k] = fast.prepare(packed.grids[k][1], packed.eight(k))
+        members = np.sort(members)
+        r = rows[members]
+        grow = np.full(n, -1, np.int64)
+        grow[members] = np.cumsum(r) - r
+        x = np.empty((int(r.sum()), k), np.uint8)
+        bad = unpack_exact(x, grow, rows, depths, cols, packed.kind, packed.bits, packed.k,
+                           packed.loop, data, off, size, _q_luts(True), 128)
+        if bad >= 0:
+            return [], int(bad)
+        gscale = np.full(len(members), packed.grids[k][0], np.float32)
+        groups.append(_Group(members, fast.product(x, iw), grow[members], gscale,
+                             pdig=iw.ndig))
+    rest = np.setdiff1d(every, np.concatenate([g.sel for g in groups]) if groups else [])
+    if not blas:
+        if len(rest):
+            groups.append(_Group(rest, _NO_P, np.full(len(rest), -1, np.int64),
+                                 np.zeros(len(rest), np.float32)))
+        return groups, -1
+    border = np.concatenate([order[g0:g1] for g0, g1 in blas])
+    r = rows[border]
+    prow[border] = np.cumsum(r) - r
+    total = int(r.sum())
+    uq = np.empty((total, int(nk[border].max())), np.float32)
+    bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
+                       packed.loop, data, off, size, _q_luts(), 0)
+    if bad >= 0:
+        return [], int(bad)
+    p = np.empty((total, cols), np.float32)
     with dl.one_blas_thread():
-        for g0, g1 in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]):
+        for g0, g1 in blas:
             k = int(ks[g0])
             scale, w = packed.grids[k]
             r0 = int(prow[order[g0]])
             r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
             np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
             pscale[order[g0:g1]] = scale
-    return p, prow, pscale, -1, _NO_P
+    groups.append(_Group(rest, p, prow[rest], pscale[rest]))
+    return groups, -1
+
+
+def _int_route() -> Any:
+    """:mod:`mergefs.intgemm` when its route is on, else None."""
+    from . import intgemm
+    return intgemm if intgemm.available() else None
 
 
 def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,

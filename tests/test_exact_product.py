@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deltadecode import relabelled_lowrank_tensors
 
-from mergefs import compress, deltadecode, deltas
+from mergefs import compress, deltadecode, deltas, intgemm
 
 
 def _built(w0: np.ndarray, wi: np.ndarray):
@@ -235,13 +235,26 @@ def _lowrank_case(seed: int) -> tuple:
             deltadecode.Payloads(data, off, size), w0)
 
 
+def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blas``: every exact product a float32 BLAS product; ``onednn``: every one of more than
+    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small."""
+    if route == "blas":
+        monkeypatch.setattr(deltadecode, "_int_route", lambda: None)
+    else:
+        if not intgemm.available():
+            pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
+        monkeypatch.setattr(intgemm, "MIN_MACS", 0)
+
+
+@pytest.mark.parametrize("route", ["blas", "onednn"])
 @pytest.mark.parametrize("seed", range(8))
 def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
-        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks at every depth (some without quantised low-rank components), float16 and
     quantised low-rank levels mixed, decoded in chunks of a few blocks and with a packing of
-    more levels than the call reaches: the same bits as :func:`deltas.reconstruct` block by
-    block, whose grid is that of the block's own prefix."""
+    more levels than the call reaches, by either route of the exact product: the same bits as
+    :func:`deltas.reconstruct` block by block, whose grid is that of the block's own prefix."""
+    _route(route, monkeypatch)
     levels, shared, cols, starts, n_rows, depths, blocks, payloads, w0 = _lowrank_case(seed)
     want = np.empty_like(w0)
     for j, (s, rb, d) in enumerate(zip(starts, n_rows, depths)):
