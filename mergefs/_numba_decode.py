@@ -201,7 +201,7 @@ def add_products(acc, cols, u, v, nk):
 
 @_jit
 def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, first, loop,
-           uscale, v, book, data, off, size, p, prow, pscale, wgrid, pdig):
+           uscale, v, book, data, off, size, p, prow, pscale, wgrid):
     """See :func:`decode_into` (``out`` and ``w0`` as uint32, ``out_f`` and ``w0_f`` the same
     memory as float32); returns the first block whose ranges have the wrong sizes (nothing
     written from it on), or -1.
@@ -211,8 +211,7 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
     ``pscale[j]`` (a power of two); ``prow[j] == -2``: ``p`` holds the block's ``Q`` instead,
     multiplied here by ``wgrid`` (one block: a compiled loop instead of a BLAS call; the same
-    integers, exact in any order). ``pdig > 1``: ``p`` holds the product's base-256 digit
-    columns of :func:`mergefs.intgemm.product`, summed here from the highest (exact)."""
+    integers, exact in any order)."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -234,15 +233,8 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
             ps = pscale[j]
             for r in range(rb):
                 pr = prow[j] + r
-                if pdig == 1:
-                    for e in range(cols):
-                        acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
-                else:
-                    for e in range(cols):
-                        x = p[pr, (pdig - 1) * cols + e]
-                        for d in range(pdig - 2, -1, -1):
-                            x += p[pr, d * cols + e]
-                        acc[r * cols + e] = x * ps + np.float32(0.0)
+                for e in range(cols):
+                    acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
         elif prow[j] == -2:
             ps = pscale[j]
             add_products(acc, cols, p[:rb], wgrid, p.shape[1])  # from +0: exact integers

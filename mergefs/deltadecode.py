@@ -204,7 +204,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
                 got = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, gs, gr, gd, cols,
                              packed.kind, packed.bits, packed.k, packed.first, packed.loop,
                              packed.uscale, packed.v, packed.book, payloads.data, goff, gsize,
-                             g.p, g.prow, g.pscale, g.wgrid, g.pdig)
+                             g.p, g.prow, g.pscale, g.wgrid)
                 if got >= 0:
                     bad = int(got) if whole else int(g.sel[got])
                     break
@@ -229,15 +229,13 @@ def _q_luts(u8: bool = False) -> np.ndarray:
 class _Group:
     """Blocks ``sel`` (indices into a chunk) decoded by one call of the compiled loop, with
     their exact products: rows ``prow[i] ..`` of ``p`` (-1: none; -2: ``p`` is the block's
-    ``Q``, multiplied by ``wgrid`` in the loop), scaled by ``pscale[i]``, ``pdig`` digit
-    columns per product (:mod:`mergefs.intgemm`; 1: one float32 product)."""
+    ``Q``, multiplied by ``wgrid`` in the loop), scaled by ``pscale[i]``."""
 
     sel: np.ndarray
     p: np.ndarray
     prow: np.ndarray
     pscale: np.ndarray
     wgrid: np.ndarray = field(default_factory=lambda: _NO_P)
-    pdig: int = 1
 
 
 def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
@@ -282,12 +280,15 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     for g0, g1 in runs:
         k = int(ks[g0])
         members = order[g0:g1]
-        if fast is None or k > fast.MAX_K or int(rows[members].sum()) * k * cols < fast.MIN_MACS:
+        if fast is None or k > fast.MAX_K:
             blas.append((g0, g1))
             continue
         iw = packed.int_weights.get(k)
         if iw is None:
             iw = packed.int_weights[k] = fast.prepare(packed.grids[k][1], packed.eight(k))
+        if int(rows[members].sum()) * k * cols < fast.MIN_MACS * iw.ndig:  # a call per digit
+            blas.append((g0, g1))
+            continue
         members = np.sort(members)
         r = rows[members]
         grow = np.full(n, -1, np.int64)
@@ -298,8 +299,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         if bad >= 0:
             return [], int(bad)
         gscale = np.full(len(members), packed.grids[k][0], np.float32)
-        groups.append(_Group(members, fast.product(x, iw), grow[members], gscale,
-                             pdig=iw.ndig))
+        groups.append(_Group(members, fast.product(x, iw), grow[members], gscale))
     rest = np.setdiff1d(every, np.concatenate([g.sel for g in groups]) if groups else [])
     if not blas:
         if len(rest):

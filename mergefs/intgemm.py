@@ -11,11 +11,11 @@ quantised linear (``torch.ops.onednn.qlinear_pointwise``, torch being a dependen
   ``Q = 2 * (code - 128) + 1``, so its column is ``x = code`` against the row ``2 * W``, and its
   ``W`` row is added once to the output as a bias;
 - the weight rows (``W`` or ``2 * W``) split into signed base-256 digits, ``W' = sum_d 256**d
-  D_d`` with ``D_d`` in int8, the digits side by side as output channels, each scaled by
-  ``256**d`` (exact);
-- the caller adds a row's digit columns from the highest down: every partial sum is a multiple
-  of 256 within a factor ``1 + 2**-7`` of the final value, so each addition is exact, and the
-  last gives ``Q @ W`` exactly, the same float32 as the BLAS product.
+  D_d`` with ``D_d`` in int8; a digit's product (only the rows where it is nonzero: the
+  leading components) is scaled by ``256**d`` (exact) and added onto the higher digits' by
+  oneDNN's sum post-op, the highest first: every partial sum is a multiple of ``256**d`` near
+  the final value, so each addition is exact, and the last gives ``Q @ W`` exactly, the same
+  float32 as the BLAS product.
 
 The route is taken only where it is exact by construction: a CPU with AMX or VNNI (the AVX2
 int8 path saturates 16-bit pair sums), at most :data:`MAX_K` columns (int32 accumulation and
@@ -37,21 +37,33 @@ import numpy as np
 #: at most this many columns of ``x``: ``255 * 128 * MAX_K < 2**24`` (every int32 sum and the
 #: zero-point compensation exact even in float32)
 MAX_K = 512
-#: below this many multiply-adds a product goes to the BLAS (a oneDNN call costs ~40 us)
+#: below this many multiply-adds per digit a product goes to the BLAS (a oneDNN call costs
+#: ~30 us, the BLAS runs ~80 GMAC/s on one thread here)
 MIN_MACS = 1 << 21
 ZERO_POINT = 128
 
 
 @dataclass(frozen=True)
-class IntWeights:
-    """``W`` of one exact prefix, prepacked for oneDNN."""
+class Digit:
+    """One base-256 digit of ``W'``: its nonzero rows, prepacked, and its scale ``256**d``."""
 
-    packed: Any  # torch tensor: the int8 digits, (ndig * cols, k), oneDNN's blocked layout
-    scales: Any  # torch float32 (ndig * cols,): 256**d
-    zero: Any  # torch int64 (ndig * cols,)
-    bias: Any  # torch float32 (ndig * cols,) or None: the 8-bit rows of W, summed
-    ndig: int
+    rows: np.ndarray | None  # the rows of W' (columns of x) it has; None: all
+    packed: Any  # torch int8, oneDNN's blocked layout
+    scales: Any  # torch float32 (cols,): 256**d
+    bias: Any  # torch float32 (cols,) (digit 0, 8-bit rows) or None
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    """``W`` of one exact prefix as digits, the highest first."""
+
+    digits: tuple[Digit, ...]
+    zero: Any  # torch int64 (cols,)
     k: int
+
+    @property
+    def ndig(self) -> int:
+        return len(self.digits)
 
 
 _state: dict[str, Any] = {}
@@ -99,11 +111,13 @@ def _self_check() -> bool:
     codes[8:16] = 0
     q = 2 * codes - top
     budget = (1 << 23) // int(top.sum())
-    w = rng.integers(-budget, budget + 1, size=(len(bits), cols)).astype(np.float32)
-    w[:, :4] = budget
+    decay = 2.0 ** -np.arange(len(bits))  # the leading rows need more digits than the rest
+    w = np.rint(rng.uniform(-1, 1, size=(len(bits), cols)) * budget * decay[:, None])
+    w[:, :4] = np.rint(budget * decay)[:, None]
+    w = w.astype(np.float32)
     iw = prepare(w, bits == 8)
     x = to_x(codes, bits)
-    got = sum_digits(product(x, iw), iw.ndig, cols)
+    got = product(x, iw)
     want = q.astype(np.float64) @ w.astype(np.float64)
     return bool(np.array_equal(got.astype(np.float64), want))
 
@@ -117,53 +131,67 @@ def to_x(codes: np.ndarray, bits: np.ndarray) -> np.ndarray:
 
 
 def prepare(w: np.ndarray, eight: np.ndarray) -> IntWeights:
-    """``W`` (k, cols) float32 integers of an exact prefix, ``eight`` (k,) its 8-bit rows."""
+    """``W`` (k, cols) float32 integers of an exact prefix, ``eight`` (k,) its 8-bit rows.
+    A digit above the first holds only the rows that need it (the leading components, whose
+    values are largest): its product has that many columns of ``x``."""
     import torch
 
     wi = w.astype(np.int64)
     wx = wi.copy()
     wx[eight] *= 2
-    digits = []
+    found = []
     rest = wx
     while True:
         d = ((rest + 128) & 255) - 128
-        digits.append(d.astype(np.int8))
+        found.append(d)
         rest = (rest - d) >> 8
         if not rest.any():
             break
-    ndig = len(digits)
     cols = w.shape[1]
-    stacked = np.concatenate(digits, axis=1)  # (k, ndig * cols)
-    packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(stacked.T)),
-                                              None)
-    scales = torch.from_numpy(np.repeat(np.float32(256.0) ** np.arange(ndig, dtype=np.float32),
-                                        cols).astype(np.float32))
-    bias = None
-    if eight.any():
-        b = np.zeros(ndig * cols, np.float32)
-        b[:cols] = wi[eight].sum(axis=0)  # |sum| < 2**24 / 255: exact
-        bias = torch.from_numpy(b)
-    return IntWeights(packed, scales, torch.zeros(ndig * cols, dtype=torch.int64), bias, ndig,
-                      int(w.shape[0]))
+    digits = []
+    for level in range(len(found) - 1, -1, -1):  # the highest first: the order of the sums
+        d = found[level]
+        rows = None if level == 0 else np.flatnonzero(d.any(axis=1))
+        if rows is not None and len(rows) == 0:
+            continue
+        part = d if rows is None else d[rows]
+        packed = torch.ops.onednn.qlinear_prepack(
+            torch.from_numpy(np.ascontiguousarray(part.T.astype(np.int8))), None)
+        bias = None
+        if level == 0 and eight.any():
+            bias = torch.from_numpy(wi[eight].sum(axis=0).astype(np.float32))  # < 2**24 / 255
+        digits.append(Digit(rows, packed, torch.full((cols,), float(256 ** level)), bias))
+    return IntWeights(tuple(digits), torch.zeros(cols, dtype=torch.int64), int(w.shape[0]))
 
 
 def product(x: np.ndarray, iw: IntWeights) -> np.ndarray:
-    """``(rows, ndig * cols)`` float32: digit ``d`` of ``Q @ W`` times ``256**d`` in columns
-    ``d * cols ..`` (the bias in digit 0), for ``x`` (rows, k) uint8 of :func:`to_x`."""
+    """``Q @ W`` (rows, cols) float32, exact, for ``x`` (rows, k) uint8 of :func:`to_x`: the
+    highest digit's product, then each lower one added onto it by oneDNN's sum post-op."""
     import torch
 
     if x.shape[1] != iw.k:
         raise ValueError(f"intgemm.product: x has {x.shape[1]} columns, W {iw.k} rows")
-    out = torch.ops.onednn.qlinear_pointwise(
-        torch.from_numpy(np.ascontiguousarray(x)), 1.0, ZERO_POINT, iw.packed, iw.scales,
-        iw.zero, iw.bias, 1.0, 0, torch.float32, "none", [], "")
+    # one thread: the engine's workers already use the cores, and oneDNN's OpenMP team spins
+    # against them (measured: a product 10-20x slower on a busy 2-core machine); the count is
+    # the calling thread's own (OpenMP), restored after
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        xt = torch.from_numpy(np.ascontiguousarray(x))
+        out = None
+        for dg in iw.digits:
+            xd = xt if dg.rows is None else torch.from_numpy(np.ascontiguousarray(x[:, dg.rows]))
+            if out is None:
+                out = torch.ops.onednn.qlinear_pointwise(
+                    xd, 1.0, ZERO_POINT, dg.packed, dg.scales, iw.zero, dg.bias, 1.0, 0,
+                    torch.float32, "none", [], "")
+            else:  # in place: out += this digit's product (exact, see the module docstring)
+                out = torch.ops.onednn.qlinear_pointwise.binary(
+                    xd, 1.0, ZERO_POINT, dg.packed, dg.scales, iw.zero, out, dg.bias, 1.0, 0,
+                    torch.float32, 1.0, 0, "sum", 1.0, "none", [], "")
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+    assert out is not None
     return out.numpy()
-
-
-def sum_digits(p: np.ndarray, ndig: int, cols: int) -> np.ndarray:
-    """``Q @ W`` from :func:`product`'s columns, the highest digit first (numpy; the compiled
-    loop sums the same way)."""
-    acc = p[:, (ndig - 1) * cols:ndig * cols].copy()
-    for d in range(ndig - 2, -1, -1):
-        acc += p[:, d * cols:(d + 1) * cols]
-    return acc
