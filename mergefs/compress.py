@@ -369,7 +369,8 @@ def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[
     out: list[list[float]] = [[0.0] * len(rows) for _ in levels]
     for n in range(1, len(levels) + 1):
         decode.decode_into(w_hat, w0f, levels, cols, starts, n_rows,
-                           np.full(len(rows), n, np.int64), payloads, shared, packed)
+                           np.full(len(rows), n, np.int64), payloads, shared, packed,
+                           dl.DELTA_VERSION)
         for j, (r0, r1) in enumerate(rows):
             s0, s1 = r0 * cols, r1 * cols
             db = d32[r0:r1].reshape(-1).astype(np.float64)

@@ -97,7 +97,7 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
             nk = int(n_exact[lvl + 1])
             got = grid_cache.get(nk) if grid_cache is not None else None
             if got is None:
-                grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1])
+                grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1], version)
                 got = (np.float32(math.ldexp(1.0, -grid)), w)
                 if grid_cache is not None:
                     grid_cache[nk] = got

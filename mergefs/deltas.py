@@ -55,8 +55,11 @@ function of those components' shared ranges only), ``W[c, e] = rint(uscale_c * V
 2**(G-1))`` (float64, then integers in float32), chosen so that ``sum_c (2**bits_c - 1) *
 max_e |W[c, e]| < 2**24``: every partial sum of ``Q W`` is an integer that float32 holds
 exactly. Then ``acc = fl(fl(Q W) * 2**-G) + 0`` (never -0), float16 low-rank levels are added
-component by component as in version 3, and the rest as before. :func:`reconstruct` decodes
-all four.
+component by component as in version 3, and the rest as before. Version 5 (same layout and
+kinds) takes the grid one step coarser where needed so that also ``max |W| <= 127``: ``W`` is
+int8, so the product is one int8 matrix product with int32 sums (oneDNN's AMX/VNNI route,
+:mod:`mergefs.intgemm`, one call instead of a call per base-256 digit of ``W``), still the same
+float32 bits as any float32 product. :func:`reconstruct` decodes all five.
 
 Pure decoding and a blocking reader (pread, xxh3 checked per range); never on the trio thread.
 """
@@ -83,12 +86,16 @@ log = logging.getLogger(__name__)
 
 DELTA_VERSION = "4"
 #: versions this reader opens: 1 has the same layout without the ``rows`` and ``vq`` kinds; 1
-#: and 2 have a BLAS low-rank product, 3 a fixed-order one, 4 an exact one (module docstring)
-READABLE_VERSIONS = ("1", "2", "3", "4")
+#: and 2 have a BLAS low-rank product, 3 a fixed-order one, 4 an exact one, 5 an exact one of
+#: int8 ``W`` (module docstring)
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
 #: versions whose low-rank product is a BLAS sgemm (decoded block by block)
 BLAS_VERSIONS = ("1", "2")
 #: versions whose quantised low-rank levels are one exact integer product (:func:`grid_of`)
-EXACT_VERSIONS = ("4",)
+EXACT_VERSIONS = ("4", "5")
+#: exact versions whose ``W`` is at most this in magnitude (int8)
+INT8_VERSIONS = ("5",)
+INT8_LIMIT = 127
 #: every integer of smaller magnitude is exact in float32
 EXACT_LIMIT = 1 << 24
 META_KEY = "mergefs_delta"
@@ -253,16 +260,16 @@ def _u(level: Level, rows_b: int, block: memoryview, uscale: np.ndarray) -> np.n
 
 
 def exact_level(level: Level, version: str) -> bool:
-    """Whether ``level`` is part of version 4's exact low-rank product."""
+    """Whether ``level`` is part of version 4 or 5's exact low-rank product."""
     return version in EXACT_VERSIONS and level.kind == "lowrank" and level.bits != 16
 
 
-def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarray] | None]
-            ) -> tuple[int, np.ndarray]:
+def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarray] | None],
+            version: str = "4") -> tuple[int, np.ndarray]:
     """``(G, W)`` of the exact low-rank product of these levels (their quantised low-rank
     levels, in order; see the module docstring): the largest grid at which every partial sum
-    stays below ``2**24`` (at most 149: ``2**-149`` is the smallest float32), and ``W``
-    (components x cols, float32 integers).
+    stays below ``2**24`` (at most 149: ``2**-149`` is the smallest float32) and, version 5,
+    ``max |W| <= 127``, and ``W`` (components x cols, float32 integers).
 
     Deterministic on any machine: ``uscale * V`` is exact in float64, scaling by a power of two
     and ``rint`` are exact, the bound is summed exactly (``math.fsum``, Python integers).
@@ -288,6 +295,11 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     # an honest publisher writes, take the finest grid there is (still exact: a coarser grid
     # only lowers the bound); 2**-grid overflowing is a damaged sidecar
     grid = min(grid, 149)
+    big = float(peak.max()) if len(peak) else 0.0
+    if version in INT8_VERSIONS and big > 0.0:
+        # rint(big * 2**(grid-1)) <= 127 iff big * 2**(grid-1) < 127.5 (exact in float64)
+        while big * math.ldexp(1.0, grid - 1) >= INT8_LIMIT + 0.5:
+            grid -= 1
     if grid < -100:
         raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "
                          "float32 grid holds: a damaged sidecar")
@@ -453,7 +465,7 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
     if version in BLAS_VERSIONS:
         acc = _additive_blas(levels, blocks, shared, rows_b, cols)
     else:
-        acc = _additive(levels, blocks, shared, rows_b, cols, version in EXACT_VERSIONS)
+        acc = _additive(levels, blocks, shared, rows_b, cols, version)
     w_hat = w0.copy() if acc is None else w0 + acc.reshape(-1)
     _overwrite(w_hat, w0, levels, blocks)
     return w_hat
@@ -461,18 +473,17 @@ def reconstruct(w0: np.ndarray, levels: Sequence[Level], blocks: Sequence[memory
 
 def _additive(levels: Sequence[Level], blocks: Sequence[memoryview],
               shared: Sequence[tuple[np.ndarray, np.ndarray] | None], rows_b: int,
-              cols: int, exact: bool) -> np.ndarray | None:
+              cols: int, version: str) -> np.ndarray | None:
     """Versions 3 and 4's ``acc`` (None without additive levels): from +0 (so never -0),
     version 4's exact product, the (other) low-rank components one by one, then the other
     additive levels in order."""
     if not any(lv.kind in ADDITIVE for lv in levels):
         return None
     acc = np.zeros((rows_b, cols), np.float32)
-    version = EXACT_VERSIONS[0] if exact else "3"
     qs = [_uq(lv, rows_b, block) for lv, block in zip(levels, blocks)
           if exact_level(lv, version)]
     if qs:
-        grid, w = grid_of(levels, shared)
+        grid, w = grid_of(levels, shared, version)
         with one_blas_thread():
             p = np.hstack(qs) @ w  # exact: every partial sum is an integer below 2**24
         acc = p * np.float32(math.ldexp(1.0, -grid)) + np.float32(0.0)
@@ -901,7 +912,8 @@ def _table_problem(table: dict[str, np.ndarray], data_bytes: int) -> str:
 KINDS_BY_VERSION = {"1": ("lowrank", "quant", "ulp", "sparse"),
                     "2": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
                     "3": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
-                    "4": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
+                    "4": ("lowrank", "quant", "ulp", "sparse", "rows", "vq"),
+                    "5": ("lowrank", "quant", "ulp", "sparse", "rows", "vq")}
 
 
 def _level_problem(level: Level, version: str, n_ranges: int) -> str:

@@ -246,27 +246,67 @@ def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(intgemm, "MIN_MACS", 0)
 
 
+@pytest.mark.parametrize("version", ["4", "5"])
 @pytest.mark.parametrize("route", ["blas", "onednn"])
 @pytest.mark.parametrize("seed", range(8))
 def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
-        seed: int, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, route: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks at every depth (some without quantised low-rank components), float16 and
     quantised low-rank levels mixed, decoded in chunks of a few blocks and with a packing of
-    more levels than the call reaches, by either route of the exact product: the same bits as
-    :func:`deltas.reconstruct` block by block, whose grid is that of the block's own prefix."""
+    more levels than the call reaches, by either route of the exact product, sidecar versions 4
+    and 5: the same bits as :func:`deltas.reconstruct` block by block, whose grid is that of
+    the block's own prefix."""
     _route(route, monkeypatch)
     levels, shared, cols, starts, n_rows, depths, blocks, payloads, w0 = _lowrank_case(seed)
     want = np.empty_like(w0)
     for j, (s, rb, d) in enumerate(zip(starts, n_rows, depths)):
         want[s:s + rb * cols] = deltas.reconstruct(
             w0[s:s + rb * cols], levels[:d], [memoryview(blocks[lvl][j]) for lvl in range(d)],
-            shared[:d], int(rb), cols)
+            shared[:d], int(rb), cols, version=version)
     assert deltadecode._compiled() is not None, "numba is a dependency of these tests"
-    deep = deltadecode.pack(levels, shared, cols)
+    deep = deltadecode.pack(levels, shared, cols, version)
     assert deep.grids, [(lv.kind, lv.bits, lv.k) for lv in levels]
     for chunk, packed in ((deltadecode.CHUNK_ELEMENTS, None), (2 * cols, deep), (1, None)):
         monkeypatch.setattr(deltadecode, "CHUNK_ELEMENTS", chunk)
         got = np.full_like(w0, np.nan)
         deltadecode.decode_into(got, w0, levels, cols, starts, n_rows, depths, payloads, shared,
-                                packed)
+                                packed, version)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), chunk
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2, 3, 4, 8]), st.integers(1, 9),
+                          st.floats(1e-12, 1e12)), min_size=1, max_size=4),
+       st.integers(0, 2**32 - 1))
+def test_version_5_grid_is_int8_and_the_finest_such(spec, seed) -> None:
+    """Version 5: ``max |W| <= 127``, one step finer would break that or the partial-sum
+    bound, and the grid is never finer than version 4's."""
+    rng = np.random.default_rng(seed)
+    cols = 5
+    levels, shared = [], []
+    for bits, k, scale in spec:
+        us = (rng.uniform(0.1, 1, k) * scale).astype(np.float32)
+        v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
+        levels.append(deltas.Level("lowrank", bits, k, 0))
+        shared.append((us, v))
+    g4, _ = deltas.grid_of(levels, shared, "4")
+    g5, w5 = deltas.grid_of(levels, shared, "5")
+    assert g5 <= g4
+    assert np.abs(w5).max() <= 127
+    if g5 < g4:  # the int8 limit bound it: one step finer exceeds 127
+        x = np.vstack([sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None]
+                       for sh in shared])
+        assert np.abs(np.rint(x * math.ldexp(1.0, g5))).max() > 127
+
+
+def test_version_5_products_take_one_onednn_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of version 5: ``W`` is one int8 digit, so the int8 route makes one call."""
+    if not intgemm.available():
+        pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
+    _, _, rows, built, levels, shared = _dense_tensor(3)
+    for version, most in (("4", 3), ("5", 1)):
+        packed = deltadecode.pack(levels, shared, 96, version)
+        digits = []
+        for k, (_, w) in packed.grids.items():
+            digits.append(intgemm.prepare(w, packed.eight(k)).ndig)
+        assert max(digits) <= most and (version == "5" or max(digits) > 1), (version, digits)
