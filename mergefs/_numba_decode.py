@@ -219,6 +219,8 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
         for c in range(1 << b):
             lut[b, c] = value(c, b)
     blut = byte_luts(lut)
+    rcount = np.zeros(kind.size, np.int64)  # add_rows: per rows level, changed rows so far
+    rch = np.zeros(kind.size, np.int64)  # and its changed rows in all
     for j in range(starts.size):
         s, rb, depth = starts[j], rows[j], depths[j]
         n = rb * cols
@@ -227,106 +229,169 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
         additive = False
         for lvl in range(depth):
             additive |= kind[lvl] <= 3
-        if additive:
-            acc[:n] = 0
-        if prow[j] >= 0:  # the exact product, scaled (exact), then +0 (never -0)
-            ps = pscale[j]
-            for r in range(rb):
-                pr = prow[j] + r
-                for e in range(cols):
-                    acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
-        elif prow[j] == -2:
-            ps = pscale[j]
-            add_products(acc, cols, p[:rb], wgrid, p.shape[1])  # from +0: exact integers
-            for e in range(n):
-                acc[e] = acc[e] * ps + np.float32(0.0)
-        nk = 0  # low-rank: every component's U value of a row, then V row by V row
+        nk = 0  # low-rank components summed here, one by one
         for lvl in range(depth):
             if kind[lvl] == 0 and loop[lvl]:
                 nk += ks[lvl]
-        if nk > 0:
-            c = 0
-            for lvl in range(depth):
-                if kind[lvl] != 0 or not loop[lvl]:
-                    continue
-                k, b, o = ks[lvl], bits[lvl], off[lvl, j]
-                sc = uscale[first[lvl]:first[lvl] + k]
-                mask = (1 << b) - 1
-                for r in range(rb):  # the V rows are in this order
-                    ur = u[r, c:c + k]
-                    for q in range(k):
-                        e = r * k + q
-                        if b == 16:
-                            uv = f16(data, o + 2 * e)
-                        elif b == 3:  # codes straddle bytes
-                            uv = lut[3, code_at(data, o, e * 3, 3)]
-                        else:
-                            uv = lut[b, (data[o + ((e * b) >> 3)] >> ((e * b) & 7)) & mask]
-                        ur[q] = uv * sc[q]
-                c += k
-            add_products(acc, cols, u[:rb], v, nk)
+        if additive and nk == 0 and prow[j] != -2:
+            # row by row: each row's product and levels while it is in L1, then W_hat's row
+            # (per element the same operations in the same order as the block-wise path)
+            add_rows(out_f, w0_f, s, rb, cols, depth, j, kind, bits, ks, first, book, data,
+                     off, size, p, prow[j], pscale[j], lut, blut, acc, rcount, rch)
+        else:
+            block_levels(out, w0, out_f, w0_f, s, rb, cols, depth, j, additive, nk, kind,
+                         bits, ks, first, loop, uscale, v, book, data, off, size, p, prow[j],
+                         pscale[j], wgrid, lut, blut, acc, u)
+        overwrite(out, w0, s, n, depth, j, kind, bits, data, off, size)
+    return -1
+
+
+@_jit
+def add_rows(out_f, w0_f, s, rb, cols, depth, j, kind, bits, ks, first, book, data, off, size,
+             p, pr0, ps, lut, blut, acc, rcount, rch):
+    """``W_hat`` of a block without looped low-rank levels, row by row: the exact product's
+    row (``pr0 >= 0``) or +0, the quant, rows and vq levels' parts of it in level order, then
+    ``w0 + acc``."""
+    for lvl in range(depth):
+        rcount[lvl] = 0
+        if kind[lvl] == 2 and size[lvl, j] > 0:
+            rch[lvl] = popcount(data, off[lvl, j], rb)
+    nm = (rb + 7) // 8
+    a = acc[:cols]
+    for r in range(rb):
+        if pr0 >= 0:
+            for e in range(cols):
+                a[e] = p[pr0 + r, e] * ps + np.float32(0.0)
+        else:
+            a[:] = 0
         for lvl in range(depth):
             kd, b, o = kind[lvl], bits[lvl], off[lvl, j]
-            if kd == 1:  # quant: a step per row, then the codes
-                for r in range(rb):
-                    add_codes(acc[r * cols:(r + 1) * cols], data, o + 4 * rb, r * cols, b,
-                              f32(data, o + 4 * r), lut, blut)
-            elif kd == 2 and size[lvl, j] > 0:  # rows: bitmap, steps, changed rows' codes
-                nm = (rb + 7) // 8
-                ch = popcount(data, o, rb)
-                codes = o + nm + 4 * ch
-                c = 0
-                for r in range(rb):
-                    if (data[o + (r >> 3)] >> (r & 7)) & 1:
-                        add_codes(acc[r * cols:(r + 1) * cols], data, codes, c * cols, b,
-                                  f32(data, o + nm + 4 * c), lut, blut)
-                        c += 1
-            elif kd == 3:  # vq: a scale per row, then one byte per dim elements
-                dim = ks[lvl]
-                per = cols // dim
-                for r in range(rb):
-                    scale = f32(data, o + 4 * r)
-                    ar = acc[r * cols:(r + 1) * cols]
-                    codes = data[o + 4 * rb + r * per:o + 4 * rb + (r + 1) * per]
-                    f0 = first[lvl]
-                    if dim == 8:  # the one dimension mergefs writes: a constant trip count
-                        for q in range(per):  # (no array view per code: it costs refcounts)
-                            w = f0 + np.int64(codes[q])
-                            for d in range(8):
-                                ar[q * 8 + d] += book[w, d] * scale
+            if kd == 1:
+                add_codes(a, data, o + 4 * rb, r * cols, b, f32(data, o + 4 * r), lut, blut)
+            elif kd == 2 and size[lvl, j] > 0:
+                if (data[o + (r >> 3)] >> (r & 7)) & 1:
+                    c = rcount[lvl]
+                    add_codes(a, data, o + nm + 4 * rch[lvl], c * cols, b,
+                              f32(data, o + nm + 4 * c), lut, blut)
+                    rcount[lvl] = c + 1
+            elif kd == 3:
+                vq_row(a, data, o, r, rb, cols, ks[lvl], first[lvl], book)
+        o_f = out_f[s + r * cols:s + (r + 1) * cols]
+        w_f = w0_f[s + r * cols:s + (r + 1) * cols]
+        for e in range(cols):
+            o_f[e] = w_f[e] + a[e]
+
+
+@_jit
+def vq_row(ar, data, o, r, rb, cols, dim, f0, book):
+    """``ar += scale * codeword`` per ``dim`` elements of row ``r`` of a vq level at ``o``."""
+    per = cols // dim
+    scale = f32(data, o + 4 * r)
+    c0 = o + 4 * rb + r * per
+    if dim == 8:  # the one dimension mergefs writes: a constant trip count
+        for q in range(per):  # (no array view per code: it costs refcounts)
+            w = f0 + np.int64(data[c0 + q])
+            for d in range(8):
+                ar[q * 8 + d] += book[w, d] * scale
+    else:
+        for q in range(per):
+            w = f0 + np.int64(data[c0 + q])
+            for d in range(dim):
+                ar[q * dim + d] += book[w, d] * scale
+
+
+@_jit
+def block_levels(out, w0, out_f, w0_f, s, rb, cols, depth, j, additive, nk, kind, bits, ks,
+                 first, loop, uscale, v, book, data, off, size, p, pr0, ps, wgrid, lut, blut,
+                 acc, u):
+    """``W_hat`` of a block level by level over the whole block (looped low-rank levels, or
+    the one-block product ``pr0 == -2``)."""
+    n = rb * cols
+    if additive:
+        acc[:n] = 0
+    if pr0 >= 0:  # the exact product, scaled (exact), then +0 (never -0)
+        for r in range(rb):
+            pr = pr0 + r
+            for e in range(cols):
+                acc[r * cols + e] = p[pr, e] * ps + np.float32(0.0)
+    elif pr0 == -2:
+        add_products(acc, cols, p[:rb], wgrid, p.shape[1])  # from +0: exact integers
+        for e in range(n):
+            acc[e] = acc[e] * ps + np.float32(0.0)
+    if nk > 0:  # low-rank: every component's U value of a row, then V row by V row
+        c = 0
+        for lvl in range(depth):
+            if kind[lvl] != 0 or not loop[lvl]:
+                continue
+            k, b, o = ks[lvl], bits[lvl], off[lvl, j]
+            sc = uscale[first[lvl]:first[lvl] + k]
+            mask = (1 << b) - 1
+            for r in range(rb):  # the V rows are in this order
+                ur = u[r, c:c + k]
+                for q in range(k):
+                    e = r * k + q
+                    if b == 16:
+                        uv = f16(data, o + 2 * e)
+                    elif b == 3:  # codes straddle bytes
+                        uv = lut[3, code_at(data, o, e * 3, 3)]
                     else:
-                        for q in range(per):
-                            w = f0 + np.int64(codes[q])
-                            for d in range(dim):
-                                ar[q * dim + d] += book[w, d] * scale
-        if additive:
-            o_f = out_f[s:s + n]
-            w_f = w0_f[s:s + n]
-            for e in range(n):
-                o_f[e] = w_f[e] + acc[e]
-        else:
-            for e in range(n):
-                out[s + e] = w0[s + e]
-        for lvl in range(depth):
-            if kind[lvl] != 4:
-                continue  # ulp (bfloat16): the base's pattern moved, where the bitmap says
-            b, o = bits[lvl], off[lvl, j]
-            half = 1 << (b - 1)
-            pos = ((n + 7) >> 3) * 8
-            for e in range(n):
-                if (data[o + (e >> 3)] >> (e & 7)) & 1:
-                    code = code_at(data, o, pos, b)
-                    move = code - half + (1 if code >= half else 0)
-                    b16 = np.int64(w0[s + e] >> 16) + move
-                    out[s + e] = np.uint32(b16 & 0xFFFF) << 16
-                    pos += b
-        for lvl in range(depth):
-            if kind[lvl] != 5:
-                continue  # sparse: positions, then the exact values
-            o, cnt = off[lvl, j], size[lvl, j] // 8
-            for q in range(cnt):
-                out[s + u32(data, o + 4 * q)] = u32(data, o + 4 * (cnt + q))
-    return -1
+                        uv = lut[b, (data[o + ((e * b) >> 3)] >> ((e * b) & 7)) & mask]
+                    ur[q] = uv * sc[q]
+            c += k
+        add_products(acc, cols, u[:rb], v, nk)
+    for lvl in range(depth):
+        kd, b, o = kind[lvl], bits[lvl], off[lvl, j]
+        if kd == 1:  # quant: a step per row, then the codes
+            for r in range(rb):
+                add_codes(acc[r * cols:(r + 1) * cols], data, o + 4 * rb, r * cols, b,
+                          f32(data, o + 4 * r), lut, blut)
+        elif kd == 2 and size[lvl, j] > 0:  # rows: bitmap, steps, changed rows' codes
+            nm = (rb + 7) // 8
+            ch = popcount(data, o, rb)
+            codes = o + nm + 4 * ch
+            c = 0
+            for r in range(rb):
+                if (data[o + (r >> 3)] >> (r & 7)) & 1:
+                    add_codes(acc[r * cols:(r + 1) * cols], data, codes, c * cols, b,
+                              f32(data, o + nm + 4 * c), lut, blut)
+                    c += 1
+        elif kd == 3:  # vq: a scale per row, then one byte per dim elements
+            for r in range(rb):
+                vq_row(acc[r * cols:(r + 1) * cols], data, o, r, rb, cols, ks[lvl], first[lvl],
+                       book)
+    if additive:
+        o_f = out_f[s:s + n]
+        w_f = w0_f[s:s + n]
+        for e in range(n):
+            o_f[e] = w_f[e] + acc[e]
+    else:
+        for e in range(n):
+            out[s + e] = w0[s + e]
+
+
+@_jit
+def overwrite(out, w0, s, n, depth, j, kind, bits, data, off, size):
+    """The ulp and sparse levels of a block: values of ``W_hat`` replaced."""
+    for lvl in range(depth):
+        if kind[lvl] != 4:
+            continue  # ulp (bfloat16): the base's pattern moved, where the bitmap says
+        b, o = bits[lvl], off[lvl, j]
+        half = 1 << (b - 1)
+        pos = ((n + 7) >> 3) * 8
+        for e in range(n):
+            if (data[o + (e >> 3)] >> (e & 7)) & 1:
+                code = code_at(data, o, pos, b)
+                move = code - half + (1 if code >= half else 0)
+                b16 = np.int64(w0[s + e] >> 16) + move
+                out[s + e] = np.uint32(b16 & 0xFFFF) << 16
+                pos += b
+    for lvl in range(depth):
+        if kind[lvl] != 5:
+            continue  # sparse: positions, then the exact values
+        o, cnt = off[lvl, j], size[lvl, j] // 8
+        for q in range(cnt):
+            out[s + u32(data, o + 4 * q)] = u32(data, o + 4 * (cnt + q))
+
 
 
 def q_luts(u8=False):

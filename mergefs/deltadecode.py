@@ -22,6 +22,7 @@ into a few requests). Blocking; worker threads only, never the trio thread.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,10 +80,12 @@ class Packed:
 
 def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
          cols: int, version: str = dl.DELTA_VERSION,
-         grid_cache: dict[int, tuple[np.float32, np.ndarray]] | None = None) -> Packed:
+         grid_cache: dict[int, tuple[np.float32, np.ndarray]] | None = None,
+         int_cache: dict[int, Any] | None = None) -> Packed:
     """``grid_cache``: the grids of this tensor's exact prefixes computed before, by number of
     components (the engine packs a tensor once per depth its units ask for; a grid depends only
-    on its prefix), filled here."""
+    on its prefix), filled here; ``int_cache``: likewise their oneDNN weights
+    (:attr:`Packed.int_weights`, filled on first use)."""
     n = len(levels)
     first = np.zeros(n, np.int64)
     loop = np.zeros(n, np.int64)
@@ -123,7 +126,8 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
         np.ascontiguousarray(np.vstack(vs) if vs else np.zeros((1, cols)), dtype=np.float32),
         np.ascontiguousarray(np.vstack([_pad(b, dim) for b in books]) if books
                              else np.zeros((1, 1)), dtype=np.float32),
-        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels), n_exact, grids)
+        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels), n_exact, grids,
+        {} if int_cache is None else int_cache)
 
 
 def _pad(book: np.ndarray, dim: int) -> np.ndarray:
@@ -283,12 +287,14 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         if fast is None or k > fast.MAX_K:
             blas.append((g0, g1))
             continue
+        w = packed.grids[k][1]
         iw = packed.int_weights.get(k)
-        if iw is None:
-            iw = packed.int_weights[k] = fast.prepare(packed.grids[k][1], packed.eight(k))
-        if int(rows[members].sum()) * k * cols < fast.MIN_MACS * iw.ndig:  # a call per digit
+        ndig = iw.ndig if iw is not None else fast.digits_of(w, packed.eight(k))
+        if int(rows[members].sum()) * k * cols < fast.MIN_MACS * ndig:  # a call per digit
             blas.append((g0, g1))
             continue
+        if iw is None:
+            iw = packed.int_weights[k] = fast.prepare(w, packed.eight(k))
         members = np.sort(members)
         r = rows[members]
         grow = np.full(n, -1, np.int64)
@@ -324,12 +330,24 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
             np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
             pscale[order[g0:g1]] = scale
+            _blas_macs[0] += (r1 - r0) * k * cols  # a racy sum: only a threshold reads it
     groups.append(_Group(rest, p, prow[rest], pscale[rest]))
     return groups, -1
 
 
+#: float32 BLAS multiply-adds of exact products after which the int8 route is taken even if it
+#: must import torch (~1 s): by then the BLAS has spent about that long (~50 GMAC/s here), so
+#: the import costs at most as much as the decoding it follows (a one-shot merge of a small
+#: model never pays it; the mount and large merges switch early)
+SWITCH_MACS = 50 * 10**9
+_blas_macs = [0]
+
+
 def _int_route() -> Any:
-    """:mod:`mergefs.intgemm` when its route is on, else None."""
+    """:mod:`mergefs.intgemm` when its route is on and torch is imported already, or once the
+    BLAS has done :data:`SWITCH_MACS` multiply-adds; else None (the same bits either way)."""
+    if "torch" not in sys.modules and _blas_macs[0] < SWITCH_MACS:
+        return None
     from . import intgemm
     return intgemm if intgemm.available() else None
 
@@ -398,8 +416,9 @@ def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
         packed = sc._packed.get((tl.name, depth))
         if packed is None:
             cache = sc._packed.setdefault((tl.name, -1), {})  # no depth is -1: the grids
+            icache = sc._packed.setdefault((tl.name, -2), {})  # nor -2: their int8 weights
             packed = sc._packed[(tl.name, depth)] = pack(tl.levels[:depth], shared, tl.cols,
-                                                         version, cache)
+                                                         version, cache, icache)
     decode_into(out, w0, tl.levels, tl.cols, starts, n_rows, depths, payloads, shared, packed,
                 version)
 

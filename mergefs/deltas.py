@@ -84,7 +84,7 @@ from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
 
-DELTA_VERSION = "4"
+DELTA_VERSION = "5"
 #: versions this reader opens: 1 has the same layout without the ``rows`` and ``vq`` kinds; 1
 #: and 2 have a BLAS low-rank product, 3 a fixed-order one, 4 an exact one, 5 an exact one of
 #: int8 ``W`` (module docstring)

@@ -136,17 +136,20 @@ def prepare(w: np.ndarray, eight: np.ndarray) -> IntWeights:
     values are largest): its product has that many columns of ``x``."""
     import torch
 
-    wi = w.astype(np.int64)
+    wi = w.astype(np.int32)  # |W| < 2**24
     wx = wi.copy()
     wx[eight] *= 2
     found = []
-    rest = wx
-    while True:
-        d = ((rest + 128) & 255) - 128
-        found.append(d)
-        rest = (rest - d) >> 8
-        if not rest.any():
-            break
+    if np.abs(wx).max(initial=0) <= 127:  # one digit (version 5, and small weights)
+        found.append(wx)
+    else:
+        rest = wx
+        while True:
+            d = ((rest + 128) & 255) - 128
+            found.append(d)
+            rest = (rest - d) >> 8
+            if not rest.any():
+                break
     cols = w.shape[1]
     digits = []
     for level in range(len(found) - 1, -1, -1):  # the highest first: the order of the sums
@@ -158,10 +161,21 @@ def prepare(w: np.ndarray, eight: np.ndarray) -> IntWeights:
         packed = torch.ops.onednn.qlinear_prepack(
             torch.from_numpy(np.ascontiguousarray(part.T.astype(np.int8))), None)
         bias = None
-        if level == 0 and eight.any():
-            bias = torch.from_numpy(wi[eight].sum(axis=0).astype(np.float32))  # < 2**24 / 255
+        if level == 0 and eight.any():  # |sum| < 2**24 / 255: exact
+            bias = torch.from_numpy(wi[eight].sum(axis=0, dtype=np.int64).astype(np.float32))
         digits.append(Digit(rows, packed, torch.full((cols,), float(256 ** level)), bias))
     return IntWeights(tuple(digits), torch.zeros(cols, dtype=torch.int64), int(w.shape[0]))
+
+
+def digits_of(w: np.ndarray, eight: np.ndarray) -> int:
+    """How many digits (oneDNN calls) :func:`prepare` of these weights has, at most."""
+    peak = 2 * int(np.abs(w[eight]).max(initial=0)) if eight.any() else 0
+    peak = max(peak, int(np.abs(w[~eight]).max(initial=0)))
+    n = 1
+    while peak > 127:  # each digit above the first takes 8 bits off (rounding: +1)
+        peak = (peak + 128) >> 8
+        n += 1
+    return n
 
 
 def product(x: np.ndarray, iw: IntWeights) -> np.ndarray:

@@ -3,8 +3,10 @@
 sidecar bytes already in memory, by several routes on the same blocks:
 
 - ``batched``: :func:`mergefs.deltadecode.decode_into`, one call per (expert, tensor), by the
-  sidecars' own arithmetic (version 4: the exact low-rank product by BLAS; what the engine
+  sidecars' own arithmetic (versions 4 and 5: the exact low-rank product on oneDNN's int8
+  matmul where the CPU has AMX or VNNI, :mod:`mergefs.intgemm`, else by BLAS; what the engine
   runs), one thread;
+- ``batched_blas``: the same with every exact product a float32 BLAS product (the same bits);
 - ``batched_v3``: the same call with version 3's fixed-order compiled product (different bits,
   same work: what the engine ran before version 4);
 - ``numpy_blocks``: the sidecars' arithmetic block by block in numpy (the fallback);
@@ -80,6 +82,13 @@ def _run(jobs: list[tuple[Any, ...]], route: str) -> float:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda share: _run(share, "batched"), shares))
         return time.perf_counter() - t0
+    if route == "batched_blas":
+        route_was = deltadecode._int_route
+        deltadecode._int_route = lambda: None
+        try:
+            return _run(jobs, "batched")
+        finally:
+            deltadecode._int_route = route_was
     t0 = time.perf_counter()
     for tl, w0, starts, n_rows, depths, payloads, shared, packed, version in jobs:
         out = np.empty_like(w0)
@@ -127,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                                "blocks": int(sum(len(j[2]) for j in jobs)),
                                "load_avg_1m": round(os.getloadavg()[0], 2)}
         _run(jobs, "batched")  # numba: compiled or loaded from its cache
+        _run(jobs, "batched_blas")
         _run(jobs, "batched_v3")
-        routes = ["batched", "batched_v3", "batched_2threads", "numpy_blocks", "blas_blocks"]
+        routes = ["batched", "batched_blas", "batched_2threads", "batched_v3", "numpy_blocks",
+                  "blas_blocks"]
         if args.quick:
             routes = routes[:3]
         with deltas.one_blas_thread():  # held once, as the engine's workers hold it

@@ -207,7 +207,7 @@ def test_stored_residuals_are_the_errors_of_the_batched_decode(tmp_path: Path) -
     w0s = load_file(str(fam.base / "model.safetensors"))
     checked = 0
     for i, sc in found.items():
-        assert sc.meta["version"] == deltas.DELTA_VERSION == "4"
+        assert sc.meta["version"] == deltas.DELTA_VERSION == "5"
         wis = load_file(str(fam.experts[i] / "model.safetensors"))
         for tl in sc.tensors.values():
             w0 = w0s[tl.name].astype(np.float32).reshape(-1)

@@ -338,7 +338,7 @@ def _np_codes(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
 def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
                         cols: int) -> np.ndarray:
     """An independent decoder of the dense ladder (lowrank, vq, quant levels) from raw bytes;
-    version 4's low-rank product in int64 (no BLAS, no float sums)."""
+    version 5's low-rank product in int64 (no BLAS, no float sums)."""
     qs, xs, tops = [], [], []
     for lv, buf, sh in zip(levels, blocks, shared_raw):
         if lv.kind != "lowrank":
@@ -352,10 +352,12 @@ def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
         qs.append((2 * u.astype(np.float64)).astype(np.int64).reshape(rows_b, lv.k))
         tops += [(1 << lv.bits) - 1] * lv.k
     acc = None
-    if qs:  # version 4: the exact integer product on the grid of the module docstring
+    if qs:  # version 5: the exact integer product on the grid of the module docstring
         x = np.vstack(xs)
         total = math.fsum(t * float(np.abs(row).max()) for t, row in zip(tops, x)) / 2
         grid = 23 - math.frexp(total)[1]
+        while np.abs(np.rint(x * 2.0 ** (grid - 1))).max() > 127:  # and W in int8
+            grid -= 1
         w = np.rint(x * 2.0 ** (grid - 1)).astype(np.int64)
         assert sum(t * int(np.abs(row).max()) for t, row in zip(tops, w)) < 1 << 24
         exact = np.hstack(qs) @ w  # int64: no rounding anywhere

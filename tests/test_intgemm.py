@@ -87,3 +87,20 @@ def test_product_refuses_a_mismatched_x() -> None:
     iw = intgemm.prepare(np.ones((4, 3), np.float32), np.zeros(4, bool))
     with pytest.raises(ValueError, match="columns"):
         intgemm.product(np.zeros((2, 5), np.uint8), iw)
+
+
+def test_the_route_waits_for_torch_or_enough_blas_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch imported, the decoder keeps the BLAS until it has done SWITCH_MACS
+    multiply-adds (importing torch costs about a second); with torch imported, at once."""
+    import sys
+
+    from mergefs import deltadecode
+
+    if not intgemm.available():
+        pytest.skip("no oneDNN route on this CPU")
+    monkeypatch.setattr(deltadecode, "_blas_macs", [0])
+    assert deltadecode._int_route() is intgemm  # torch is imported in this process
+    monkeypatch.delitem(sys.modules, "torch")
+    assert deltadecode._int_route() is None
+    monkeypatch.setattr(deltadecode, "_blas_macs", [deltadecode.SWITCH_MACS])
+    assert deltadecode._int_route() is intgemm
