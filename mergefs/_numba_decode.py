@@ -437,10 +437,21 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
                 for r in range(rb):  # (2-d indexing, no array view per row: refcounts)
                     row = urow[j] + r
                     o_r = o + r * (k // per)
-                    for q in range(k // per):
-                        x = data[o_r + q]
-                        for t in range(per):
-                            uq[row, c + q * per + t] = luts[b, x, t]
+                    if per == 4:  # constant trip counts: the compiler unrolls them
+                        for q in range(k // 4):
+                            x = data[o_r + q]
+                            for t in range(4):
+                                uq[row, c + q * 4 + t] = luts[2, x, t]
+                    elif per == 2:
+                        for q in range(k // 2):
+                            x = data[o_r + q]
+                            for t in range(2):
+                                uq[row, c + q * 2 + t] = luts[4, x, t]
+                    else:
+                        for q in range(k // per):
+                            x = data[o_r + q]
+                            for t in range(per):
+                                uq[row, c + q * per + t] = luts[b, x, t]
             elif b == 3 and k % 8 == 0:  # eight codes per three bytes
                 for r in range(rb):
                     row = urow[j] + r

@@ -59,12 +59,18 @@ class LevelChoice:
 class DecodeCost:
     """Seconds per decoded element of :mod:`mergefs.deltadecode`, by what a block's levels
     hold, and the exact read rate it is weighed against (measured on the reference machine,
-    one thread: docs/benchmarks.md, issue 14). ``ratio``: a plan may decode for at most this
-    many times the read time of the exact bytes it replaces."""
+    one thread, the int8 route of :mod:`mergefs.intgemm`: docs/benchmarks.md, issue 14; fixed,
+    so that a plan does not depend on the machine). ``ratio``: a plan may decode for at most
+    this many times the read time of the exact bytes it replaces."""
 
     ratio: float = 1.0
     element: float = 0.9e-9  # the passes every decoded element pays (w0 + delta, the buffers)
-    component: float = 0.03e-9  # version 4's exact product, per low-rank component (BLAS)
+    #: the exact low-rank product (versions 4 and 5): per oneDNN call (its output written and
+    #: read back), per component (the codes unpacked, the int8 multiply-adds)
+    product_call: float = 0.35e-9
+    component: float = 0.003e-9
+    #: oneDNN calls per exact product: version 5's W is one int8 digit, version 4's two or three
+    calls: dict[str, float] = field(default_factory=lambda: {"4": 3.0, "5": 1.0})
     loop_component: float = 0.045e-9  # the fixed-order product (float16 levels, version 3)
     kind: dict[str, float] = field(default_factory=lambda: {
         "vq": 0.4e-9, "quant": 0.6e-9, "rows": 0.3e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
@@ -72,10 +78,16 @@ class DecodeCost:
 
     def prefix_seconds(self, levels: tuple[Level, ...], version: str) -> list[float]:
         """Seconds per element of each level prefix (1 .. len(levels))."""
-        out, t = [], self.element
+        out, t, product = [], self.element, False
         for lv in levels:
             if lv.kind == "lowrank":
-                t += lv.k * (self.component if exact_level(lv, version) else self.loop_component)
+                if exact_level(lv, version):
+                    if not product:
+                        t += self.product_call * self.calls.get(version, 1.0)
+                        product = True
+                    t += lv.k * self.component
+                else:
+                    t += lv.k * self.loop_component
             else:
                 t += self.kind.get(lv.kind, self.kind["quant"])
             out.append(t)

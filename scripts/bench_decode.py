@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+import torch  # noqa: F401 (imported, as by any merge that uses torch: the int8 route is on at once)
+
 from mergefs import deltadecode, deltas
 from mergefs.dtypes import decode_f32
 from mergefs.engine import Session
