@@ -260,7 +260,12 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         return [_Group(every, _NO_P, prow, pscale)], -1
     from ._numba_decode import unpack_exact
     nk = packed.n_exact[depths]
-    if n == 1:  # one block (the mount's units): Q only, the compiled loop multiplies
+    fast = _int_route()
+    if n == 1 and not (fast is not None and int(nk[0]) <= fast.MAX_K and int(nk[0])
+                       and int(rows[0]) * int(nk[0]) * cols >= fast.MIN_MACS
+                       * fast.digits_of(packed.grids[int(nk[0])][1], packed.eight(int(nk[0])))):
+        # one block (the mount's units), too small for a oneDNN call to pay: Q only, the
+        # compiled loop multiplies
         k = int(nk[0])
         if k == 0:
             return [_Group(every, _NO_P, prow, pscale)], -1
@@ -278,7 +283,6 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     ks = nk[order]
     bounds = np.flatnonzero(np.diff(ks)) + 1
     runs = list(zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)]))
-    fast = _int_route()
     groups: list[_Group] = []
     blas: list[tuple[int, int]] = []
     for g0, g1 in runs:
