@@ -282,7 +282,8 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
                          [c.counters.snapshot() for c in [base, *experts]],
                          {i: (sc.bytes_read, sc.gap_bytes, sc.reads)
                           for i, sc in deltas.items()},
-                         engine.gap_allowance.spent_bytes, engine.blocks_merged, engine.units_merged, worker_id())
+                         engine.gap_allowance.spent_bytes, engine.blocks_merged,
+                         engine.units_merged, worker_id())
     finally:
         for c in [base, *experts]:
             c.close()  # its file descriptors; a reused family opens them again

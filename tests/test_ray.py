@@ -186,7 +186,7 @@ def test_s3_merge_on_ray_shares_the_gap_allowance(tmp_path: Path, cluster: Local
     assert f_totals["expert_gap_bytes_allowed"] is None and f_totals["expert_gap_bytes_read"] > 0
     budget = f_session.plan.nonzero_expert_bytes + f_totals["expert_gap_bytes_read"] // 2
     spec = s3_spec(tmp_path, s3, "part", budget=f"{budget}B", remote={"coalesce_gap": "64KiB"})
-    local, local_totals = run_merge(spec, tmp_path / "local", tmp_path / "local.jsonl", False)
+    _, local_totals = run_merge(spec, tmp_path / "local", tmp_path / "local.jsonl", False)
     dist, dist_totals = run_merge(spec, tmp_path / "ray", tmp_path / "ray.jsonl", True)
     allowed = budget - dist.plan.planned_bytes
     assert len(dist.engine.out_files) > 1 and allowed > 0
