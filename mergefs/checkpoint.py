@@ -111,10 +111,44 @@ class Run:
     covered_bytes: int
 
 
-def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0) -> list[Run]:
+class GapAllowance:
+    """Gap bytes that coalesced remote reads may still fetch, shared by every read of a merge.
+
+    A budgeted plan leaves ``budget - planned`` bytes of its budget unread: the bytes between
+    coalesced ranges (fetched and dropped) are taken from that slack, so planned plus gap bytes
+    stay within the budget (issue 14). ``limit_bytes`` None: no limit (a full budget: coalescing
+    as the ``coalesce_gap`` threshold alone decides). ``spent_bytes`` counts every gap byte
+    taken. Thread-safe: :meth:`take` is atomic, so concurrent readers never overspend.
+    """
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.spent_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` gap bytes if that many remain (True), else spend nothing (False)."""
+        with self._lock:
+            if self.limit_bytes is not None and self.spent_bytes + nbytes > self.limit_bytes:
+                return False
+            self.spent_bytes += nbytes
+            return True
+
+    def absorb(self, spent_bytes: int) -> None:
+        """Count gap bytes spent elsewhere from a share of this allowance (a Ray task's)."""
+        with self._lock:
+            self.spent_bytes += spent_bytes
+
+
+def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0,
+             allowance: GapAllowance | None = None) -> list[Run]:
     """Group ranges of one file that overlap, touch, or lie at most ``gap_bytes`` apart.
 
-    Runs come in (file, start) order; ``members`` index into ``ranges``.
+    Runs come in (file, start) order; ``members`` index into ``ranges``. With an
+    ``allowance``, a gap joins two ranges only if it can be taken from the allowance; once it
+    is spent, ranges further apart than touching start runs of their own.
     """
     order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
     runs: list[Run] = []
@@ -122,7 +156,9 @@ def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0) -> list[Run]:
     start = end = covered = 0
     for k in order:
         r = ranges[k]
-        if members and (r.file != ranges[members[0]].file or r.start > end + gap_bytes):
+        if members and (r.file != ranges[members[0]].file or r.start > end + gap_bytes
+                        or (r.start > end and allowance is not None
+                            and not allowance.take(r.start - end))):
             runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
             members = []
         if not members:
@@ -146,13 +182,16 @@ def slice_runs(ranges: Sequence[ReadRange], runs: Sequence[Run],
     return [m for m in out if m is not None]
 
 
-def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
+def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
+              allowances: Sequence[GapAllowance | None] | None = None
               ) -> list[list[memoryview]]:
     """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
 
     Local sources are read in the calling thread, in request order, exactly as
-    ``src.read_ranges(ranges)`` would.
+    ``src.read_ranges(ranges)`` would. ``allowances``: per request, the
+    :class:`GapAllowance` its coalesced gaps are taken from (None: no limit).
     """
+    gaps = list(allowances) if allowances is not None else [None] * len(requests)
     out: list[list[memoryview] | None] = [None] * len(requests)
     # sources with an async reader of their own (a recipe's role over remote models reads
     # through its members, one after another)
@@ -161,11 +200,12 @@ def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
     if len(remote) > 1:
         from .remote import read_concurrently
 
-        for k, views in zip(remote, read_concurrently([requests[k] for k in remote])):
+        for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
+                                                      [gaps[k] for k in remote])):
             out[k] = views
     for k, (src, ranges) in enumerate(requests):
         if out[k] is None:
-            out[k] = src.read_ranges(ranges)
+            out[k] = src.read_ranges(ranges, gap_allowance=gaps[k])
     return [v for v in out if v is not None]
 
 
@@ -356,11 +396,14 @@ class Checkpoint:
             )
         return data
 
-    def read_ranges(self, ranges: Iterable[ReadRange]) -> list[memoryview]:
+    def read_ranges(self, ranges: Iterable[ReadRange],
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
         """Read each range, in order; adjacent or overlapping ranges of a file share one pread.
 
         Returns one zero-copy view per requested range, in the order given. With a
         ``range_cache``, ranges it holds are not read again (:class:`mergefs.sourcecache.SourceBlockCache`).
+        ``gap_allowance`` is unused: local reads fetch no gap bytes (remote sources take
+        theirs from it, :meth:`mergefs.remote.RemoteCheckpoint.read_ranges`).
         """
         ranges = list(ranges)
         if self.range_cache is not None:

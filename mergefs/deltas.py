@@ -80,6 +80,7 @@ import numpy as np
 import xxhash
 
 from . import format as fmt
+from .checkpoint import GapAllowance
 from .errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
@@ -651,6 +652,9 @@ class DeltaSidecar:
     #: :meth:`read_spans`: spans at most this many bytes apart share one fetch (a remote
     #: sidecar: its source's ``coalesce_gap``); local sidecars read each span by one pread
     coalesce_gap_bytes: int = 0
+    #: where :meth:`read_spans` takes the gaps it fetches from (the engine's, shared with the
+    #: experts' exact reads: :class:`mergefs.checkpoint.GapAllowance`); None: no limit
+    gap_allowance: GapAllowance | None = None
     #: called as ``recorder(tensor, start, end, buf)`` for every span read (absolute file
     #: offsets), after its checksums: the engine's manifest hook. A fetch that coalesced
     #: spans records each span, not the gaps between them (as the exact path records the
@@ -692,9 +696,10 @@ class DeltaSidecar:
                    ) -> list[memoryview]:
         """:meth:`read` of each span ``(r0, r1)`` of adjacent ranges (range ids), each
         verified and recorded as :meth:`read` does; for a remote sidecar, spans whose bytes lie
-        at most ``coalesce_gap_bytes`` apart share one fetch (the bytes between them are
-        fetched, counted in ``bytes_read`` and ``gap_bytes``, and dropped, as
-        :mod:`mergefs.remote` does for exact blocks). A local sidecar reads span by span."""
+        at most ``coalesce_gap_bytes`` apart share one fetch while the gap can be taken from
+        ``gap_allowance`` (the bytes between them are fetched, counted in ``bytes_read`` and
+        ``gap_bytes``, and dropped, as :mod:`mergefs.remote` does for exact blocks). A local
+        sidecar reads span by span."""
         if self.fetch is None:
             return [self.read(r0, r1, tensor) for r0, r1 in spans]
         out: list[memoryview] = [memoryview(b"")] * len(spans)
@@ -705,8 +710,7 @@ class DeltaSidecar:
         g = 0
         while g < len(todo):
             e, end = g, byte_spans[todo[g]][1]
-            while e + 1 < len(todo) and byte_spans[todo[e + 1]][0] - end <= \
-                    self.coalesce_gap_bytes:
+            while e + 1 < len(todo) and self._may_join(byte_spans[todo[e + 1]][0] - end):
                 e += 1
                 end = max(end, byte_spans[todo[e]][1])
             start = byte_spans[todo[g]][0]
@@ -722,6 +726,13 @@ class DeltaSidecar:
                     self.gap_bytes += end - start - used
             g = e + 1
         return out
+
+    def _may_join(self, gap: int) -> bool:
+        """Whether a span ``gap`` bytes past the current fetch's end joins it (taking a
+        positive gap from the allowance)."""
+        if gap > self.coalesce_gap_bytes:
+            return False
+        return gap <= 0 or self.gap_allowance is None or self.gap_allowance.take(gap)
 
     def _fetch(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of ``data`` by one fetch or pread, counted."""

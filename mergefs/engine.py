@@ -34,7 +34,15 @@ import xxhash
 
 from . import __version__, kernels, memory
 from . import tokenizer as tokenizers
-from .checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, ReadRange, open_checkpoint, read_many
+from .checkpoint import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    Checkpoint,
+    GapAllowance,
+    ReadRange,
+    open_checkpoint,
+    read_many,
+)
 from .dtypes import decode_f32, encode
 from .errors import MergefsError, SourceChanged, SpecError
 from .format import DTYPES, FLOAT_DTYPES, build_header
@@ -336,7 +344,11 @@ class Engine:
     def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
                  verify_index: bool = True, recipe: Recipe | None = None,
-                 deltas: dict[int, Any] | None = None) -> None:
+                 deltas: dict[int, Any] | None = None,
+                 gap_allowance: GapAllowance | None = None) -> None:
+        """``gap_allowance``: where remote reads of the experts (exact blocks and delta
+        sidecar ranges) take the gap bytes they coalesce over; default the plan's
+        (:attr:`mergefs.plan.Plan.gap_allowance_bytes`)."""
         self.spec = spec
         self.recipe = recipe if recipe is not None else recipe_of(spec, base)
         self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
@@ -376,8 +388,12 @@ class Engine:
         self.labels = expert_labels([e.path for e in spec.experts])
         # delta sidecars (issue 14): blocks the plan reads as reconstructed levels
         self.deltas = dict(deltas or {}) if plan.levels is not None else {}
+        #: the gap bytes every remote expert read of this merge shares (issue 14)
+        self.gap_allowance = gap_allowance if gap_allowance is not None else \
+            GapAllowance(plan.gap_allowance_bytes)
         for i, sc in self.deltas.items():
             sc.recorder = functools.partial(self._record_sidecar, self.labels[i], sc.name)
+            sc.gap_allowance = self.gap_allowance
         #: a tensor's planned sidecar ranges, read once for units smaller than the tensor
         #: (the mount's row-block units), by (expert, tensor); dropped when every planned
         #: block was decoded
@@ -523,8 +539,9 @@ class Engine:
         runs = [_runs(row, b0, b1) for row in self.plan.selected]
         ranges = [[self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
                    for r0, r1 in src_runs] for src, src_runs in zip(self.experts, runs)]
-        got = read_many([(self.base, [base_rng]),
-                         *[(src, rs) for src, rs in zip(self.experts, ranges) if rs]])
+        requests = [(src, rs) for src, rs in zip(self.experts, ranges) if rs]
+        got = read_many([(self.base, [base_rng]), *requests],
+                        [None] + [self.gap_allowance] * len(requests))
         base_buf = self._check(self.base, "base", name, base_rng, got[0][0], b0, b1,
                                self.index.base_hash)
         fetched = iter(got[1:])
@@ -1064,6 +1081,15 @@ class Session:
         and dropped, in no plan)."""
         return {self.engine.labels[i]: sc.gap_bytes for i, sc in sorted(self.deltas.items())}
 
+    def gap_bytes_record(self) -> dict[str, Any]:
+        """Totals keys of a merge with remote experts: ``expert_gap_bytes_allowed``, the gap
+        bytes coalesced reads of experts and their sidecars may fetch beyond the plan (the
+        budget's slack; None: no limit, a full budget), and ``expert_gap_bytes_read``, those
+        they fetched (in ``expert_bytes_read``; dropped, in no plan)."""
+        allowance = self.engine.gap_allowance
+        return {"expert_gap_bytes_allowed": allowance.limit_bytes,
+                "expert_gap_bytes_read": allowance.spent_bytes}
+
     def sidecar_requests(self) -> dict[str, int]:
         """Delta sidecar payload fetches per expert (preads, or ranged GETs of a remote one)."""
         return {self.engine.labels[i]: sc.reads for i, sc in sorted(self.deltas.items())}
@@ -1087,6 +1113,8 @@ class Session:
         vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan
         if vocab:
             extra["expert_bytes_vocabulary"] = vocab
+        if any(e.is_remote for e in self.experts):  # gaps: see gap_bytes_record
+            extra.update(self.gap_bytes_record())
         return {
             **extra,
             "type": "totals",

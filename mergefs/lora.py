@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from .checkpoint import Checkpoint, ReadRange, TensorLoc, open_checkpoint
+from .checkpoint import Checkpoint, GapAllowance, ReadRange, TensorLoc, open_checkpoint
 from .dtypes import decode_f32, encode
 from .errors import SourceChanged, SourceError
 from .format import DTYPES, FLOAT_DTYPES
@@ -303,9 +303,11 @@ class LoraCheckpoint(Checkpoint):
                               "inside one tensor")
         return locs[k]
 
-    def read_ranges(self, ranges: Iterable[ReadRange]) -> list[memoryview]:
+    def read_ranges(self, ranges: Iterable[ReadRange],
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
         """Each range's bytes: the model's, the adapter's full tensors', or computed rows of
-        ``W + delta`` for adapted tensors (whole rows are read and computed, then cut)."""
+        ``W + delta`` for adapted tensors (whole rows are read and computed, then cut); the
+        model's ranges take their coalesced gaps from ``gap_allowance``."""
         ranges = list(ranges)
         out: list[memoryview | None] = [None] * len(ranges)
         plain: list[int] = []
@@ -320,7 +322,7 @@ class LoraCheckpoint(Checkpoint):
             else:
                 plain.append(k)
         if plain:
-            got = self.model.read_ranges([ranges[k] for k in plain])
+            got = self.model.read_ranges([ranges[k] for k in plain], gap_allowance=gap_allowance)
             if self.own_model:
                 self.counters.add(sum(len(v) for v in got))
             for k, view in zip(plain, got):

@@ -95,6 +95,15 @@ class Plan:
     replaced_read_seconds: float | None = None
     decode_limit: float | None = None
 
+    @property
+    def gap_allowance_bytes(self) -> int | None:
+        """Gap bytes coalesced remote reads may fetch beyond the plan: the budget's slack,
+        ``budget - planned`` (never negative), so that planned plus gap bytes fit the budget;
+        None (no limit) with a full budget, which reads as the ``coalesce_gap`` alone says."""
+        if self.budget_bytes >= self.total_expert_bytes:
+            return None
+        return max(0, self.budget_bytes - self.planned_bytes)
+
     def report(self) -> dict[str, Any]:
         """The JSON report of ``mergefs plan --json`` (keys documented in the README)."""
         rel: float | None = None

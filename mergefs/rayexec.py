@@ -224,6 +224,9 @@ class MergeJob:
     staging: str
     version: str
     threads: int
+    #: each task's share of the plan's gap allowance (an equal part; None: no limit), so the
+    #: tasks together fetch no more gap bytes than one local merge may
+    gap_share_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,7 @@ class ShardDone:
     lines: list[str]  # manifest records (JSON), in the order the task made them
     counters: list[dict[str, int]]  # per source: base, then experts
     sidecar_counts: dict[int, tuple[int, int, int]]  # per expert: bytes_read, gap_bytes, reads
+    gap_spent_bytes: int  # of the task's gap allowance share
     blocks_merged: int
     units_merged: int
     worker: dict[str, Any]
@@ -243,6 +247,7 @@ class ShardDone:
 
 def merge_shard(job: MergeJob, file: str) -> ShardDone:
     """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
+    from .checkpoint import GapAllowance
     from .engine import Engine, _find_deltas, recipe_of
     from .manifest import ManifestWriter
 
@@ -256,7 +261,8 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
             c.counters.reset()  # (after looking for sidecars, as it does)
         records = ManifestWriter(None, keep_lines=True)
         engine = Engine(job.spec, base, experts, job.index, job.plan, records,
-                        recipe=recipe_of(job.spec, base), deltas=deltas)
+                        recipe=recipe_of(job.spec, base), deltas=deltas,
+                        gap_allowance=GapAllowance(job.gap_share_bytes))
         f = next(o for o in engine.out_files if o.name == file)
         # unique across nodes and attempts (pids repeat across containers; a retry may run
         # while a node marked dead still writes)
@@ -276,7 +282,8 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
                          [c.counters.snapshot() for c in [base, *experts]],
                          {i: (sc.bytes_read, sc.gap_bytes, sc.reads)
                           for i, sc in deltas.items()},
-                         engine.blocks_merged, engine.units_merged, worker_id())
+                         engine.gap_allowance.spent_bytes, engine.blocks_merged,
+                         engine.units_merged, worker_id())
     finally:
         for c in [base, *experts]:
             c.close()  # its file descriptors; a reused family opens them again
@@ -314,9 +321,11 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
     staging = Staging(outdir, force=overwrite)
     try:
         with staging:
+            allowed = session.plan.gap_allowance_bytes
+            share = None if allowed is None else allowed // max(1, len(engine.out_files))
             job = ray.put(MergeJob(session.spec, session.index, session.plan,
                                    identities(session.base, session.experts), str(staging.tmp),
-                                   __version__, threads))
+                                   __version__, threads, share))
             task, place = ray.remote(merge_shard), placements(ray)
             files = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS)
                      .remote(job, f.name): f for k, f in enumerate(engine.out_files)}
@@ -349,4 +358,5 @@ def _absorb(session: Any, res: ShardDone) -> None:
         sc.bytes_read += n
         sc.gap_bytes += gap
         sc.reads += reads
+    engine.gap_allowance.absorb(res.gap_spent_bytes)
     engine.add_merged(res.blocks_merged, res.units_merged)

@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from . import settings
-from .checkpoint import Checkpoint, Counters, ReadRange, TensorLoc
+from .checkpoint import Checkpoint, Counters, GapAllowance, ReadRange, TensorLoc
 from .errors import SpecError
 from .spec import REFERENCE, SliceDef, SliceSource, Spec
 
@@ -496,10 +496,11 @@ class RoleSource:
         for c in self.members:
             c.close()
 
-    def read_ranges(self, ranges: Iterable[ReadRange]) -> list[memoryview]:
+    def read_ranges(self, ranges: Iterable[ReadRange],
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
         ranges = list(ranges)
         if not self._multi:
-            return self.members[0].read_ranges(ranges)
+            return self.members[0].read_ranges(ranges, gap_allowance=gap_allowance)
         out: list[memoryview | None] = [None] * len(ranges)
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(ranges):
@@ -508,7 +509,8 @@ class RoleSource:
         for idxs in groups.values():
             c, _ = self._where[ranges[idxs[0]].file]
             got = c.read_ranges([ReadRange(self._where[ranges[i].file][1], ranges[i].start,
-                                           ranges[i].end) for i in idxs])
+                                           ranges[i].end) for i in idxs],
+                                gap_allowance=gap_allowance)
             for i, v in zip(idxs, got):
                 out[i] = v
         return [v for v in out if v is not None]

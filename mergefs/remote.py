@@ -3,7 +3,8 @@
 :func:`open_remote` parses a remote model directory or ``.safetensors`` object into a
 :class:`RemoteCheckpoint`, which has the interface of :class:`mergefs.checkpoint.Checkpoint`:
 ``read_ranges`` coalesces the requested ranges of a file into runs (ranges at most
-``gap_bytes`` apart share one request; the gap bytes are fetched, counted and dropped), and
+``gap_bytes`` apart share one request while the merge's gap allowance lasts,
+:class:`mergefs.checkpoint.GapAllowance`; the gap bytes are fetched, counted and dropped), and
 fetches the runs concurrently with ranged GETs. Transient failures (5xx, 429, connection resets,
 timeouts) are retried with exponential backoff; permanent ones (403, 404, ...) raise a
 ``SourceError`` naming the URL. A file's identity is its size, its ETag when the store sends one
@@ -39,6 +40,7 @@ from .checkpoint import (
     SINGLE_NAME,
     Checkpoint,
     FileIdentity,
+    GapAllowance,
     ReadRange,
     TensorLoc,
     coalesce,
@@ -79,7 +81,8 @@ HTTP_EXTRA_NAMES = (
 class RemoteOptions:
     """How to reach and read one remote source. ``storage_options`` go to fsspec as they are.
 
-    ``gap_bytes``: ranges of a file at most this far apart share one request.
+    ``gap_bytes``: ranges of a file at most this far apart share one request (while the
+    merge's gap allowance lasts).
     ``concurrency``: requests in flight per source. ``retries``: attempts after the first one
     on a transient error, waiting ``backoff_seconds * 2**attempt`` (jittered, at most 10 s).
     """
@@ -212,13 +215,16 @@ class RemoteCheckpoint(Checkpoint):
     def _pread(self, file: str, start: int, end: int) -> bytes:
         return bytes(self.read_ranges([ReadRange(file, start, end)])[0])
 
-    def read_ranges(self, ranges: Sequence[ReadRange]) -> list[memoryview]:  # type: ignore[override]
-        """Read each range, in order: runs of ranges at most ``gap_bytes`` apart share one GET,
-        and runs are fetched concurrently. Returns one view per requested range."""
-        return run(self.store, self.read_ranges_async, list(ranges))
+    def read_ranges(self, ranges: Sequence[ReadRange],  # type: ignore[override]
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
+        """Read each range, in order: runs of ranges at most ``gap_bytes`` apart share one GET
+        while their gaps can be taken from ``gap_allowance`` (None: no limit), and runs are
+        fetched concurrently. Returns one view per requested range."""
+        return run(self.store, self.read_ranges_async, list(ranges), gap_allowance)
 
-    async def read_ranges_async(self, ranges: list[ReadRange]) -> list[memoryview]:
-        runs = coalesce(ranges, self.options.gap_bytes)
+    async def read_ranges_async(self, ranges: list[ReadRange],
+                                gap_allowance: GapAllowance | None = None) -> list[memoryview]:
+        runs = coalesce(ranges, self.options.gap_bytes, gap_allowance)
         bufs = await asyncio.gather(*(self._fetch_run(r.file, r.start, r.end) for r in runs))
         gap = sum((r.end - r.start) - r.covered_bytes for r in runs)
         if gap:
@@ -243,15 +249,19 @@ class RemoteCheckpoint(Checkpoint):
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def read_concurrently(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]]
+def read_concurrently(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
+                      allowances: Sequence[GapAllowance | None] | None = None
                       ) -> list[list[memoryview]]:
-    """``read_ranges`` of several remote sources at once, all requests in flight together."""
+    """``read_ranges`` of several remote sources at once, all requests in flight together;
+    ``allowances``: per request, the allowance its gaps are taken from (None: no limit)."""
     srcs = [src for src, _ in requests]
     assert all(isinstance(s, RemoteCheckpoint) for s in srcs)
+    gaps = list(allowances) if allowances is not None else [None] * len(requests)
 
     async def all_of() -> list[list[memoryview]]:
         return list(await asyncio.gather(*(
-            src.read_ranges_async(list(ranges)) for src, ranges in requests)))  # type: ignore[attr-defined]
+            src.read_ranges_async(list(ranges), gap)  # type: ignore[attr-defined]
+            for (src, ranges), gap in zip(requests, gaps))))
 
     return run(srcs[0].store, all_of)  # type: ignore[attr-defined]
 

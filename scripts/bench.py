@@ -1067,7 +1067,9 @@ class Bench:
 
         out = {}
         for p in sorted(d.rglob("*")):
-            if p.is_file() and not p.name.endswith(".jsonl"):
+            # .mergefs/merge.json records which run wrote the directory (spec path, time)
+            if p.is_file() and not p.name.endswith(".jsonl") and \
+                    p.relative_to(d).parts[0] != ".mergefs":
                 h = hashlib.sha256()
                 with open(p, "rb") as fh:
                     for chunk in iter(lambda: fh.read(16 << 20), b""):
@@ -1139,7 +1141,9 @@ class Bench:
             for line in manifest.read_text().splitlines():
                 rec = json.loads(line)
                 if rec.get("type") == "totals":
-                    totals = rec
+                    totals = {**totals, **rec}
+                elif rec.get("type") == "header":  # the budget the expert reads must fit
+                    totals["budget_bytes"] = rec.get("budget_bytes")
             sums = self.tree_sha256(out)
             shutil.rmtree(out, ignore_errors=True)
             return p, totals, sums, [str(c) for c in cmd]
@@ -1194,6 +1198,9 @@ class Bench:
                              "expert_bytes": expert_bytes, "local_wall": pl.wall,
                              "physical_bytes_read": totals.get("physical_bytes_read"),
                              "physical_requests": totals.get("physical_requests"),
+                             **{k: totals.get(k) for k in (
+                                 "budget_bytes", "expert_bytes_planned", "expert_bytes_read",
+                                 "expert_gap_bytes_allowed", "expert_gap_bytes_read")},
                              "same_as_local": same},
                             versus=f"{wire / expert_bytes:.0%} of expert bytes; output "
                                    + ("sha256 = local" if same else "DIFFERS from local"),

@@ -14,7 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergefs import format as fmt
-from mergefs.checkpoint import INDEX_NAME, Checkpoint, ReadRange, open_checkpoint
+from mergefs.checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    GapAllowance,
+    ReadRange,
+    coalesce,
+    open_checkpoint,
+)
 from mergefs.errors import SourceChanged, SourceError
 
 TORCH_TO_NAME = {
@@ -528,3 +535,52 @@ def test_shard_with_bad_header_names_the_shard(tmp_path):
     with pytest.raises(fmt.BufferSizeMismatch) as info:
         open_checkpoint(root)
     assert str(bad) in str(info.value)
+
+
+# -- the gap allowance (issue 14: coalesced gap bytes count against the budget) ----------------
+def test_coalesce_takes_gaps_from_the_allowance_until_spent():
+    # gaps of 5, 3 and 4 bytes, all within the 8-byte threshold; overlaps and touches are free
+    ranges = [ReadRange("f", 0, 10), ReadRange("f", 15, 20), ReadRange("f", 20, 25),
+              ReadRange("f", 22, 24), ReadRange("f", 28, 30), ReadRange("f", 34, 40)]
+    allowance = GapAllowance(8)
+    runs = coalesce(ranges, 8, allowance)
+    assert [(r.start, r.end) for r in runs] == [(0, 30), (34, 40)]  # 5 + 3 taken; 4 refused
+    assert allowance.spent_bytes == 8 == sum(r.end - r.start - r.covered_bytes for r in runs)
+    none_left = GapAllowance(0)
+    assert [(r.start, r.end) for r in coalesce(ranges, 8, none_left)] == \
+        [(0, 10), (15, 25), (28, 30), (34, 40)]  # touching and overlapping still share
+    assert none_left.spent_bytes == 0
+    unlimited = GapAllowance(None)
+    assert [(r.start, r.end) for r in coalesce(ranges, 8, unlimited)] == \
+        [(r.start, r.end) for r in coalesce(ranges, 8)] == [(0, 40)]
+    assert unlimited.spent_bytes == 12
+
+
+def test_gap_allowance_is_never_overspent_by_concurrent_takers():
+    import random
+    import threading
+
+    allowance = GapAllowance(100_003)
+    taken: list[int] = []
+    start = threading.Barrier(8)
+
+    def taker(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = 0
+        start.wait()
+        for _ in range(5000):
+            n = rng.randint(1, 97)
+            if allowance.take(n):
+                mine += n
+        taken.append(mine)
+
+    threads = [threading.Thread(target=taker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(taken) == allowance.spent_bytes <= allowance.limit_bytes
+    assert allowance.spent_bytes > allowance.limit_bytes - 97  # demand far above the limit
+    assert not allowance.take(97) and allowance.take(0)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        GapAllowance(-1)

@@ -5,6 +5,7 @@ Expected deltas come from safetensors' own loader here, never from mergefs' inde
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 from pathlib import Path
@@ -407,3 +408,38 @@ def test_dense_ladder_decodes_like_an_independent_numpy_decoder(tmp_path: Path) 
                 kinds.add(levels[-1].kind)
     assert {"lowrank", "vq", "quant"} <= kinds
     assert len(books) == 1  # one codebook range for the whole sidecar
+
+
+def test_remote_sidecar_spans_take_gaps_from_the_allowance(tmp_path: Path) -> None:
+    """A remote sidecar's spans within ``coalesce_gap`` share one fetch while each gap can be
+    taken from its allowance (the merge's, shared with the exact reads): no limit joins them
+    all, an empty allowance fetches each span alone, a partial one joins until it is spent;
+    the bytes are the same in every case."""
+    from mergefs.checkpoint import GapAllowance
+
+    fam = make_family(tmp_path / "fam", seed=4)
+    _, base, experts, index = _open(fam, tmp_path)
+    path = Path(compress.publish(base, experts, index)[0])
+    blob = path.read_bytes()
+    local = deltas.open_sidecar(path)
+    every_other = np.flatnonzero(local.range_bytes() > 0)[::2][:6]
+    spans = [(int(r), int(r) + 1) for r in every_other]
+    want = [bytes(v) for v in local.read_spans(spans)]
+    gaps = [int(local.range_start[b[0]] - local.range_end[a[0]])
+            for a, b in itertools.pairwise(spans)]
+    assert len(spans) == 6 and min(gaps) > 0
+
+    def read(allowance: GapAllowance | None) -> deltas.DeltaSidecar:
+        sc = deltas.open_remote_sidecar(str(path), lambda a, b: blob[a:b], 1 << 20)
+        sc.gap_allowance = allowance
+        assert [bytes(v) for v in sc.read_spans(spans)] == want
+        return sc
+
+    sc = read(None)
+    assert (sc.reads, sc.gap_bytes) == (1, sum(gaps))
+    sc = read(GapAllowance(0))
+    assert (sc.reads, sc.gap_bytes) == (6, 0)
+    part = GapAllowance(gaps[0] + gaps[1])
+    sc = read(part)
+    assert (sc.reads, sc.gap_bytes) == (4, gaps[0] + gaps[1]) == (4, part.spent_bytes)
+    assert sc.bytes_read == sum(len(w) for w in want) + part.spent_bytes

@@ -176,6 +176,30 @@ def test_s3_merge_on_two_nodes_equals_the_local_merge(tmp_path: Path, cluster: L
     assert res.plan_hash == local.plan.plan_hash and res.reads_verified > 0
 
 
+def test_s3_merge_on_ray_shares_the_gap_allowance(tmp_path: Path, cluster: LocalRayCluster,
+                                                  s3: CountingMotoServer) -> None:
+    """Below a full budget, each shard task takes its gap bytes from an equal share of the
+    budget's slack: together they read no more expert bytes than the budget, and the bytes
+    and read records equal the local merge's (records do not depend on coalescing)."""
+    full = s3_spec(tmp_path, s3, "full", budget="full", remote={"coalesce_gap": "64KiB"})
+    f_session, f_totals = run_merge(full, tmp_path / "full", tmp_path / "full.jsonl", False)
+    assert f_totals["expert_gap_bytes_allowed"] is None and f_totals["expert_gap_bytes_read"] > 0
+    budget = f_session.plan.nonzero_expert_bytes + f_totals["expert_gap_bytes_read"] // 2
+    spec = s3_spec(tmp_path, s3, "part", budget=f"{budget}B", remote={"coalesce_gap": "64KiB"})
+    _, local_totals = run_merge(spec, tmp_path / "local", tmp_path / "local.jsonl", False)
+    dist, dist_totals = run_merge(spec, tmp_path / "ray", tmp_path / "ray.jsonl", True)
+    allowed = budget - dist.plan.planned_bytes
+    assert len(dist.engine.out_files) > 1 and allowed > 0
+    for tot in (local_totals, dist_totals):
+        assert tot["expert_gap_bytes_allowed"] == allowed
+        assert tot["expert_gap_bytes_read"] <= allowed
+        assert tot["expert_bytes_read"] == dist.plan.planned_bytes + \
+            tot["expert_gap_bytes_read"] <= budget
+    assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")
+    for kind in ("read", "output", "tensor"):
+        assert records(tmp_path / "ray.jsonl", kind) == records(tmp_path / "local.jsonl", kind)
+
+
 def test_lost_worker_is_retried_and_leaves_no_partial_file(
         tmp_path: Path, cluster: LocalRayCluster, fam: Family, faults: Path) -> None:
     spec = write_spec(tmp_path / "local.yaml", str(fam.base), [str(e) for e in fam.experts])
