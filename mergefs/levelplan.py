@@ -64,16 +64,18 @@ class DecodeCost:
     this many times the read time of the exact bytes it replaces."""
 
     ratio: float = 1.0
-    element: float = 0.9e-9  # the passes every decoded element pays (w0 + delta, the buffers)
+    #: the passes every decoded element pays (w0 + delta, the buffers; memory-bound on large
+    #: tensors) and the calls' share
+    element: float = 1.5e-9
     #: the exact low-rank product (versions 4 and 5): per oneDNN call (its output written and
     #: read back), per component (the codes unpacked, the int8 multiply-adds)
-    product_call: float = 0.35e-9
+    product_call: float = 0.8e-9
     component: float = 0.003e-9
     #: oneDNN calls per exact product: version 5's W is one int8 digit, version 4's two or three
     calls: dict[str, float] = field(default_factory=lambda: {"4": 3.0, "5": 1.0})
     loop_component: float = 0.045e-9  # the fixed-order product (float16 levels, version 3)
     kind: dict[str, float] = field(default_factory=lambda: {
-        "vq": 0.4e-9, "quant": 0.6e-9, "rows": 0.3e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
+        "vq": 0.5e-9, "quant": 0.7e-9, "rows": 0.3e-9, "ulp": 0.5e-9, "sparse": 0.1e-9})
     read_bytes_per_second: float = 1.6e9  # cold pread of exact expert bytes, local disk
 
     def prefix_seconds(self, levels: tuple[Level, ...], version: str) -> list[float]:
