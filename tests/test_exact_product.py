@@ -303,7 +303,7 @@ def test_version_5_products_take_one_onednn_call(monkeypatch: pytest.MonkeyPatch
     """The point of version 5: ``W`` is one int8 digit, so the int8 route makes one call."""
     if not intgemm.available():
         pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
-    _, _, rows, built, levels, shared = _dense_tensor(3)
+    *_, levels, shared = _dense_tensor(3)
     for version, most in (("4", 3), ("5", 1)):
         packed = deltadecode.pack(levels, shared, 96, version)
         digits = []
