@@ -70,6 +70,9 @@ class Packed:
     #: version 4: per number of exact components, ``W`` prepacked for
     #: :func:`mergefs.intgemm.product` (filled on first use)
     int_weights: dict[int, Any] = field(default_factory=dict)
+    #: per number of exact components, :func:`mergefs.intgemm.digits_of` its ``W`` (the
+    #: route's test runs on every call: ~0.03-1 ms for the mount's single blocks otherwise)
+    n_digits: dict[int, int] = field(default_factory=dict)
 
     def eight(self, nk: int) -> np.ndarray:
         """(nk,) bool: which of the first ``nk`` exact components have 8-bit codes."""
@@ -261,9 +264,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     from ._numba_decode import unpack_exact
     nk = packed.n_exact[depths]
     fast = _int_route()
-    if n == 1 and not (fast is not None and int(nk[0]) <= fast.MAX_K and int(nk[0])
-                       and int(rows[0]) * int(nk[0]) * cols >= fast.MIN_MACS
-                       * fast.digits_of(packed.grids[int(nk[0])][1], packed.eight(int(nk[0])))):
+    if n == 1 and not _pays(fast, packed, int(nk[0]), int(rows[0]) * int(nk[0]) * cols):
         # one block (the mount's units), too small for a oneDNN call to pay: Q only, the
         # compiled loop multiplies
         k = int(nk[0])
@@ -291,12 +292,11 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         if fast is None or k > fast.MAX_K:
             blas.append((g0, g1))
             continue
-        w = packed.grids[k][1]
-        iw = packed.int_weights.get(k)
-        ndig = iw.ndig if iw is not None else fast.digits_of(w, packed.eight(k))
-        if int(rows[members].sum()) * k * cols < fast.MIN_MACS * ndig:  # a call per digit
+        if not _pays(fast, packed, k, int(rows[members].sum()) * k * cols):
             blas.append((g0, g1))
             continue
+        w = packed.grids[k][1]
+        iw = packed.int_weights.get(k)
         if iw is None:
             iw = packed.int_weights[k] = fast.prepare(w, packed.eight(k))
         members = np.sort(members)
@@ -337,6 +337,19 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             _blas_macs[0] += (r1 - r0) * k * cols  # a racy sum: only a threshold reads it
     groups.append(_Group(rest, p, prow[rest], pscale[rest]))
     return groups, -1
+
+
+def _pays(fast: Any, packed: Packed, k: int, macs: int) -> bool:
+    """Whether a product of ``k`` exact components and ``macs`` multiply-adds takes the int8
+    route (``fast``: :func:`_int_route`): at least ``MIN_MACS`` per oneDNN call (a call per
+    digit of ``W``, counted once per number of components)."""
+    if fast is None or not 0 < k <= fast.MAX_K or macs < fast.MIN_MACS:
+        return False
+    iw = packed.int_weights.get(k)
+    ndig = iw.ndig if iw is not None else packed.n_digits.get(k)
+    if ndig is None:
+        ndig = packed.n_digits[k] = fast.digits_of(packed.grids[k][1], packed.eight(k))
+    return macs >= fast.MIN_MACS * ndig
 
 
 #: float32 BLAS multiply-adds of exact products after which the int8 route is taken even if it

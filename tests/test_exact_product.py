@@ -303,10 +303,41 @@ def test_version_5_products_take_one_onednn_call(monkeypatch: pytest.MonkeyPatch
     """The point of version 5: ``W`` is one int8 digit, so the int8 route makes one call."""
     if not intgemm.available():
         pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
-    _, _, rows, built, levels, shared = _dense_tensor(3)
+    *_, levels, shared = _dense_tensor(3)
     for version, most in (("4", 3), ("5", 1)):
         packed = deltadecode.pack(levels, shared, 96, version)
         digits = []
         for k, (_, w) in packed.grids.items():
             digits.append(intgemm.prepare(w, packed.eight(k)).ndig)
         assert max(digits) <= most and (version == "5" or max(digits) > 1), (version, digits)
+
+
+def test_the_route_counts_a_products_digits_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route's test (one oneDNN call per digit of ``W``) is computed once per number of
+    components, not on every call: single blocks (the mount's units) decoded again and again
+    paid it each time (~0.03-1 ms, more than their decode), whichever route they took."""
+    if not intgemm.available():
+        pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
+    rng = np.random.default_rng(3)
+    cols, rb = 40, 9
+    levels = (deltas.Level("lowrank", 4, 6, 0), deltas.Level("lowrank", 2, 10, 0))
+    shared = [(rng.uniform(0.1, 1, lv.k).astype(np.float32),
+               rng.normal(0, 1, (lv.k, cols)).astype(np.float32)) for lv in levels]
+    blocks = [rng.bytes(deltas.lowrank_block_size(rb, lv.k, lv.bits)) for lv in levels]
+    size = np.asarray([[len(b)] for b in blocks], np.int64)
+    payloads = deltadecode.Payloads(np.frombuffer(b"".join(blocks), np.uint8),
+                                    np.asarray([[0], [len(blocks[0])]], np.int64), size)
+    w0 = rng.normal(0, 0.05, rb * cols).astype(np.float32)
+    want = deltas.reconstruct(w0, levels, [memoryview(b) for b in blocks], shared, rb, cols)
+    packed = deltadecode.pack(levels, shared, cols)
+    calls = []
+    real = intgemm.digits_of
+    monkeypatch.setattr(intgemm, "digits_of", lambda w, e: calls.append(1) or real(w, e))
+    for min_macs in (10**9, 10**9, 0, 0):  # the compiled loop twice, then the int8 route
+        monkeypatch.setattr(intgemm, "MIN_MACS", min_macs)
+        got = np.full_like(w0, np.nan)
+        deltadecode.decode_into(got, w0, levels, cols, np.zeros(1, np.int64), np.array([rb]),
+                                np.array([2]), payloads, shared, packed)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), min_macs
+    assert len(calls) == 1, len(calls)
+    assert 16 in packed.int_weights  # the int8 route was taken
