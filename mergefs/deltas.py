@@ -56,8 +56,9 @@ function of those components' shared ranges only), ``W[c, e] = rint(uscale_c * V
 max_e |W[c, e]| < 2**24``: every partial sum of ``Q W`` is an integer that float32 holds
 exactly. Then ``acc = fl(fl(Q W) * 2**-G) + 0`` (never -0), float16 low-rank levels are added
 component by component as in version 3, and the rest as before. Version 5 (same layout and
-kinds) takes the grid one step coarser where needed so that also ``max |W| <= 127``: ``W`` is
-int8, so the product is one int8 matrix product with int32 sums (oneDNN's AMX/VNNI route,
+kinds) takes the grid coarser where needed so that also ``|W| <= 127`` (``<= 63`` on rows of
+8-bit codes, which the int8 route multiplies by ``2 W``): ``W`` is int8, so the product is one
+int8 matrix product with int32 sums (oneDNN's AMX/VNNI route,
 :mod:`mergefs.intgemm`, one call instead of a call per base-256 digit of ``W``), still the same
 float32 bits as any float32 product. :func:`reconstruct` decodes all five.
 
@@ -270,7 +271,8 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     """``(G, W)`` of the exact low-rank product of these levels (their quantised low-rank
     levels, in order; see the module docstring): the largest grid at which every partial sum
     stays below ``2**24`` (at most 149: ``2**-149`` is the smallest float32) and, version 5,
-    ``max |W| <= 127``, and ``W`` (components x cols, float32 integers).
+    ``|W| <= 127`` (``<= 63`` on rows of 8-bit codes), and ``W`` (components x cols, float32
+    integers).
 
     Deterministic on any machine: ``uscale * V`` is exact in float64, scaling by a power of two
     and ``rint`` are exact, the bound is summed exactly (``math.fsum``, Python integers).
@@ -296,10 +298,11 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     # an honest publisher writes, take the finest grid there is (still exact: a coarser grid
     # only lowers the bound); 2**-grid overflowing is a damaged sidecar
     grid = min(grid, 149)
-    big = float(peak.max()) if len(peak) else 0.0
-    if version in INT8_VERSIONS and big > 0.0:
-        # rint(big * 2**(grid-1)) <= 127 iff big * 2**(grid-1) < 127.5 (exact in float64)
-        while big * math.ldexp(1.0, grid - 1) >= INT8_LIMIT + 0.5:
+    if version in INT8_VERSIONS and len(peak) and float(peak.max()) > 0.0:
+        # W' (2 W on rows of 8-bit codes, mergefs.intgemm) in int8: rint(p * 2**(grid-1)) <=
+        # L iff p * 2**(grid-1) < L + 0.5 (exact in float64), L = 127, or 63 for 8-bit rows
+        cap = np.where(top == 255, INT8_LIMIT // 2, INT8_LIMIT) + 0.5
+        while bool((peak * math.ldexp(1.0, grid - 1) >= cap).any()):
             grid -= 1
     if grid < -100:
         raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "

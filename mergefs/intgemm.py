@@ -122,6 +122,27 @@ def _self_check() -> bool:
     return bool(np.array_equal(got.astype(np.float64), want))
 
 
+def _omp() -> tuple[Any, Any] | None:
+    """``(omp_get_max_threads, omp_set_num_threads)`` of the OpenMP runtime torch runs oneDNN
+    on (its bundled libgomp), or None (another build: torch's own setter is used)."""
+    if "omp" not in _state:
+        got = None
+        try:
+            import ctypes
+            from pathlib import Path
+
+            import torch
+            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1"))
+            get, put = lib.omp_get_max_threads, lib.omp_set_num_threads
+            get.restype, get.argtypes = ctypes.c_int, []
+            put.restype, put.argtypes = None, [ctypes.c_int]
+            got = (get, put)
+        except (OSError, AttributeError, ImportError):
+            got = None
+        _state["omp"] = got
+    return _state["omp"]
+
+
 def to_x(codes: np.ndarray, bits: np.ndarray) -> np.ndarray:
     """``x`` of :func:`product` from codes (rows, k) of per-column widths ``bits`` (k,)."""
     top = (1 << bits.astype(np.int64)) - 1
@@ -186,11 +207,13 @@ def product(x: np.ndarray, iw: IntWeights) -> np.ndarray:
     if x.shape[1] != iw.k:
         raise ValueError(f"intgemm.product: x has {x.shape[1]} columns, W {iw.k} rows")
     # one thread: the engine's workers already use the cores, and oneDNN's OpenMP team spins
-    # against them (measured: a product 10-20x slower on a busy 2-core machine); the count is
-    # the calling thread's own (OpenMP), restored after
-    threads = torch.get_num_threads()
+    # against them (measured: a product 10-20x slower on a busy 2-core machine); set as the
+    # calling thread's own OpenMP count, restored after (torch.set_num_threads would also
+    # change the count threads started later take)
+    omp = _omp()
+    threads = omp[0]() if omp is not None else torch.get_num_threads()
     if threads != 1:
-        torch.set_num_threads(1)
+        (omp[1] if omp is not None else torch.set_num_threads)(1)
     try:
         xt = torch.from_numpy(np.ascontiguousarray(x))
         out = None
@@ -206,6 +229,6 @@ def product(x: np.ndarray, iw: IntWeights) -> np.ndarray:
                     torch.float32, 1.0, 0, "sum", 1.0, "none", [], "")
     finally:
         if threads != 1:
-            torch.set_num_threads(threads)
+            (omp[1] if omp is not None else torch.set_num_threads)(threads)
     assert out is not None
     return out.numpy()

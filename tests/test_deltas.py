@@ -357,7 +357,8 @@ def _numpy_dense_decode(w0: np.ndarray, levels, blocks, shared_raw, rows_b: int,
         x = np.vstack(xs)
         total = math.fsum(t * float(np.abs(row).max()) for t, row in zip(tops, x)) / 2
         grid = 23 - math.frexp(total)[1]
-        while np.abs(np.rint(x * 2.0 ** (grid - 1))).max() > 127:  # and W in int8
+        lim = np.asarray([63 if t == 255 else 127 for t in tops])[:, None]
+        while (np.abs(np.rint(x * 2.0 ** (grid - 1))) > lim).any():  # and W (2 W) in int8
             grid -= 1
         w = np.rint(x * 2.0 ** (grid - 1)).astype(np.int64)
         assert sum(t * int(np.abs(row).max()) for t, row in zip(tops, w)) < 1 << 24

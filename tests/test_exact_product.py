@@ -279,8 +279,9 @@ def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
                           st.floats(1e-12, 1e12)), min_size=1, max_size=4),
        st.integers(0, 2**32 - 1))
 def test_version_5_grid_is_int8_and_the_finest_such(spec, seed) -> None:
-    """Version 5: ``max |W| <= 127``, one step finer would break that or the partial-sum
-    bound, and the grid is never finer than version 4's."""
+    """Version 5: ``|W| <= 127`` (63 on 8-bit rows, whose int8 weights are ``2 W``), so the
+    int8 route makes one call; one step finer would break that or the partial-sum bound; the
+    grid is never finer than version 4's."""
     rng = np.random.default_rng(seed)
     cols = 5
     levels, shared = [], []
@@ -292,11 +293,13 @@ def test_version_5_grid_is_int8_and_the_finest_such(spec, seed) -> None:
     g4, _ = deltas.grid_of(levels, shared, "4")
     g5, w5 = deltas.grid_of(levels, shared, "5")
     assert g5 <= g4
-    assert np.abs(w5).max() <= 127
-    if g5 < g4:  # the int8 limit bound it: one step finer exceeds 127
+    lim = np.concatenate([np.full(lv.k, 63 if lv.bits == 8 else 127) for lv in levels])
+    assert (np.abs(w5).max(axis=1) <= lim).all()
+    assert intgemm.digits_of(w5, lim == 63) == 1  # one oneDNN call
+    if g5 < g4:  # the int8 limit bound it: one step finer exceeds it on some row
         x = np.vstack([sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None]
                        for sh in shared])
-        assert np.abs(np.rint(x * math.ldexp(1.0, g5))).max() > 127
+        assert (np.abs(np.rint(x * math.ldexp(1.0, g5))).max(axis=1) > lim).any()
 
 
 def test_version_5_products_take_one_onednn_call(monkeypatch: pytest.MonkeyPatch) -> None:

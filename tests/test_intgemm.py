@@ -104,3 +104,41 @@ def test_the_route_waits_for_torch_or_enough_blas_work(monkeypatch: pytest.Monke
     assert deltadecode._int_route() is None
     monkeypatch.setattr(deltadecode, "_blas_macs", [deltadecode.SWITCH_MACS])
     assert deltadecode._int_route() is intgemm
+
+
+def test_products_leave_other_threads_thread_counts_alone() -> None:
+    """A product runs oneDNN on one thread of the calling thread only: threads started while
+    (or after) worker threads multiply keep torch's default count."""
+    import threading
+
+    import torch
+
+    if not intgemm.available():
+        pytest.skip("no oneDNN route on this CPU")
+    default = torch.get_num_threads()
+    if default == 1:
+        pytest.skip("torch runs one thread here anyway")
+    codes, bits, w = _case(3, 200, [2] * 64, 96, "flat")
+    iw = intgemm.prepare(w, bits == 8)
+    x = intgemm.to_x(codes, bits)
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            intgemm.product(x, iw)
+
+    workers = [threading.Thread(target=work) for _ in range(2)]
+    for t in workers:
+        t.start()
+    seen: list[int] = []
+    try:
+        for _ in range(50):
+            probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            probe.start()
+            probe.join()
+    finally:
+        stop.set()
+        for t in workers:
+            t.join()
+    assert seen == [default] * 50
+    assert torch.get_num_threads() == default
