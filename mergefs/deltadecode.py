@@ -341,15 +341,15 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
 
 def _pays(fast: Any, packed: Packed, k: int, macs: int) -> bool:
     """Whether a product of ``k`` exact components and ``macs`` multiply-adds takes the int8
-    route (``fast``: :func:`_int_route`): at least ``MIN_MACS`` per oneDNN call (a call per
-    digit of ``W``, counted once per number of components)."""
+    route (``fast``: :func:`_int_route`): at most ``MAX_DIGITS`` oneDNN calls (a call per
+    digit of ``W``, counted once per number of components), each of at least ``MIN_MACS``."""
     if fast is None or not 0 < k <= fast.MAX_K or macs < fast.MIN_MACS:
         return False
     iw = packed.int_weights.get(k)
     ndig = iw.ndig if iw is not None else packed.n_digits.get(k)
     if ndig is None:
         ndig = packed.n_digits[k] = fast.digits_of(packed.grids[k][1], packed.eight(k))
-    return macs >= fast.MIN_MACS * ndig
+    return ndig <= fast.MAX_DIGITS and macs >= fast.MIN_MACS * ndig
 
 
 #: float32 BLAS multiply-adds of exact products after which the int8 route is taken even if it
