@@ -207,8 +207,8 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     written from it on), or -1.
 
     Low-rank levels with ``loop[lvl]`` are summed here component by component (version 3, and
-    float16 levels of version 4); block ``j``'s other low-rank levels (version 4) are already
-    multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
+    float16 levels of versions 4 and 5); block ``j``'s other low-rank levels (versions 4, 5)
+    are already multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
     ``pscale[j]`` (a power of two); ``prow[j] == -2``: ``p`` holds the block's ``Q`` instead,
     multiplied here by ``wgrid`` (one block: a compiled loop instead of a BLAS call; the same
     integers, exact in any order)."""

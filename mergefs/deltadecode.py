@@ -3,10 +3,11 @@
 The engine reconstructs ``W_hat`` of every planned block of a unit, and the publisher measures
 every level prefix of every block, with :func:`decode_into`: one call per tensor (or run of
 blocks), each block with its own level depth, written straight into the caller's float32
-buffer. Version 4: the quantised low-rank components of every block with the same number of
-them are one float32 BLAS product of integers on the grid of :func:`mergefs.deltas.grid_of`
-(exact, so the BLAS and its threads do not change a bit), unpacked and then combined with the
-other levels by compiled loops; version 3: the compiled loop sums the components in a fixed
+buffer. Versions 4 and 5: the quantised low-rank components of every block with the same
+number of them are one exact product of integers on the grid of :func:`mergefs.deltas.grid_of`
+(oneDNN's int8 matmul where :mod:`mergefs.intgemm` takes it, else a float32 BLAS product; the
+same bits either way, whatever the threads), unpacked and then combined with the other levels
+by compiled loops (row by row where a block has no looped level); version 3: the compiled loop sums the components in a fixed
 order (no fused multiply-add: numba without ``fastmath`` does not contract). The loops are
 defined, or loaded from numba's disk cache, at the first call (importing numba costs ~0.15 s,
 which a merge without sidecars need not pay); without numba, or for ``ulp`` levels of float16
@@ -62,12 +63,12 @@ class Packed:
     v: np.ndarray  # (K, cols) float32: every looped lowrank level's V rows, in order
     book: np.ndarray  # (W, dim) float32: every vq level's codebook, in order
     compiled_ok: bool  # False: a level the compiled loop does not decode (float16 ulp)
-    #: version 4: exact low-rank components within depth d (d = 0 .. L)
+    #: versions 4 and 5: exact low-rank components within depth d (d = 0 .. L)
     n_exact: np.ndarray
-    #: version 4: per number of exact components n > 0 of some depth, (2**-G, W) of
+    #: versions 4 and 5: per number of exact components n > 0 of some depth, (2**-G, W) of
     #: :func:`mergefs.deltas.grid_of` over those components
     grids: dict[int, tuple[np.float32, np.ndarray]]
-    #: version 4: per number of exact components, ``W`` prepacked for
+    #: versions 4 and 5: per number of exact components, ``W`` prepacked for
     #: :func:`mergefs.intgemm.product` (filled on first use)
     int_weights: dict[int, Any] = field(default_factory=dict)
     #: per number of exact components, :func:`mergefs.intgemm.digits_of` its ``W`` (the
@@ -141,7 +142,7 @@ def _pad(book: np.ndarray, dim: int) -> np.ndarray:
     return out
 
 
-#: version 4: blocks are decoded in chunks of at most this many elements (the exact products
+#: versions 4 and 5: blocks are decoded in chunks of at most this many elements (the exact products
 #: of a chunk are held at once)
 CHUNK_ELEMENTS = 1 << 20
 

@@ -1,4 +1,5 @@
-"""The exact low-rank product of version-4 sidecar levels on oneDNN's int8 matmul (issue 14).
+"""The exact low-rank product of version-4 and -5 sidecar levels on oneDNN's int8 matmul
+(issue 14).
 
 Version 4 defines a block's low-rank part as ``2**-G * (Q @ W)``: ``Q`` the U codes as odd
 integers (``2 * code - (2**bits - 1)``), ``W`` integers on the grid of

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch  # noqa: F401 (imported, as by any merge that uses torch: the int8 route is on at once)
 
 from mergefs import deltadecode, deltas
