@@ -164,6 +164,8 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                 for (i, sid), live in live_of.items()}
     segments = []  # (-slope, tensor, block, expert, from, to)
     block_cost: dict[tuple[int, int], list[int]] = {}
+    #: per pair and prefix, the shared ranges its levels use (sorted, each once)
+    block_sids: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     for i in range(n):
         if c2[i] == 0:
             continue
@@ -177,14 +179,17 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                 cum, amort = 0, 0.0
                 costs = []
                 counted: set[int] = set()  # two vq levels share one codebook: count it once
+                prefix_sids = []
                 for k, (size, sid, r) in enumerate(levels, start=1):
                     cum += size
                     if sid >= 0 and sid not in counted:
                         counted.add(sid)
                         amort += share_of.get((i, sid), 0.0)
                     costs.append(cum)
+                    prefix_sids.append(tuple(sorted(counted)))
                     points.append((cum + amort, full - c2[i] * r * r, k))
                 block_cost[(i, b)] = costs
+                block_sids[(i, b)] = prefix_sids
             hull = _hull(points)
             for (ca, ga, oa), (cb, gb, ob) in itertools.pairwise(hull):
                 slope = (gb - ga) / max(cb - ca, 1e-12)
@@ -199,8 +204,8 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             return 0, []
         if o == EXACT:
             return int(raw[i, b]), []
-        need = sorted({(i, sid) for _, sid, _ in opts[i][1][b][:o]
-                       if sid >= 0 and (i, sid) not in paid})  # a shared range once
+        need = [(i, sid) for sid in block_sids[(i, b)][o - 1]
+                if (i, sid) not in paid]  # a shared range once
         return block_cost[(i, b)][o - 1], need
 
     def take(moves: list, used: int, table: _DecodeTable | None = None, total: float = 0.0
