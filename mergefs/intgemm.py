@@ -16,7 +16,8 @@ quantised linear (``torch.ops.onednn.qlinear_pointwise``, torch being a dependen
   leading components) is scaled by ``256**d`` (exact) and added onto the higher digits' by
   oneDNN's sum post-op, the highest first: every partial sum is a multiple of ``256**d`` near
   the final value, so each addition is exact, and the last gives ``Q @ W`` exactly, the same
-  float32 as the BLAS product.
+  float32 as the BLAS product. Version 5's grid keeps ``W'`` in int8: one digit, one call
+  (version 4's ~15-bit ``W`` needs two or three; with three the BLAS is faster).
 
 The route is taken only where it is exact by construction: a CPU with AMX or VNNI (the AVX2
 int8 path saturates 16-bit pair sums), at most :data:`MAX_K` columns (int32 accumulation and
