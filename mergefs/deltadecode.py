@@ -7,10 +7,10 @@ buffer. Versions 4 and 5: the quantised low-rank components of every block with 
 number of them are one exact product of integers on the grid of :func:`mergefs.deltas.grid_of`
 (oneDNN's int8 matmul where :mod:`mergefs.intgemm` takes it, else a float32 BLAS product; the
 same bits either way, whatever the threads), unpacked and then combined with the other levels
-by compiled loops (row by row where a block has no looped level); version 3: the compiled loop sums the components in a fixed
-order (no fused multiply-add: numba without ``fastmath`` does not contract). The loops are
-defined, or loaded from numba's disk cache, at the first call (importing numba costs ~0.15 s,
-which a merge without sidecars need not pay); without numba, or for ``ulp`` levels of float16
+by compiled loops (row by row where a block has no looped level); version 3: the compiled
+loop sums the components in a fixed order (no fused multiply-add: numba without ``fastmath``
+does not contract). The loops are defined, or loaded from numba's disk cache, at the first
+call (importing numba costs ~0.15 s, which a merge without sidecars need not pay); without numba, or for ``ulp`` levels of float16
 experts, :func:`mergefs.deltas.reconstruct` decodes block by block. Both compute exactly the
 arithmetic of :mod:`mergefs.deltas`, so the bits do not depend on which ran; sidecars of
 versions 1 and 2 (a BLAS low-rank product) are decoded block by block as before.
@@ -142,8 +142,8 @@ def _pad(book: np.ndarray, dim: int) -> np.ndarray:
     return out
 
 
-#: versions 4 and 5: blocks are decoded in chunks of at most this many elements (the exact products
-#: of a chunk are held at once)
+#: versions 4 and 5: blocks are decoded in chunks of at most this many elements (the exact
+#: products of a chunk are held at once)
 CHUNK_ELEMENTS = 1 << 20
 
 
@@ -249,7 +249,7 @@ class _Group:
 def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
                     data: np.ndarray, off: np.ndarray, size: np.ndarray
                     ) -> tuple[list[_Group], int]:
-    """Version 4: ``Q W`` of every block with exact low-rank components, exact, as the
+    """Versions 4 and 5: ``Q W`` of every block with exact low-rank components, exact, as the
     compiled loop takes them: ``(groups, bad)``, ``bad`` the first block whose ranges have the
     wrong sizes or -1. Blocks with the same number of components are one product: oneDNN's
     int8 matmul where :func:`mergefs.intgemm.available` and the product is large enough
@@ -290,9 +290,6 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     for g0, g1 in runs:
         k = int(ks[g0])
         members = order[g0:g1]
-        if fast is None or k > fast.MAX_K:
-            blas.append((g0, g1))
-            continue
         if not _pays(fast, packed, k, int(rows[members].sum()) * k * cols):
             blas.append((g0, g1))
             continue

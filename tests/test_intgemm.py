@@ -60,7 +60,7 @@ def test_product_equals_the_integer_product(seed, rows, widths, cols, shape) -> 
 def test_digits_hold_only_the_rows_that_need_them() -> None:
     """Weights of three digits in the leading row only: the higher digits' products have one
     column of x, not all of them."""
-    codes, bits, w = _case(7, 50, [2] * 30, 20, "decay")
+    _, bits, w = _case(7, 50, [2] * 30, 20, "decay")
     iw = intgemm.prepare(w, bits == 8)
     assert iw.ndig == 3
     sizes = [len(d.rows) if d.rows is not None else len(bits) for d in iw.digits]
