@@ -308,32 +308,33 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             return [], int(bad)
         gscale = np.full(len(members), packed.grids[k][0], np.float32)
         groups.append(_Group(members, fast.product(x, iw), grow[members], gscale))
-    rest = np.setdiff1d(every, np.concatenate([g.sel for g in groups]) if groups else [])
-    if not blas:
-        if len(rest):
-            groups.append(_Group(rest, _NO_P, np.full(len(rest), -1, np.int64),
-                                 np.zeros(len(rest), np.float32)))
-        return groups, -1
-    border = np.concatenate([order[g0:g1] for g0, g1 in blas])
-    r = rows[border]
-    prow[border] = np.cumsum(r) - r
-    total = int(r.sum())
-    uq = np.empty((total, int(nk[border].max())), np.float32)
-    bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
-                       packed.loop, data, off, size, _q_luts(), 0)
-    if bad >= 0:
-        return [], int(bad)
-    p = np.empty((total, cols), np.float32)
-    with dl.one_blas_thread():
-        for g0, g1 in blas:
-            k = int(ks[g0])
-            scale, w = packed.grids[k]
-            r0 = int(prow[order[g0]])
-            r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
-            np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
-            pscale[order[g0:g1]] = scale
-            _blas_macs[0] += (r1 - r0) * k * cols  # a racy sum: only a threshold reads it
-    groups.append(_Group(rest, p, prow[rest], pscale[rest]))
+    taken = np.zeros(n, bool)  # blocks of the int8 groups; the rest share one call
+    for g in groups:
+        taken[g.sel] = True
+    rest = np.flatnonzero(~taken)
+    p = _NO_P
+    if blas:
+        border = np.concatenate([order[g0:g1] for g0, g1 in blas])
+        r = rows[border]
+        prow[border] = np.cumsum(r) - r
+        total = int(r.sum())
+        uq = np.empty((total, int(nk[border].max())), np.float32)
+        bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
+                           packed.loop, data, off, size, _q_luts(), 0)
+        if bad >= 0:
+            return [], int(bad)
+        p = np.empty((total, cols), np.float32)
+        with dl.one_blas_thread():
+            for g0, g1 in blas:
+                k = int(ks[g0])
+                scale, w = packed.grids[k]
+                r0 = int(prow[order[g0]])
+                r1 = int(prow[order[g1 - 1]] + rows[order[g1 - 1]])
+                np.matmul(uq[r0:r1, :k], w, out=p[r0:r1])  # exact: integers below 2**24
+                pscale[order[g0:g1]] = scale
+                _blas_macs[0] += (r1 - r0) * k * cols  # a racy sum: only a threshold reads it
+    if len(rest):
+        groups.append(_Group(rest, p, prow[rest], pscale[rest]))
     return groups, -1
 
 
