@@ -212,7 +212,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
                 got = kernel(out.view(np.uint32), w0.view(np.uint32), out, w0, gs, gr, gd, cols,
                              packed.kind, packed.bits, packed.k, packed.first, packed.loop,
                              packed.uscale, packed.v, packed.book, payloads.data, goff, gsize,
-                             g.p, g.prow, g.pscale, g.wgrid)
+                             g.p, g.prow, g.pscale, g.wgrid, g.qmode)
                 if got >= 0:
                     bad = int(got) if whole else int(g.sel[got])
                     break
@@ -236,14 +236,15 @@ def _q_luts(u8: bool = False) -> np.ndarray:
 @dataclass(frozen=True)
 class _Group:
     """Blocks ``sel`` (indices into a chunk) decoded by one call of the compiled loop, with
-    their exact products: rows ``prow[i] ..`` of ``p`` (-1: none; -2: ``p`` is the block's
-    ``Q``, multiplied by ``wgrid`` in the loop), scaled by ``pscale[i]``."""
+    their exact products: rows ``prow[i] ..`` of ``p`` (-1: none; ``qmode`` 1: those rows are
+    the block's ``Q``, multiplied by ``wgrid`` in the loop), scaled by ``pscale[i]``."""
 
     sel: np.ndarray
     p: np.ndarray
     prow: np.ndarray
     pscale: np.ndarray
     wgrid: np.ndarray = field(default_factory=lambda: _NO_P)
+    qmode: int = 0
 
 
 def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndarray,
@@ -251,11 +252,13 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
                     ) -> tuple[list[_Group], int]:
     """Versions 4 and 5: ``Q W`` of every block with exact low-rank components, exact, as the
     compiled loop takes them: ``(groups, bad)``, ``bad`` the first block whose ranges have the
-    wrong sizes or -1. Blocks with the same number of components are one product: oneDNN's
-    int8 matmul where :func:`mergefs.intgemm.available` and the product is large enough
-    (each such product its own group), else one float32 BLAS product (all of them one group).
-    One block: ``p`` is its ``Q`` and ``wgrid`` its ``W`` (``prow`` -2), which the compiled
-    loop multiplies (a BLAS call and the grouping cost more than that product)."""
+    wrong sizes or -1. Blocks with the same number of components are one product: at most
+    :data:`INLINE_K` components, made by the compiled loop from ``Q`` (the group's ``p``) and
+    ``W`` (its ``wgrid``, ``qmode`` 1); else oneDNN's int8 matmul where
+    :func:`mergefs.intgemm.available` and the product is large enough (each such product its
+    own group), else one float32 BLAS product (all of them one group). One block too small for
+    oneDNN: ``Q`` and ``W`` likewise, whatever the components (a BLAS call and the grouping
+    cost more than that product)."""
     n = len(rows)
     every = np.arange(n)
     prow = np.full(n, -1, np.int64)
@@ -276,8 +279,8 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         bad = unpack_exact(uq, prow, rows, depths, cols, packed.kind, packed.bits, packed.k,
                            packed.loop, data, off, size, _q_luts(), 0)
         scale, w = packed.grids[k]
-        prow[0], pscale[0] = -2, scale
-        return [_Group(every, uq, prow, pscale, w)], int(bad)
+        pscale[0] = scale
+        return [_Group(every, uq, prow, pscale, w, 1)], int(bad)
     sel = np.flatnonzero(nk > 0)
     if len(sel) == 0:
         return [_Group(every, _NO_P, prow, pscale)], -1
@@ -290,6 +293,20 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     for g0, g1 in runs:
         k = int(ks[g0])
         members = order[g0:g1]
+        if k <= INLINE_K:  # Q only: the compiled loop multiplies, row by row in cache
+            members = np.sort(members)
+            r = rows[members]
+            grow = np.full(n, -1, np.int64)
+            grow[members] = np.cumsum(r) - r
+            uq = np.empty((int(r.sum()), k), np.float32)
+            bad = unpack_exact(uq, grow, rows, depths, cols, packed.kind, packed.bits,
+                               packed.k, packed.loop, data, off, size, _q_luts(), 0)
+            if bad >= 0:
+                return [], int(bad)
+            scale, w = packed.grids[k]
+            groups.append(_Group(members, uq, grow[members],
+                                 np.full(len(members), scale, np.float32), w, 1))
+            continue
         if not _pays(fast, packed, k, int(rows[members].sum()) * k * cols):
             blas.append((g0, g1))
             continue
@@ -308,7 +325,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             return [], int(bad)
         gscale = np.full(len(members), packed.grids[k][0], np.float32)
         groups.append(_Group(members, fast.product(x, iw), grow[members], gscale))
-    taken = np.zeros(n, bool)  # blocks of the int8 groups; the rest share one call
+    taken = np.zeros(n, bool)  # blocks of the groups so far; the rest share one call
     for g in groups:
         taken[g.sel] = True
     rest = np.flatnonzero(~taken)
@@ -336,6 +353,13 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     if len(rest):
         groups.append(_Group(rest, p, prow[rest], pscale[rest]))
     return groups, -1
+
+
+#: exact products of at most this many components are made by the compiled loop, row by row,
+#: from ``Q`` and ``W``: a BLAS or oneDNN product writes its float32 output and the loop reads
+#: it again, ~8 bytes of memory traffic per element, which costs more than a few multiply-adds
+#: on rows in L1 (the nearly rank-1 word-embedding deltas of full fine-tunes)
+INLINE_K = 16
 
 
 def _pays(fast: Any, packed: Packed, k: int, macs: int) -> bool:

@@ -237,8 +237,10 @@ def _lowrank_case(seed: int) -> tuple:
 
 def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``blas``: every exact product a float32 BLAS product; ``onednn``: every one of more than
-    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small."""
-    if route == "blas":
+    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small; ``inline``: every
+    one made by the compiled loop from ``Q`` and ``W``, however many components."""
+    monkeypatch.setattr(deltadecode, "INLINE_K", 10**9 if route == "inline" else 0)
+    if route in ("blas", "inline"):
         monkeypatch.setattr(deltadecode, "_int_route", lambda: None)
     else:
         if not intgemm.available():
@@ -248,7 +250,7 @@ def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("version", ["4", "5"])
-@pytest.mark.parametrize("route", ["blas", "onednn"])
+@pytest.mark.parametrize("route", ["blas", "onednn", "inline"])
 @pytest.mark.parametrize("seed", range(8))
 def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
         seed: int, route: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,6 +339,7 @@ def test_the_route_counts_a_products_digits_once(monkeypatch: pytest.MonkeyPatch
     calls = []
     real = intgemm.digits_of
     monkeypatch.setattr(intgemm, "digits_of", lambda w, e: calls.append(1) or real(w, e))
+    monkeypatch.setattr(deltadecode, "INLINE_K", 0)  # 16 components: inline by default
     for min_macs in (10**9, 10**9, 0, 0):  # the compiled loop twice, then the int8 route
         monkeypatch.setattr(intgemm, "MIN_MACS", min_macs)
         got = np.full_like(w0, np.nan)
