@@ -11,10 +11,13 @@ and FMA contraction, which change bits. Pure; ``nogil``.
 # mypy: ignore-errors
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
 
 _jit = numba.njit(cache=True, nogil=True)
+_LITTLE = sys.byteorder == "little"
 
 
 def _axpy_codegen(width):
@@ -35,11 +38,12 @@ def _axpy_codegen(width):
         scale = context.cast(builder, scale, sig.args[4], types.float32)
         dptr = builder.bitcast(builder.gep(d_arr.data, [doff]), vt.as_pointer())
         sptr = builder.bitcast(builder.gep(s_arr.data, [soff]), vt.as_pointer())
-        splat = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(vt, ir.Undefined), scale, ir.Constant(ir.IntType(32), 0)),
-            ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width))
-        got = builder.fadd(builder.load(dptr, align=4), builder.fmul(builder.load(sptr, align=4), splat))
-        builder.store(got, dptr, align=4)
+        i32 = ir.IntType(32)
+        one = builder.insert_element(ir.Constant(vt, ir.Undefined), scale, ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                                       ir.Constant(ir.VectorType(i32, width), [0] * width))
+        prod = builder.fmul(builder.load(sptr, align=4), splat)
+        builder.store(builder.fadd(builder.load(dptr, align=4), prod), dptr, align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -257,9 +261,8 @@ def decode(out, w0, out_f, w0_f, starts, rows, depths, cols, kind, bits, ks, fir
     float16 levels of versions 4 and 5); block ``j``'s other low-rank levels (versions 4, 5)
     are already multiplied out, exactly, in rows ``prow[j] ..`` of ``p`` (-1: none), to be scaled by
     ``pscale[j]`` (a power of two); ``qmode`` 1: those rows of ``p`` hold the block's ``Q``
-    instead, multiplied here by ``wgrid`` (few components, or one block: a compiled loop instead
-    of a BLAS or oneDNN call whose float32 output would be written and read again; the same
-    integers, exact in any order)."""
+    instead, multiplied here by ``wgrid`` (one block: a compiled loop instead of a BLAS call;
+    the same integers, exact in any order)."""
     acc = np.zeros(rows.max() * cols, np.float32)
     u = np.zeros((rows.max(), v.shape[0]), np.float32)
     lut = np.zeros((17, 256), np.float32)  # lut[bits][code]: the code's value in steps
@@ -335,9 +338,10 @@ def add_rows(out_f, w0_f, s, rb, cols, depth, j, kind, bits, ks, first, book, da
             o_f[e] = w_f[e] + a[e]
 
 
-#: ``qmode`` products of at most this many components are made row by row (``add_rows``), more
-#: block by block (``block_levels``: two rows per pass over ``wgrid``, which then outgrows L1)
-ROW_PRODUCT_K = 32
+#: ``qmode`` products of at most this many components are made row by row (``add_rows``: 7-10%
+#: faster for a 42 x 384 block of 1-4 components), more block by block (``block_levels``: two
+#: rows per pass over ``wgrid``)
+ROW_PRODUCT_K = 8
 
 
 @_jit
@@ -499,6 +503,16 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
     ``t``-th ``b``-bit code of byte ``x`` (:func:`q_luts`). ``shift`` 128 (``uq`` uint8 and
     ``luts`` of ``q_luts(True)``): :func:`mergefs.intgemm.to_x` of the codes instead (the
     widths that do not go through ``luts``, 3 bits, are never 8)."""
+    # 2-bit codes: a byte's four x at once, as one little-endian word
+    words = _LITTLE and shift == 128 and uq.shape[1] % 4 == 0
+    w32 = np.zeros(256, np.uint32)
+    if words:
+        uq32 = uq.view(np.uint32)
+        for x in range(256):
+            for t in range(4):
+                w32[x] |= np.uint32(luts[2, x, t]) << (8 * t)
+    else:
+        uq32 = np.zeros((1, 1), np.uint32)
     for j in range(rows.size):
         if urow[j] < 0:
             continue
@@ -512,7 +526,14 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
             k, b, o = ks[lvl], bits[lvl], off[lvl, j]
             topi = (1 << b) - 1
             per = 8 // b
-            if b != 3 and k % per == 0:  # each row's codes start a byte: per byte, its codes
+            if words and b == 2 and k % 4 == 0 and c % 4 == 0:  # a word per byte
+                c4 = c // 4
+                for r in range(rb):
+                    row = urow[j] + r
+                    o_r = o + r * (k // 4)
+                    for q in range(k // 4):
+                        uq32[row, c4 + q] = w32[data[o_r + q]]
+            elif b != 3 and k % per == 0:  # each row's codes start a byte: per byte, its codes
                 for r in range(rb):  # (2-d indexing, no array view per row: refcounts)
                     row = urow[j] + r
                     o_r = o + r * (k // per)

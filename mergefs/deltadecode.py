@@ -252,13 +252,12 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
                     ) -> tuple[list[_Group], int]:
     """Versions 4 and 5: ``Q W`` of every block with exact low-rank components, exact, as the
     compiled loop takes them: ``(groups, bad)``, ``bad`` the first block whose ranges have the
-    wrong sizes or -1. Blocks with the same number of components are one product: at most
-    :data:`INLINE_K` components, made by the compiled loop from ``Q`` (the group's ``p``) and
-    ``W`` (its ``wgrid``, ``qmode`` 1); else oneDNN's int8 matmul where
-    :func:`mergefs.intgemm.available` and the product is large enough (each such product its
-    own group), else one float32 BLAS product (all of them one group). One block too small for
-    oneDNN: ``Q`` and ``W`` likewise, whatever the components (a BLAS call and the grouping
-    cost more than that product)."""
+    wrong sizes or -1. Blocks with the same number of components are one product: oneDNN's
+    int8 matmul where :func:`mergefs.intgemm.available` and the product is large enough
+    (each such product its own group), else one float32 BLAS product (all of them one group).
+    One block too small for oneDNN: the group's ``p`` is its ``Q`` and ``wgrid`` its ``W``
+    (``qmode`` 1), which the compiled loop multiplies (a BLAS call and the grouping cost more
+    than that product)."""
     n = len(rows)
     every = np.arange(n)
     prow = np.full(n, -1, np.int64)
@@ -293,20 +292,6 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     for g0, g1 in runs:
         k = int(ks[g0])
         members = order[g0:g1]
-        if k <= INLINE_K:  # Q only: the compiled loop multiplies, row by row in cache
-            members = np.sort(members)
-            r = rows[members]
-            grow = np.full(n, -1, np.int64)
-            grow[members] = np.cumsum(r) - r
-            uq = np.empty((int(r.sum()), k), np.float32)
-            bad = unpack_exact(uq, grow, rows, depths, cols, packed.kind, packed.bits,
-                               packed.k, packed.loop, data, off, size, _q_luts(), 0)
-            if bad >= 0:
-                return [], int(bad)
-            scale, w = packed.grids[k]
-            groups.append(_Group(members, uq, grow[members],
-                                 np.full(len(members), scale, np.float32), w, 1))
-            continue
         if not _pays(fast, packed, k, int(rows[members].sum()) * k * cols):
             blas.append((g0, g1))
             continue
@@ -325,7 +310,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
             return [], int(bad)
         gscale = np.full(len(members), packed.grids[k][0], np.float32)
         groups.append(_Group(members, fast.product(x, iw), grow[members], gscale))
-    taken = np.zeros(n, bool)  # blocks of the groups so far; the rest share one call
+    taken = np.zeros(n, bool)  # blocks of the int8 groups; the rest share one call
     for g in groups:
         taken[g.sel] = True
     rest = np.flatnonzero(~taken)
@@ -353,13 +338,6 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
     if len(rest):
         groups.append(_Group(rest, p, prow[rest], pscale[rest]))
     return groups, -1
-
-
-#: exact products of at most this many components are made by the compiled loop, row by row,
-#: from ``Q`` and ``W``: a BLAS or oneDNN product writes its float32 output and the loop reads
-#: it again, ~8 bytes of memory traffic per element, which costs more than a few multiply-adds
-#: on rows in L1 (the nearly rank-1 word-embedding deltas of full fine-tunes)
-INLINE_K = 16
 
 
 def _pays(fast: Any, packed: Packed, k: int, macs: int) -> bool:

@@ -237,10 +237,8 @@ def _lowrank_case(seed: int) -> tuple:
 
 def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``blas``: every exact product a float32 BLAS product; ``onednn``: every one of more than
-    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small; ``inline``: every
-    one made by the compiled loop from ``Q`` and ``W``, however many components."""
-    monkeypatch.setattr(deltadecode, "INLINE_K", 10**9 if route == "inline" else 0)
-    if route in ("blas", "inline"):
+    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small."""
+    if route == "blas":
         monkeypatch.setattr(deltadecode, "_int_route", lambda: None)
     else:
         if not intgemm.available():
@@ -250,7 +248,7 @@ def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("version", ["4", "5"])
-@pytest.mark.parametrize("route", ["blas", "onednn", "inline"])
+@pytest.mark.parametrize("route", ["blas", "onednn"])
 @pytest.mark.parametrize("seed", range(8))
 def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
         seed: int, route: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,7 +337,6 @@ def test_the_route_counts_a_products_digits_once(monkeypatch: pytest.MonkeyPatch
     calls = []
     real = intgemm.digits_of
     monkeypatch.setattr(intgemm, "digits_of", lambda w, e: calls.append(1) or real(w, e))
-    monkeypatch.setattr(deltadecode, "INLINE_K", 0)  # 16 components: inline by default
     for min_macs in (10**9, 10**9, 0, 0):  # the compiled loop twice, then the int8 route
         monkeypatch.setattr(intgemm, "MIN_MACS", min_macs)
         got = np.full_like(w0, np.nan)
@@ -348,3 +345,37 @@ def test_the_route_counts_a_products_digits_once(monkeypatch: pytest.MonkeyPatch
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), min_macs
     assert len(calls) == 1, len(calls)
     assert 16 in packed.int_weights  # the int8 route was taken
+
+
+@pytest.mark.parametrize("route", ["blas", "onednn"])
+def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
+        route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ladder ``mergefs compress`` writes (4-, 3- and 2-bit low-rank levels whose
+    components start on multiples of four, then vq and quant levels), every block at every
+    depth in one call: the same bits as :func:`deltas.reconstruct` block by block (the int8
+    route unpacks whole bytes of 2-bit codes as words; the vq codewords and the per-byte code
+    values are added as vectors)."""
+    _route(route, monkeypatch)
+    w0, _, rows, built, levels, shared = _dense_tensor(1)
+    kinds = [(lv.kind, lv.bits) for lv in levels]
+    assert ("lowrank", 2) in kinds and ("vq", 1) in kinds and ("quant", 2) in kinds, kinds
+    cols = w0.shape[1]
+    n_rows = np.asarray([r1 - r0 for r0, r1 in rows], np.int64)
+    starts = np.asarray([r0 * cols for r0, _ in rows], np.int64)
+    flat = w0.reshape(-1)
+    for depth in range(1, len(levels) + 1):
+        depths = np.full(len(rows), depth, np.int64)
+        blocks = [[built.blocks[lvl][j] for j in range(len(rows))] for lvl in range(depth)]
+        size = np.asarray([[len(b) for b in row] for row in blocks], np.int64)
+        off = (np.cumsum(size.reshape(-1)) - size.reshape(-1)).reshape(size.shape)
+        payloads = deltadecode.Payloads(
+            np.frombuffer(b"".join(b for row in blocks for b in row), np.uint8), off, size)
+        want = np.concatenate([
+            deltas.reconstruct(flat[s:s + rb * cols], levels[:depth],
+                               [memoryview(blocks[lvl][j]) for lvl in range(depth)],
+                               shared[:depth], int(rb), cols)
+            for j, (s, rb) in enumerate(zip(starts, n_rows))])
+        got = np.full_like(flat, np.nan)
+        deltadecode.decode_into(got, flat, levels, cols, starts, n_rows, depths, payloads,
+                                shared)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (route, depth)
