@@ -7,13 +7,15 @@ buffer. Versions 4 and 5: the quantised low-rank components of every block with 
 number of them are one exact product of integers on the grid of :func:`mergefs.deltas.grid_of`
 (oneDNN's int8 matmul where :mod:`mergefs.intgemm` takes it, else a float32 BLAS product; the
 same bits either way, whatever the threads), unpacked and then combined with the other levels
-by compiled loops (row by row where a block has no looped level); version 3: the compiled
-loop sums the components in a fixed order (no fused multiply-add: numba without ``fastmath``
-does not contract). The loops are defined, or loaded from numba's disk cache, at the first
-call (importing numba costs ~0.15 s, which a merge without sidecars need not pay); without numba, or for ``ulp`` levels of float16
-experts, :func:`mergefs.deltas.reconstruct` decodes block by block. Both compute exactly the
-arithmetic of :mod:`mergefs.deltas`, so the bits do not depend on which ran; sidecars of
-versions 1 and 2 (a BLAS low-rank product) are decoded block by block as before.
+by compiled loops (row by row where a block has no looped level; vq codewords and the values
+of a byte's codes added as one vector operation each); version 3: the compiled loop sums the
+components in a fixed order (no fused multiply-add: numba without ``fastmath`` does not
+contract). The loops are defined, or loaded from numba's disk cache, at the first call
+(importing numba costs ~0.15 s, which a merge without sidecars need not pay; numba's first
+call in a process ~0.25 s more); without numba, or for ``ulp`` levels of float16 experts,
+:func:`mergefs.deltas.reconstruct` decodes block by block. Both compute exactly the arithmetic
+of :mod:`mergefs.deltas`, so the bits do not depend on which ran; sidecars of versions 1 and 2
+(a BLAS low-rank product) are decoded block by block as before.
 
 :func:`read_payloads` reads the block ranges of a tensor's levels, one span per adjacent run
 per level, into one buffer (a remote sidecar: spans and the levels' shared ranges coalesced
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +69,8 @@ class Packed:
     #: versions 4 and 5: exact low-rank components within depth d (d = 0 .. L)
     n_exact: np.ndarray
     #: versions 4 and 5: per number of exact components n > 0 of some depth, (2**-G, W) of
-    #: :func:`mergefs.deltas.grid_of` over those components
-    grids: dict[int, tuple[np.float32, np.ndarray]]
+    #: :func:`mergefs.deltas.grid_of` over those components (computed on first use)
+    grids: Grids
     #: versions 4 and 5: per number of exact components, ``W`` prepacked for
     #: :func:`mergefs.intgemm.product` (filled on first use)
     int_weights: dict[int, Any] = field(default_factory=dict)
@@ -82,13 +85,40 @@ class Packed:
         return np.asarray(m[:nk], bool)
 
 
+class Grids(Mapping[int, tuple[np.float32, np.ndarray]]):
+    """Per number of exact components of some level prefix, its grid ``(2**-G, W)``, each
+    computed on first use (a plan reaches a few of a tensor's prefixes: at 10% of the MiniLM
+    family's bytes 245 of 431, at 20% 114 of 456; ~0.3 ms each) into ``cache`` (shared by the
+    packings of one tensor at several depths; a grid depends only on its prefix)."""
+
+    def __init__(self, prefix: dict[int, int], levels: tuple[dl.Level, ...],
+                 shared: list[tuple[np.ndarray, np.ndarray] | None], version: str,
+                 cache: dict[int, tuple[np.float32, np.ndarray]]) -> None:
+        self._prefix = prefix  # number of exact components -> levels in its prefix
+        self._levels, self._shared, self._version, self._cache = levels, shared, version, cache
+
+    def __getitem__(self, nk: int) -> tuple[np.float32, np.ndarray]:
+        got = self._cache.get(nk)
+        if got is None:  # two threads may both compute it: the same values
+            n = self._prefix[nk]
+            grid, w = dl.grid_of(self._levels[:n], self._shared[:n], self._version)
+            got = self._cache[nk] = (np.float32(math.ldexp(1.0, -grid)), w)
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._prefix)
+
+    def __len__(self) -> int:
+        return len(self._prefix)
+
+
 def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
          cols: int, version: str = dl.DELTA_VERSION,
          grid_cache: dict[int, tuple[np.float32, np.ndarray]] | None = None,
          int_cache: dict[int, Any] | None = None) -> Packed:
     """``grid_cache``: the grids of this tensor's exact prefixes computed before, by number of
     components (the engine packs a tensor once per depth its units ask for; a grid depends only
-    on its prefix), filled here; ``int_cache``: likewise their oneDNN weights
+    on its prefix), filled as they are used; ``int_cache``: likewise their oneDNN weights
     (:attr:`Packed.int_weights`, filled on first use)."""
     n = len(levels)
     first = np.zeros(n, np.int64)
@@ -96,19 +126,12 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
     us, vs, books = [], [], []
     rows_v = rows_b = 0
     n_exact = np.zeros(n + 1, np.int64)
-    grids: dict[int, tuple[np.float32, np.ndarray]] = {}
+    prefix: dict[int, int] = {}
     for lvl, (lv, sh) in enumerate(zip(levels, shared)):
         n_exact[lvl + 1] = n_exact[lvl]
         if dl.exact_level(lv, version):
             n_exact[lvl + 1] += lv.k
-            nk = int(n_exact[lvl + 1])
-            got = grid_cache.get(nk) if grid_cache is not None else None
-            if got is None:
-                grid, w = dl.grid_of(levels[:lvl + 1], shared[:lvl + 1], version)
-                got = (np.float32(math.ldexp(1.0, -grid)), w)
-                if grid_cache is not None:
-                    grid_cache[nk] = got
-            grids[nk] = got
+            prefix[int(n_exact[lvl + 1])] = lvl + 1
         elif lv.kind == "lowrank":
             assert sh is not None
             first[lvl] = rows_v
@@ -130,7 +153,8 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
         np.ascontiguousarray(np.vstack(vs) if vs else np.zeros((1, cols)), dtype=np.float32),
         np.ascontiguousarray(np.vstack([_pad(b, dim) for b in books]) if books
                              else np.zeros((1, 1)), dtype=np.float32),
-        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels), n_exact, grids,
+        not any(lv.kind == "ulp" and lv.k != 1 for lv in levels), n_exact,
+        Grids(prefix, levels, shared, version, {} if grid_cache is None else grid_cache),
         {} if int_cache is None else int_cache)
 
 
