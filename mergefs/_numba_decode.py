@@ -56,8 +56,9 @@ def _axpy_intrinsic(width):
     def typer(typingctx, dst, doff, src, soff, scale):
         ok = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
                  for a in (dst, src))
-        if not ok:  # contiguous float32 arrays only: offsets index their memory directly
-            return None
+        ok &= all(isinstance(o, types.Integer) for o in (doff, soff))
+        if not ok or scale != types.float32:  # contiguous float32 arrays, whose memory the
+            return None  # offsets index; a float32 scale (a wider one would round otherwise)
         return types.void(dst, doff, src, soff, scale), _axpy_codegen(width)
 
     typer.__name__ = f"axpy{width}"

@@ -359,6 +359,10 @@ def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
     w0, _, rows, built, levels, shared = _dense_tensor(1)
     kinds = [(lv.kind, lv.bits) for lv in levels]
     assert ("lowrank", 2) in kinds and ("vq", 1) in kinds and ("quant", 2) in kinds, kinds
+    starts_c = np.cumsum([0] + [lv.k for lv in levels if lv.kind == "lowrank"])
+    assert any(lv.bits == 2 and lv.k % 4 == 0 and c % 4 == 0 and (c + lv.k) % 4 == 0
+               for lv, c in zip([lv for lv in levels if lv.kind == "lowrank"], starts_c)), \
+        "no 2-bit level on the int8 route's word path"
     cols = w0.shape[1]
     n_rows = np.asarray([r1 - r0 for r0, r1 in rows], np.int64)
     starts = np.asarray([r0 * cols for r0, _ in rows], np.int64)
@@ -375,7 +379,17 @@ def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
                                [memoryview(blocks[lvl][j]) for lvl in range(depth)],
                                shared[:depth], int(rb), cols)
             for j, (s, rb) in enumerate(zip(starts, n_rows))])
+        packed = deltadecode.pack(levels[:depth], shared[:depth], cols)
         got = np.full_like(flat, np.nan)
         deltadecode.decode_into(got, flat, levels, cols, starts, n_rows, depths, payloads,
-                                shared)
+                                shared, packed)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (route, depth)
+        if route == "onednn":
+            assert packed.int_weights, depth  # the int8 route was taken
+        single = np.full_like(flat, np.nan)  # one block per call (blas: Q W in the loop)
+        for j in range(len(rows)):
+            one = deltadecode.Payloads(payloads.data, off[:, j:j + 1].copy(),
+                                       size[:, j:j + 1].copy())
+            deltadecode.decode_into(single, flat, levels, cols, starts[j:j + 1],
+                                    n_rows[j:j + 1], depths[j:j + 1], one, shared)
+        assert np.array_equal(single.view(np.uint32), want.view(np.uint32)), (route, depth)
