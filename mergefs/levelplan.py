@@ -30,7 +30,6 @@ slower than decoding). Pure; no I/O.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,21 +121,49 @@ def _options(sc: DeltaSidecar, index: BlockIndex, i: int) -> tuple[np.ndarray, l
     return n_levels, per_block
 
 
-def _hull(points: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
-    """Upper concave hull from (0, 0) of (cost, gain, option) points, increasing in both."""
-    hull = [(0.0, 0.0, 0)]
-    for c, g, o in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
-        c = max(c, 1e-9)  # an empty range still comes after skipping
-        if g <= hull[-1][1]:  # costs more and removes no more energy: dominated
-            continue
-        while len(hull) >= 2:
-            (c1, g1, _), (c2, g2, _) = hull[-2], hull[-1]
-            if (g2 - g1) * (c - c1) <= (g - g1) * (c2 - c1):  # hull[-1] on or under the chord
-                hull.pop()
-            else:
+def _hulls(cost: np.ndarray, gain: np.ndarray, opt: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Upper concave hull from ``(0, 0, 0)`` of each row of ``(R, P)`` (cost, gain, option)
+    points, increasing in both (Andrew's monotone chain on the points sorted by cost, then
+    gain descending, then option; a point that removes no more energy than the hull's last
+    is dominated), every row at once: ``(hc, hg, ho, h)``, row ``r``'s hull ``hc[r, :h[r]]``
+    (its gains and options likewise)."""
+    n_rows, n_pts = cost.shape
+    order = np.lexsort((opt, -gain, cost), axis=1)
+    c = np.take_along_axis(cost, order, 1)
+    g = np.take_along_axis(gain, order, 1)
+    o = np.take_along_axis(opt, order, 1)
+    hc = np.zeros((n_rows, n_pts + 1))
+    hg = np.zeros((n_rows, n_pts + 1))
+    ho = np.zeros((n_rows, n_pts + 1), np.int64)
+    h = np.ones(n_rows, np.int64)
+    rows = np.arange(n_rows)
+    for q in range(n_pts):
+        cq = np.maximum(c[:, q], 1e-9)  # an empty range still comes after skipping
+        gq = g[:, q]
+        keep = gq > hg[rows, h - 1]  # else: costs more and removes no more energy
+        pop = keep.copy()
+        while True:
+            pop &= h >= 2
+            if not pop.any():
                 break
-        hull.append((c, g, o))
-    return hull
+            c1, g1 = hc[rows, h - 2], hg[rows, h - 2]
+            c2, g2 = hc[rows, h - 1], hg[rows, h - 1]
+            pop &= (g2 - g1) * (cq - c1) <= (gq - g1) * (c2 - c1)  # on or under the chord
+            h -= pop
+        at = rows[keep]
+        hc[at, h[keep]], hg[at, h[keep]], ho[at, h[keep]] = cq[keep], gq[keep], o[keep, q]
+        h += keep
+    return hc, hg, ho, h
+
+
+def _segments(hc: np.ndarray, hg: np.ndarray, ho: np.ndarray, h: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Upgrades along each row's hull: (row, -slope, from option, to option)."""
+    step = np.arange(hc.shape[1] - 1)[None, :] < (h - 1)[:, None]
+    r, q = np.nonzero(step)
+    slope = (hg[r, q + 1] - hg[r, q]) / np.maximum(hc[r, q + 1] - hc[r, q], 1e-12)
+    return r, -slope, ho[r, q], ho[r, q + 1]
 
 
 def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
@@ -162,48 +189,75 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                 live_of[(i, sid)] = live_of.get((i, sid), 0) + live
     share_of = {(i, sid): float(shared_bytes[i][sid]) / max(1, live)
                 for (i, sid), live in live_of.items()}
-    segments = []  # (-slope, tensor, block, expert, from, to)
     block_cost: dict[tuple[int, int], list[int]] = {}
     #: per pair and prefix, the shared ranges its levels use (sorted, each once)
     block_sids: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    parts: list[tuple[np.ndarray, ...]] = []  # (block, expert, -slope, from, to) per batch
     for i in range(n):
         if c2[i] == 0:
             continue
-        per_block = opts[i][1] if i in opts else None
-        for bb in np.flatnonzero(~index.zero[i]):
-            b = int(bb)
-            full = c2[i] * float(index.norms[i, b]) ** 2
-            points = [(float(raw[i, b]), full, EXACT)]
-            levels = per_block[b] if per_block is not None else None
-            if levels:
-                cum, amort = 0, 0.0
-                costs = []
-                counted: set[int] = set()  # two vq levels share one codebook: count it once
-                prefix_sids = []
-                for k, (size, sid, r) in enumerate(levels, start=1):
-                    cum += size
-                    if sid >= 0 and sid not in counted:
-                        counted.add(sid)
-                        amort += share_of.get((i, sid), 0.0)
-                    costs.append(cum)
-                    prefix_sids.append(tuple(sorted(counted)))
-                    points.append((cum + amort, full - c2[i] * r * r, k))
-                block_cost[(i, b)] = costs
+        live = ~index.zero[i]
+        with_levels = np.zeros(nb, bool)
+        batches = []  # (blocks, (R, P) costs, gains, options): a tensor's pairs at once
+        sc = sidecars.get(i)
+        for tl in (sc.tensors.values() if sc is not None else ()):
+            if not tl.levels:
+                continue
+            blocks = lay.blocks_of(tl.t)
+            js = np.flatnonzero(live[blocks.start:blocks.stop])
+            if js.size == 0:
+                continue
+            bs = blocks.start + js
+            with_levels[bs] = True
+            ids = np.asarray([lv.first_range for lv in tl.levels])[None, :] + js[:, None]
+            cum = np.cumsum(shared_bytes[i][ids], axis=1)  # (R, L) bytes of each prefix
+            counted: set[int] = set()  # two vq levels share one codebook: count it once
+            amort, prefix_sids, total = [], [], 0.0
+            for lv in tl.levels:
+                if lv.shared >= 0 and lv.shared not in counted:
+                    counted.add(lv.shared)
+                    total += share_of.get((i, lv.shared), 0.0)
+                amort.append(total)
+                prefix_sids.append(tuple(sorted(counted)))
+            full = c2[i] * index.norms[i, bs].astype(np.float64) ** 2
+            r = sc.range_resid[ids].astype(np.float64)
+            cost = np.hstack([raw[i, bs].astype(np.float64)[:, None],
+                              cum + np.asarray(amort)[None, :]])
+            gain = np.hstack([full[:, None], full[:, None] - c2[i] * r * r])
+            opt = np.broadcast_to(np.arange(len(tl.levels) + 1), cost.shape).copy()
+            opt[:, 0] = EXACT
+            batches.append((bs, cost, gain, opt))
+            for b, row in zip(bs.tolist(), cum.tolist()):
+                block_cost[(i, b)] = row
                 block_sids[(i, b)] = prefix_sids
-            hull = _hull(points)
-            for (ca, ga, oa), (cb, gb, ob) in itertools.pairwise(hull):
-                slope = (gb - ga) / max(cb - ca, 1e-12)
-                segments.append((-slope, int(lay.tensor_of[b]), b, i, oa, ob))
-    segments.sort()
+        bs = np.flatnonzero(live & ~with_levels)  # exact reads only
+        if bs.size:
+            full = c2[i] * index.norms[i, bs].astype(np.float64) ** 2
+            batches.append((bs, raw[i, bs].astype(np.float64)[:, None], full[:, None],
+                            np.full((bs.size, 1), EXACT, np.int64)))
+        for bs, cost, gain, opt in batches:
+            row, key, oa, ob = _segments(*_hulls(cost, gain, opt))
+            parts.append((bs[row], np.full(row.size, i), key, oa, ob))
+    if parts:
+        seg_b, seg_i, seg_key, seg_oa, seg_ob = (np.concatenate(x) for x in zip(*parts))
+    else:
+        seg_b = seg_i = seg_oa = seg_ob = np.zeros(0, np.int64)
+        seg_key = np.zeros(0)
+    seg_t = lay.tensor_of[seg_b.astype(np.int64)]
+    order = np.lexsort((seg_ob, seg_oa, seg_i, seg_b, seg_t, seg_key))  # as tuples sort
+    segments = list(zip(seg_key[order].tolist(), seg_t[order].tolist(),
+                        seg_b[order].tolist(), seg_i[order].tolist(),
+                        seg_oa[order].tolist(), seg_ob[order].tolist()))
     state = np.zeros((n, nb), dtype=np.int16)  # 0 skip, k levels, EXACT
     paid: set[tuple[int, int]] = set()
+    raw_l = np.asarray(raw).tolist()  # Python ints: the loops below index them per move
 
     def cost_of(i: int, b: int, o: int) -> tuple[int, list[tuple[int, int]]]:
         """Block bytes of option o and the shared ranges it needs that are not paid yet."""
         if o == 0:
             return 0, []
         if o == EXACT:
-            return int(raw[i, b]), []
+            return raw_l[i][b], []
         need = [(i, sid) for sid in block_sids[(i, b)][o - 1]
                 if (i, sid) not in paid]  # a shared range once
         return block_cost[(i, b)][o - 1], need
@@ -213,20 +267,26 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
         """Apply moves ``(key, tensor, block, expert, from, to)`` in order, each if its pair
         is still at ``from`` and its bytes fit (and, with ``table``, the decode limit holds:
         ``total`` is the plan's sum of ``g``)."""
+        st = state.tolist()
         for _, _, b, i, oa, ob in moves:
-            if state[i, b] != oa:
+            if st[i][b] != oa:
                 continue
             dg = table.g(i, b, ob) - table.g(i, b, oa) if table is not None else 0.0
             if total + dg > 0:
                 continue
-            before, _ = cost_of(i, b, oa)
+            before = (0 if oa == 0 else raw_l[i][b] if oa == EXACT
+                      else block_cost[(i, b)][oa - 1])
             after, need = cost_of(i, b, ob)
-            inc = after - before + sum(int(shared_bytes[i][sid]) for _, sid in need)
+            inc = after - before
+            if need:
+                inc += sum(int(shared_bytes[i][sid]) for _, sid in need)
             if used + inc <= budget_bytes:
                 used += inc
                 total += dg
-                state[i, b] = ob
-                paid.update(need)
+                st[i][b] = ob
+                if need:
+                    paid.update(need)
+        state[:] = st
 
     take(segments, 0)
     if decode is not None:

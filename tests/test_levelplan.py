@@ -26,7 +26,8 @@ from mergefs.engine import Session, open_family
 from mergefs.index import load_or_build
 from mergefs.levelplan import (
     DecodeCost,
-    _hull,
+    _hulls,
+    _segments,
     choose,
     decode_seconds,
     level_runs,
@@ -66,12 +67,63 @@ def _merge(spec_path: Path, out: Path, budget: int | None, sidecars: bool = True
     return s, load_file(str(out / "model.safetensors"))
 
 
+def _hull_one(points: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """The hull one pair at a time (the planner's rule before it was vectorised): the
+    reference for :func:`_hulls`."""
+    hull = [(0.0, 0.0, 0)]
+    for c, g, o in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
+        c = max(c, 1e-9)
+        if g <= hull[-1][1]:
+            continue
+        while len(hull) >= 2:
+            (c1, g1, _), (c2, g2, _) = hull[-2], hull[-1]
+            if (g2 - g1) * (c - c1) <= (g - g1) * (c2 - c1):
+                hull.pop()
+            else:
+                break
+        hull.append((c, g, o))
+    return hull
+
+
+def _rows(points: list[list[tuple[float, float, int]]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray([[p[k] for p in row] for row in points],
+                            np.int64 if k == 2 else np.float64) for k in range(3))
+
+
 def test_hull_keeps_only_concave_upgrades() -> None:
     pts = [(10.0, 5.0, 1), (20.0, 6.0, 2), (30.0, 9.0, 3), (40.0, 9.0, -1), (5.0, 1.0, 4)]
-    hull = _hull(pts)
-    assert [o for _, _, o in hull] == [0, 1, 3]  # 4 and 2 under the chord, -1 no gain
-    slopes = [(g2 - g1) / (c2 - c1) for (c1, g1, _), (c2, g2, _) in itertools.pairwise(hull)]
-    assert slopes == sorted(slopes, reverse=True)
+    hc, hg, ho, h = _hulls(*_rows([pts]))
+    assert ho[0, :h[0]].tolist() == [0, 1, 3]  # 4 and 2 under the chord, -1 no gain
+    _, key, _, _ = _segments(hc, hg, ho, h)
+    slopes = (-key).tolist()
+    assert slopes == sorted(slopes, reverse=True) and len(slopes) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 30), st.integers(0, 2**32 - 1))
+def test_vectorised_hulls_equal_the_hull_one_pair_at_a_time(n_pts: int, n_rows: int,
+                                                             seed: int) -> None:
+    """Every row's hull (points, in order) and upgrades are those of the one-pair rule,
+    float for float, also with ties in cost or gain, zero costs and points that gain
+    nothing."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n_rows):
+        cost = rng.choice([0.0, 1.0, 2.0, 3.0, 7.5], n_pts) if rng.random() < 0.4 \
+            else rng.uniform(0, 100, n_pts)
+        gain = rng.choice([0.0, 1.0, 2.0, 5.0], n_pts) if rng.random() < 0.4 \
+            else rng.uniform(-1, 50, n_pts)
+        opt = rng.permutation(np.arange(-1, n_pts - 1))
+        rows.append(list(zip(cost.tolist(), gain.tolist(), opt.tolist())))
+    hc, hg, ho, h = _hulls(*_rows(rows))
+    row, key, oa, ob = _segments(hc, hg, ho, h)
+    for r, pts in enumerate(rows):
+        want = _hull_one(pts)
+        got = list(zip(hc[r, :h[r]].tolist(), hg[r, :h[r]].tolist(), ho[r, :h[r]].tolist()))
+        assert got == want, (pts, got, want)
+        seg = [(-k, a, b) for k, a, b, rr in zip(key, oa, ob, row) if rr == r]
+        assert seg == [((g2 - g1) / max(c2 - c1, 1e-12), o1, o2) for (c1, g1, o1), (c2, g2, o2)
+                       in itertools.pairwise(want)]
 
 
 def test_level_runs_round_trip() -> None:
