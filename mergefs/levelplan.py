@@ -23,8 +23,8 @@ same on every machine); when the byte-budget plan decodes for longer than ``rati
 modelled read of the replaced bytes, pairs are moved to shallower options, always the move that
 saves the most decode time per unit of energy lost (ties: tensor, block, expert), until it
 does not; the bytes that frees then go, by energy per byte, to deeper options or exact reads
-where the limit allows (never beyond the budget). Remote sidecars are not limited (their reads are 10-100x
-slower than decoding). Pure; no I/O.
+where the limit allows (never beyond the budget). Remote sidecars are not limited (their
+reads are 10-100x slower than decoding). Pure; no I/O.
 """
 
 from __future__ import annotations
