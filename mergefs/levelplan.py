@@ -121,6 +121,13 @@ def _options(sc: DeltaSidecar, index: BlockIndex, i: int) -> tuple[np.ndarray, l
     return n_levels, per_block
 
 
+def _squares(x: np.ndarray) -> np.ndarray:
+    """``float(v) ** 2`` of each element, as the one-pair loop squared a norm: Python's power
+    (libm ``pow``), which differs from numpy's ``x * x`` in the last bit of ~0.08% of
+    doubles, enough to reorder tied upgrades and so change a plan."""
+    return np.fromiter((v ** 2 for v in x.astype(np.float64).tolist()), np.float64, x.size)
+
+
 def _hulls(cost: np.ndarray, gain: np.ndarray, opt: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Upper concave hull from ``(0, 0, 0)`` of each row of ``(R, P)`` (cost, gain, option)
@@ -141,7 +148,8 @@ def _hulls(cost: np.ndarray, gain: np.ndarray, opt: np.ndarray
     for q in range(n_pts):
         cq = np.maximum(c[:, q], 1e-9)  # an empty range still comes after skipping
         gq = g[:, q]
-        keep = gq > hg[rows, h - 1]  # else: costs more and removes no more energy
+        # else: costs more and removes no more energy (a NaN gain, NaN weights, is kept)
+        keep = ~(gq <= hg[rows, h - 1])
         pop = keep.copy()
         while True:
             pop &= h >= 2
@@ -219,7 +227,7 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                     total += share_of.get((i, lv.shared), 0.0)
                 amort.append(total)
                 prefix_sids.append(tuple(sorted(counted)))
-            full = c2[i] * index.norms[i, bs].astype(np.float64) ** 2
+            full = c2[i] * _squares(index.norms[i, bs])
             r = sc.range_resid[ids].astype(np.float64)
             cost = np.hstack([raw[i, bs].astype(np.float64)[:, None],
                               cum + np.asarray(amort)[None, :]])
@@ -232,7 +240,7 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
                 block_sids[(i, b)] = prefix_sids
         bs = np.flatnonzero(live & ~with_levels)  # exact reads only
         if bs.size:
-            full = c2[i] * index.norms[i, bs].astype(np.float64) ** 2
+            full = c2[i] * _squares(index.norms[i, bs])
             batches.append((bs, raw[i, bs].astype(np.float64)[:, None], full[:, None],
                             np.full((bs.size, 1), EXACT, np.int64)))
         for bs, cost, gain, opt in batches:
@@ -244,7 +252,10 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
         seg_b = seg_i = seg_oa = seg_ob = np.zeros(0, np.int64)
         seg_key = np.zeros(0)
     seg_t = lay.tensor_of[seg_b.astype(np.int64)]
-    order = np.lexsort((seg_ob, seg_oa, seg_i, seg_b, seg_t, seg_key))  # as tuples sort
+    # as tuples sort; a NaN slope (an expert with NaN weights) first: its merge is NaN
+    # whatever else is read, and reading it shows that
+    seg_key = np.where(np.isnan(seg_key), -np.inf, seg_key)
+    order = np.lexsort((seg_ob, seg_oa, seg_i, seg_b, seg_t, seg_key))
     segments = list(zip(seg_key[order].tolist(), seg_t[order].tolist(),
                         seg_b[order].tolist(), seg_i[order].tolist(),
                         seg_oa[order].tolist(), seg_ob[order].tolist()))

@@ -416,3 +416,32 @@ def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path],
         path.write_text(yaml.safe_dump({**doc, "decode_limit": bad}))
         with pytest.raises(SpecError, match=r"bad\.yaml: decode_limit: expected a positive"):
             load_spec(str(path))
+
+
+def _two_block_index(norms: list[float]) -> Any:
+    """One float32 tensor of two row blocks (128 and 256 elements: 512 and 1024 bytes), one
+    expert with these block norms."""
+    from mergefs.index import BlockIndex, BlockLayout
+    lay = BlockLayout(512, ("w",), (4,), np.zeros(2, np.int32), np.array([0, 128], np.int64),
+                      np.array([128, 384], np.int64), np.array([0, 2], np.int64))
+    return BlockIndex("k", lay, np.zeros(2, np.uint64), np.zeros((1, 2), np.uint64),
+                      np.array([norms]), np.zeros((1, 2), bool), np.zeros((2, 1, 1)))
+
+
+def test_tied_upgrades_square_norms_as_the_one_pair_loop_did() -> None:
+    """These norms give both blocks the same energy per byte with Python's ``x ** 2`` (libm
+    pow) but not with numpy's ``x * x``, one bit apart: the tie must break by block, as
+    plans (and the manifests recording them) always have."""
+    x, y = 1.913084525181784, 2.705510081478172
+    assert x ** 2 / 512 == y ** 2 / 1024 and x * x / 512 != y * y / 1024
+    got = choose(_two_block_index([x, y]), np.array([1.0]), 1024, {})
+    assert got.selected.ravel().tolist() == [True, False] and got.exact_bytes == 512
+
+
+def test_a_nan_block_is_read_first() -> None:
+    """NaN weights give a NaN norm: the pair is planned (its merge is NaN whatever else is
+    read), before any other, so the output shows it instead of silently leaving it out."""
+    idx = _two_block_index([float("nan"), 1.0])
+    for budget, want in ((512, [True, False]), (2000, [True, True]), (100, [False, False])):
+        got = choose(idx, np.array([1.0]), budget, {})
+        assert got.selected.ravel().tolist() == want, budget
