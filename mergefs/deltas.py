@@ -278,17 +278,24 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     and ``rint`` are exact, the bound is summed exactly (``math.fsum``, Python integers).
     Raises :class:`DeltaError` when no grid holds these values (non-finite or out of range: a
     damaged sidecar)."""
-    rows, tops = [], []
+    vs, us, tops = [], [], []
     for lv, sh in zip(levels, shared):
         if lv.kind == "lowrank" and lv.bits != 16:
             assert sh is not None
-            rows.append(sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None])
+            us.append(sh[0])
+            vs.append(sh[1])
             tops.append(np.full(lv.k, (1 << lv.bits) - 1, np.int64))
-    if not rows:
+    if not vs:
         return 0, np.zeros((0, 0), np.float32)
-    x = np.vstack(rows)
+    v = np.vstack(vs)
+    u = np.concatenate(us).astype(np.float64)
     top = np.concatenate(tops)
-    peak = np.abs(x).max(axis=1) if x.shape[1] else np.zeros(len(x))
+    # x = uscale * V row by row, exact in float64 (24-bit by 24-bit products), is never
+    # formed: its row peaks are max|V| * |u| (exact), and W is rint(V * (u * 2**(G-1))) (the
+    # same exact products, scaled by a power of two first)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite: refused just below
+        peak = (np.abs(v).max(axis=1).astype(np.float64) * np.abs(u) if v.shape[1]
+                else np.zeros(len(v)))
     if not np.isfinite(peak).all() or int(top.sum()) >= EXACT_LIMIT // 2:
         raise DeltaError("low-rank values that no exact grid holds (non-finite, or too many "
                          "components): a damaged sidecar")
@@ -307,8 +314,12 @@ def grid_of(levels: Sequence[Level], shared: Sequence[tuple[np.ndarray, np.ndarr
     if grid < -100:
         raise DeltaError(f"low-rank values of magnitude {total:.3g}, outside what an exact "
                          "float32 grid holds: a damaged sidecar")
-    w = np.rint(x * math.ldexp(1.0, grid - 1))  # ldexp: exact, not up to the libm's pow
-    bound = sum(int(t) * int(m) for t, m in zip(top, np.abs(w).max(axis=1, initial=0.0)))
+    w = v.astype(np.float64)
+    w *= (u * math.ldexp(1.0, grid - 1))[:, None]  # ldexp: exact, not up to the libm's pow
+    np.rint(w, out=w)
+    # max |rint(y)| = rint(max |y|): rint is odd and monotone
+    top_w = np.rint(peak * math.ldexp(1.0, grid - 1))
+    bound = sum(int(t) * int(m) for t, m in zip(top.tolist(), top_w.tolist()))
     if bound >= EXACT_LIMIT:  # cannot happen for finite values (rint adds at most top / 2)
         raise DeltaError("the exact low-rank grid overflows float32 (a damaged sidecar)")
     return grid, w.astype(np.float32)

@@ -393,3 +393,28 @@ def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
             deltadecode.decode_into(single, flat, levels, cols, starts[j:j + 1],
                                     n_rows[j:j + 1], depths[j:j + 1], one, shared)
         assert np.array_equal(single.view(np.uint32), want.view(np.uint32)), (route, depth)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2, 3, 4, 8, 16]), st.integers(1, 9),
+                          st.floats(1e-12, 1e12)), min_size=1, max_size=4),
+       st.integers(0, 12), st.sampled_from(["4", "5"]), st.integers(0, 2**32 - 1))
+def test_grid_weights_are_the_rounded_scaled_products(spec, cols, version, seed) -> None:
+    """``W`` is ``rint(uscale * V * 2**(G-1))`` computed the plain way (float64, the product
+    formed first), bit for bit, signs of zero included; float16 levels take no part."""
+    rng = np.random.default_rng(seed)
+    levels, shared = [], []
+    for bits, k, scale in spec:
+        us = (rng.uniform(-1, 1, k) * scale).astype(np.float32)
+        v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
+        v[rng.random(v.shape) < 0.1] = -0.0
+        levels.append(deltas.Level("lowrank", bits, k, 0))
+        shared.append((us, v))
+    grid, w = deltas.grid_of(levels, shared, version)
+    x = [sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None]
+         for lv, sh in zip(levels, shared) if lv.bits != 16]
+    if not x:
+        assert w.shape == (0, 0)
+        return
+    want = np.rint(np.vstack(x) * math.ldexp(1.0, grid - 1)).astype(np.float32)
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
