@@ -348,7 +348,9 @@ ROW_PRODUCT_K = 8
 @_jit
 def row_product(a, q, qr, w, cols):
     """``a[e] = sum_c q[qr, c] * w[c, e]``, four components per pass from +0 (integers whose
-    partial sums stay below ``2**24``: exact in any order)."""
+    partial sums stay below ``2**24``: exact in any order). :func:`add_products` on a one-row
+    slice computes the same, slower here (39-41 against 35 us per 42 x 384 block of 8
+    components)."""
     k = q.shape[1]
     for e in range(cols):
         a[e] = np.float32(0.0)

@@ -263,15 +263,17 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
     paid: set[tuple[int, int]] = set()
     raw_l = np.asarray(raw).tolist()  # Python ints: the loops below index them per move
 
+    def bytes_of(i: int, b: int, o: int) -> int:
+        """Block bytes of option o."""
+        return 0 if o == 0 else raw_l[i][b] if o == EXACT else block_cost[(i, b)][o - 1]
+
     def cost_of(i: int, b: int, o: int) -> tuple[int, list[tuple[int, int]]]:
         """Block bytes of option o and the shared ranges it needs that are not paid yet."""
-        if o == 0:
-            return 0, []
-        if o == EXACT:
-            return raw_l[i][b], []
+        if o == 0 or o == EXACT:
+            return bytes_of(i, b, o), []
         need = [(i, sid) for sid in block_sids[(i, b)][o - 1]
                 if (i, sid) not in paid]  # a shared range once
-        return block_cost[(i, b)][o - 1], need
+        return bytes_of(i, b, o), need
 
     def take(moves: list, used: int, table: _DecodeTable | None = None, total: float = 0.0
              ) -> None:
@@ -285,8 +287,7 @@ def choose(index: BlockIndex, coeffs: np.ndarray, budget_bytes: int,
             dg = table.g(i, b, ob) - table.g(i, b, oa) if table is not None else 0.0
             if total + dg > 0:
                 continue
-            before = (0 if oa == 0 else raw_l[i][b] if oa == EXACT
-                      else block_cost[(i, b)][oa - 1])
+            before = bytes_of(i, b, oa)
             after, need = cost_of(i, b, ob)
             inc = after - before
             if need:
