@@ -10,7 +10,7 @@
     with m.mount("/mnt/merged", budget="full") as mnt:   # a lazy merged HF directory
         model = AutoModelForCausalLM.from_pretrained(mnt.path)
 
-Every function raises :class:`mergefs.errors.MergefsError` subclasses with the CLI's one-line
+Every function raises :class:`mergefs.core.errors.MergefsError` subclasses with the CLI's one-line
 messages. The same safety rules hold as on the command line: outputs never land in a source,
 manifests are never overwritten, an output directory appears only when complete. Blocking; call
 from ordinary threads (never from a trio or asyncio event loop thread).
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MergefsError
-from .spec import Budget, Spec, load_spec, parse_budget
+from mergefs.core.errors import MergefsError
+from mergefs.spec.spec import Budget, Spec, load_spec, parse_budget
 
 __all__ = ["Merge", "MergeResult", "Mounted", "open", "replay"]
 
@@ -62,14 +62,14 @@ class Merge:
         return self.spec if b is None else self.spec.with_budget(b)
 
     def _check_writes(self, **paths: Any) -> None:
-        from .outdir import check_writes
+        from mergefs.engine.output import check_writes
 
         check_writes(self.spec.model_paths, **paths)
 
     def index(self, rebuild: bool = False) -> Any:
-        """Build (or reuse) the block index; returns the :class:`mergefs.index.BlockIndex`."""
-        from .engine import open_family
-        from .index import load_or_build
+        """Build (or reuse) the block index; returns the :class:`mergefs.index.blocks.BlockIndex`."""
+        from mergefs.engine.merger import open_family
+        from mergefs.index.blocks import load_or_build
 
         self._check_writes(index_dir=self.spec.index_dir)
         base, experts = open_family(self.spec)
@@ -82,9 +82,9 @@ class Merge:
                 c.close()
 
     def plan(self, budget: str | float | Budget | None = None) -> Any:
-        """The :class:`mergefs.plan.Plan` for ``budget`` (default: the spec's): which expert
+        """The :class:`mergefs.plan.planner.Plan` for ``budget`` (default: the spec's): which expert
         blocks are read, planned bytes, bounds; ``.report()`` gives the CLI's JSON."""
-        from .engine import Session
+        from mergefs.engine.merger import Session
 
         self._check_writes(index_dir=self.spec.index_dir)
         session = Session(self._spec(budget))
@@ -99,10 +99,10 @@ class Merge:
         """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier
         merge output as a whole). ``manifest``: an exact path that must not exist; default a
         new timestamped manifest beside the spec's ``manifest`` path."""
-        from . import kernels
-        from .engine import Session, may_use_kernels, open_family
-        from .manifest import ManifestWriter
-        from .outdir import check_outdir, check_outside, check_source_files
+        from mergefs.methods import kernels
+        from mergefs.engine.merger import Session, may_use_kernels, open_family
+        from mergefs.engine.manifest import ManifestWriter
+        from mergefs.engine.output import check_outdir, check_outside, check_source_files
 
         spec = self._spec(budget)
         out = Path(outdir)
@@ -142,7 +142,7 @@ class Merge:
         process, returning once it answers. Use as a context manager, or call ``unmount()``.
         The spec file is read again by the server, so ``budget`` is passed to it as an
         override."""
-        argv = [sys.executable, "-m", "mergefs.cli", "mount", self.spec.source, str(mountpoint)]
+        argv = [sys.executable, "-m", "mergefs.cli.main", "mount", self.spec.source, str(mountpoint)]
         if self.spec.source == "<inline>":
             raise MergefsError("mount needs a spec file (the server process reads it)")
         b = _budget(budget)
@@ -171,7 +171,7 @@ class Mounted:
 
     def stats(self) -> dict[str, Any]:
         """The live ``.mergefs/stats.json`` (bytes served and read, cache, errors)."""
-        from .mount import read_stats
+        from mergefs.mount.lifecycle import read_stats
 
         return read_stats(self.path)
 
@@ -179,7 +179,7 @@ class Mounted:
         """Unmount (refused while a process still uses it, unless ``lazy``)."""
         import argparse
 
-        from .mount import is_mounted, run_umount
+        from mergefs.mount.lifecycle import is_mounted, run_umount
 
         if is_mounted(self.path):
             run_umount(argparse.Namespace(mountpoint=str(self.path), lazy=lazy))
@@ -195,7 +195,7 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
          base_dir: str | os.PathLike[str] | None = None) -> Merge:
     """Open a spec file (or a spec already loaded as a dict, paths relative to ``base_dir``)."""
     if isinstance(spec, dict):
-        from .spec import parse_spec
+        from mergefs.spec.spec import parse_spec
 
         return Merge(parse_spec(json.loads(json.dumps(spec)), Path(base_dir or ".").resolve()))
     return Merge(load_spec(Path(spec)))
@@ -204,7 +204,7 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
 def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
            force: bool = False) -> Any:
     """Re-execute a manifest and verify every byte; returns
-    :class:`mergefs.replayer.ReplayResult`, raises on any difference."""
-    from .replayer import replay as _replay
+    :class:`mergefs.engine.replay.ReplayResult`, raises on any difference."""
+    from mergefs.engine.replay import replay as _replay
 
     return _replay(Path(manifest), Path(out) if out is not None else None, overwrite=force)

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import make_family
 
 PY = sys.executable
-MERGEFS = [PY, "-m", "mergefs.cli"]
+MERGEFS = [PY, "-m", "mergefs.cli.main"]
 BUDGETS = ("1%", "2%", "5%", "10%", "25%", "50%", "full")
 MERGEFS_ONLY_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name", "remote",
                      "sidecar", "sidecars")
@@ -119,7 +119,7 @@ def q(cmd: Sequence[str | Path]) -> str:
             s = s[len(str(ROOT)) + 1:]
         parts.append(shlex.quote(s))
     line = " ".join(parts)
-    return line.replace("python -m mergefs.cli", "mergefs")
+    return line.replace("python -m mergefs.cli.main", "mergefs")
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,9 +429,9 @@ class Bench:
         """
         build_code = f"""
             import time, json
-            from mergefs.spec import load_spec
-            from mergefs.engine import open_family
-            from mergefs.index import build_layout, build_index
+            from mergefs.spec.spec import load_spec
+            from mergefs.engine.merger import open_family
+            from mergefs.index.blocks import build_layout, build_index
             spec = load_spec({str(fam / 'spec.yaml')!r})
             base, experts = open_family(spec)
             layout = build_layout(base, spec.block_size)

@@ -2,9 +2,9 @@
 """Delta sidecar decode alone (issue 14): every block a budget's plan reconstructs, decoded from
 sidecar bytes already in memory, by several routes on the same blocks:
 
-- ``batched``: :func:`mergefs.deltadecode.decode_into`, one call per (expert, tensor), by the
+- ``batched``: :func:`mergefs.deltas.decode.decode_into`, one call per (expert, tensor), by the
   sidecars' own arithmetic (versions 4 and 5: the exact low-rank product on oneDNN's int8
-  matmul where the CPU has AMX or VNNI, :mod:`mergefs.intgemm`, else by BLAS; what the engine
+  matmul where the CPU has AMX or VNNI, :mod:`mergefs.deltas.intgemm`, else by BLAS; what the engine
   runs), one thread;
 - ``batched_blas``: the same with every exact product a float32 BLAS product (the same bits);
 - ``batched_v3``: the same call with version 3's fixed-order compiled product (different bits,
@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch  # noqa: F401 (imported, as by any merge that uses torch: the int8 route is on at once)
 
-from mergefs import deltadecode, deltas
-from mergefs.dtypes import decode_f32
-from mergefs.engine import Session
-from mergefs.spec import load_spec
+from mergefs.deltas import decode as deltadecode
+from mergefs.deltas import codec as deltas
+from mergefs.core.dtypes import decode_f32
+from mergefs.engine.merger import Session
+from mergefs.spec.spec import load_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sidecar import replaced_read_seconds  # noqa: E402

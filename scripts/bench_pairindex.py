@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from families import Family, make_family
 
-from mergefs.checkpoint import open_checkpoint
-from mergefs.index import BuildReport, load_or_build
+from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.index.build import BuildReport
+from mergefs.index.blocks import load_or_build
 
 BLOCK = 1 << 20
 

@@ -8,7 +8,7 @@ before each run (cold):
 - ``local``: ``load_or_build(rebuild=True)`` on two threads, and ``Session`` + ``materialise``;
 - ``ray N``: a one-node Ray cluster with ``--num-cpus=N`` (N worker processes; tests/raycluster.py,
   started and stopped here, its start-up not timed), the same index build through
-  :class:`mergefs.rayindex.RayChunkRunner` and the same merge through ``rayexec.materialise``.
+  :class:`mergefs.engine.ray_index.RayChunkRunner` and the same merge through ``rayexec.materialise``.
 
 Every Ray output is checked against the local one (index arrays, output bytes, plan hash).
 Prints one JSON line per row and the machine's load (``/proc/loadavg``) before and after: the
@@ -45,11 +45,11 @@ from make_family import make_synthetic, parse_bytes, parse_count
 from raycluster import LocalRayCluster
 from servers import CountingMotoServer, upload_tree
 
-from mergefs import rayexec, rayindex
-from mergefs.engine import Session, open_family
-from mergefs.index import load_or_build
-from mergefs.manifest import ManifestWriter
-from mergefs.spec import load_spec
+from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
+from mergefs.engine.merger import Session, open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.spec.spec import load_spec
 
 
 def evict(root: Path) -> None:

@@ -25,7 +25,7 @@ sidecars save where reads are slower than decoding.
 
 Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the sidecar ranges
 and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
-:func:`mergefs.deltadecode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
+:func:`mergefs.deltas.decode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
 pread of the exact expert bytes those blocks replace, by one thread and (``_2threads_s``) by two
 as the engine's workers read. ``scripts/bench_decode.py`` times the decoding alone, by one and
 two threads, by the sidecars' own arithmetic and by earlier versions' on the same blocks.
@@ -53,11 +53,11 @@ import numpy as np
 import yaml
 from safetensors.numpy import load_file
 
-from mergefs.compress import publish
-from mergefs.engine import Session, open_family
-from mergefs.index import load_or_build
-from mergefs.plan import make_plan
-from mergefs.spec import load_spec
+from mergefs.deltas.publish import publish
+from mergefs.engine.merger import Session, open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.plan.planner import make_plan
+from mergefs.spec.spec import load_spec
 
 LAYER = re.compile(r"(^|\.)layers?\.\d+\.")
 
@@ -222,7 +222,7 @@ def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
     import hashlib
     import subprocess
 
-    cmd = [sys.executable, "-P", "-m", "mergefs.cli"]
+    cmd = [sys.executable, "-P", "-m", "mergefs.cli.main"]
     mnt = tmp / "mnt"
     mnt.mkdir(exist_ok=True)
     evict(*sources)
@@ -282,7 +282,7 @@ def layers_only_plan(spec: Any, pct: float, sidecars: bool) -> tuple[Any, int]:
     budget = int(pct * 2 * elems.sum() * len(experts))
     found = {}
     if sidecars:
-        from mergefs.deltas import find
+        from mergefs.deltas.codec import find
 
         found = find(base, experts, index)
     plan = make_plan(spec, masked, budget, sidecars=found)
@@ -394,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(rd, indent=1) + "\n")
         return 0
-    from mergefs.engine import Engine
+    from mergefs.engine.merger import Engine
 
     Engine._reconstruct = _timed_reconstruct(Engine._reconstruct)  # type: ignore[method-assign]
-    from mergefs import deltadecode
+    from mergefs.deltas import decode as deltadecode
 
     deltadecode.decode_into = _timed_decode_into(deltadecode.decode_into)  # the kernel alone
     spec_path = args.family / args.spec

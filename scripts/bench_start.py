@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     mnt.mkdir()
     print("uptime at the start:", uptime())
     times: dict[str, list[float]] = {t: [] for t in args.trees}
-    cli = [PY, "-P", "-m", "mergefs.cli"]
+    cli = [PY, "-P", "-m", "mergefs.cli.main"]
     try:
         for rnd in range(args.repeats):
             for tree in args.trees if rnd % 2 == 0 else args.trees[::-1]:

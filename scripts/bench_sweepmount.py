@@ -68,7 +68,7 @@ def make(root: Path, params: int, layers: int, n_experts: int, log: Any) -> Path
 
 def write_specs(fam: Path) -> tuple[Path, dict[str, Path], dict[str, Path]]:
     """sweep.yaml, one plain spec per variant, one mergekit spec per variant."""
-    from mergefs.variants import expand
+    from mergefs.spec.variants import expand
 
     doc = yaml.safe_load((fam / "spec.yaml").read_text())
     doc["sweep"] = GRID

@@ -51,7 +51,7 @@ from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
 # ``-P``: never the current directory's mergefs (``python -m`` puts the cwd first on sys.path,
 # which made a --baseline run the cwd's code); PYTHONPATH says which tree runs: this script's
 # (set in main), or the baseline's (baseline_env)
-MERGEFS = [PY, "-P", "-m", "mergefs.cli"]
+MERGEFS = [PY, "-P", "-m", "mergefs.cli.main"]
 
 #: experts per family (the tiny one has 16 for the scaling rows; the others 8)
 FAMILY_EXPERTS = {"tiny": 16}

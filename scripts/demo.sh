@@ -12,7 +12,7 @@ MNT="$WORK/mnt"
 mkdir -p "$WORK"
 unmount() {
     if grep -qs " $MNT fuse" /proc/self/mountinfo; then
-        "$PY" -m mergefs.cli umount "$MNT" || fusermount3 -u -z "$MNT" || true
+        "$PY" -m mergefs.cli.main umount "$MNT" || fusermount3 -u -z "$MNT" || true
     fi
 }
 trap unmount EXIT
@@ -20,28 +20,28 @@ trap unmount EXIT
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "build a tiny Llama family (base + 3 experts) and its spec"
-"$PY" -m mergefs.demo build "$WORK"
+"$PY" -m mergefs.cli.demo build "$WORK"
 cat "$WORK/spec.yaml"
 
 step "mergefs index (one pass over base and experts, reused afterwards)"
-"$PY" -m mergefs.cli index "$WORK/spec.yaml"
+"$PY" -m mergefs.cli.main index "$WORK/spec.yaml"
 
 step "mergefs plan (what the 25% budget reads, and its error bound)"
-"$PY" -m mergefs.cli plan "$WORK/spec.yaml"
+"$PY" -m mergefs.cli.main plan "$WORK/spec.yaml"
 
 step "mergefs mount"
 mkdir -p "$MNT"
-"$PY" -m mergefs.cli mount "$WORK/spec.yaml" "$MNT"
+"$PY" -m mergefs.cli.main mount "$WORK/spec.yaml" "$MNT"
 ls -la "$MNT"
 
 step "from_pretrained(mountpoint) and a forward pass"
-"$PY" -m mergefs.demo run "$MNT"
+"$PY" -m mergefs.cli.demo run "$MNT"
 
 step "mergefs stats (bytes read vs full, cache)"
-"$PY" -m mergefs.cli stats "$MNT"
+"$PY" -m mergefs.cli.main stats "$MNT"
 
 step "mergefs umount"
-"$PY" -m mergefs.cli umount "$MNT"
+"$PY" -m mergefs.cli.main umount "$MNT"
 
 step "mergefs replay (re-read every recorded range, re-merge, check every hash)"
-"$PY" -m mergefs.cli replay "$WORK/spec.manifest.jsonl"
+"$PY" -m mergefs.cli.main replay "$WORK/spec.manifest.jsonl"

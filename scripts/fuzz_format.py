@@ -4,7 +4,7 @@
     .venv/bin/pip install atheris
     .venv/bin/python scripts/fuzz_format.py -max_total_time=600 [corpus_dir]
 
-The law: any byte string either parses or raises mergefs.format.FormatError; nothing else may
+The law: any byte string either parses or raises mergefs.core.format.FormatError; nothing else may
 escape, and a parsed header must describe a buffer that tiles exactly. The test suite checks the
 same law with hypothesis on a fixed example budget (tests/test_format.py).
 """
@@ -16,7 +16,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from mergefs import format as fmt
+    from mergefs.core import format as fmt
 
 
 def one_input(data: bytes) -> None:

@@ -3,7 +3,7 @@
 
     python scripts/profile_index.py SPEC [--cold]     # --cold: evict the sources first
 
-Wraps the stage functions of mergefs.indexbuild (reads, hashes, zero flags, Gram terms, the
+Wraps the stage functions of mergefs.index.build (reads, hashes, zero flags, Gram terms, the
 reader queue) with timers, then runs ``load_or_build(..., rebuild=True)`` as ``mergefs index
 --rebuild`` does (without the progress bar). "wall in stage" is summed over the threads that
 ran the stage (the reader runs READ_STREAMS reads at a time). This script is not imported by
@@ -21,10 +21,11 @@ import time
 from typing import Any
 
 t_start = time.perf_counter()
-from mergefs import indexbuild, kernels
-from mergefs.engine import open_family
-from mergefs.index import load_or_build
-from mergefs.spec import load_spec
+from mergefs.index import build as indexbuild
+from mergefs.methods import kernels
+from mergefs.engine.merger import open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.spec.spec import load_spec
 
 t_imports = time.perf_counter()
 cpu: collections.Counter[str] = collections.Counter()

@@ -12,7 +12,7 @@ from families import Family, make_family, write_spec
 from reference import read_tensor, reference_merge_dir
 
 import mergefs
-from mergefs.errors import MergefsError
+from mergefs.core.errors import MergefsError
 
 
 @pytest.fixture(scope="module")

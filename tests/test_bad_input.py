@@ -25,7 +25,7 @@ from families import Family, make_family, write_spec
 from safetensors.numpy import load_file, save_file
 from test_cli import assert_one_line_error, mergefs_argv
 
-from mergefs.format import HEADER_SIZE_CAP
+from mergefs.core.format import HEADER_SIZE_CAP
 
 BLOCK = 1024
 

@@ -21,10 +21,11 @@ from families import Family, _write_model, make_family, write_spec
 from reference import read_tensor
 from safetensors.numpy import load, save
 
-from mergefs import cli, indexbuild, indexread
-from mergefs.checkpoint import Counters, ReadRange
-from mergefs.engine import Session
-from mergefs.spec import load_spec
+from mergefs.cli import main as cli
+from mergefs.index import build as indexbuild, read as indexread
+from mergefs.sources.checkpoint import Counters, ReadRange
+from mergefs.engine.merger import Session
+from mergefs.spec.spec import load_spec
 
 
 def _outputs(spec_path: Path, out: Path, names: list[str]) -> tuple[dict[str, np.ndarray], Any]:
@@ -115,7 +116,7 @@ def test_gram_terms_memory_does_not_scale_with_rows_times_block() -> None:
     column tiles keep it near one tile per row."""
     import tracemalloc
 
-    from mergefs.blockstats import gram_terms
+    from mergefs.index.stats import gram_terms
 
     n, rows = 4 << 20, 4  # one 8 MiB bf16 block, four experts
     rng = np.random.default_rng(0)
@@ -138,8 +139,8 @@ def test_oversized_chunks_stay_out_of_the_reader_buffers(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks above CHUNK_BYTES: the reader's reused buffers stay at about CHUNK_BYTES, and the
     index has the same bits as one built with a chunk size above the blocks."""
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.index import load_or_build
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.index.blocks import load_or_build
 
     fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=6)
     srcs = [open_checkpoint(fam.base), *(open_checkpoint(p) for p in fam.experts)]
@@ -226,7 +227,7 @@ def test_reader_fd_not_leaked_when_fstat_fails(tmp_path: Path,
 # -- sidecars and pieces of another format or summation order ---------------------------------
 
 def _rewrite_meta(path: Path, **changes: str | None) -> None:
-    from mergefs import format as fmt
+    from mergefs.core import format as fmt
 
     data = path.read_bytes()
     meta = dict(fmt.parse_bytes(data).metadata or {})
@@ -270,9 +271,9 @@ def test_old_index_sidecars_are_ignored_naming_the_file(
 
 def test_index_pieces_of_another_summation_order_are_rebuilt(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.index import load_or_build
-    from mergefs.indexbuild import BuildReport
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.index.blocks import load_or_build
+    from mergefs.index.build import BuildReport
 
     fam = make_family(tmp_path / "fam", n_experts=1, dtype="bfloat16", seed=9)
     srcs = [open_checkpoint(fam.base), open_checkpoint(fam.experts[0])]
@@ -293,7 +294,7 @@ def test_index_pieces_of_another_summation_order_are_rebuilt(
 
 
 def test_sweep_rows_carry_both_bounds(tmp_path: Path) -> None:
-    from mergefs.sweep import run_sweep
+    from mergefs.plan.report import run_sweep
 
     fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=4)
     spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic", [0.5, 0.5],

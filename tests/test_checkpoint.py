@@ -1,4 +1,4 @@
-"""Tests of mergefs.checkpoint against model directories written by the reference safetensors."""
+"""Tests of mergefs.sources.checkpoint against model directories written by the reference safetensors."""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mergefs import format as fmt
-from mergefs.checkpoint import (
-    INDEX_NAME,
-    Checkpoint,
-    GapAllowance,
-    ReadRange,
-    coalesce,
-    open_checkpoint,
+from mergefs.core import format as fmt
+from mergefs.sources.checkpoint import (
+    INDEX_NAME, Checkpoint, GapAllowance, ReadRange, coalesce, open_checkpoint,
 )
-from mergefs.errors import SourceChanged, SourceError
+from mergefs.core.errors import SourceChanged, SourceError
 
 TORCH_TO_NAME = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",

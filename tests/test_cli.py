@@ -14,8 +14,8 @@ import yaml
 from families import Family, make_family, write_spec
 from reference import read_tensor, reference_merge_dir, tensor_names
 
-from mergefs import cli
-from mergefs.errors import SpecError
+from mergefs.cli import main as cli
+from mergefs.core.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("index", "plan", "merge", "replay", "mount", "umount", "stats")
@@ -25,7 +25,7 @@ def mergefs_argv() -> list[str]:
     exe = REPO / ".venv" / "bin" / "mergefs"
     if exe.exists():
         return [str(exe)]
-    return [sys.executable, "-c", "import sys; from mergefs.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from mergefs.cli.main import main; sys.exit(main())"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -258,7 +258,7 @@ def test_plan_names_experts_and_lists_tensors(tmp_path: Path, fam: Family) -> No
 def test_ray_flag_without_ray_says_how_to_install_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         family_f32: Family) -> None:
-    from mergefs.rayexec import INSTALL_HINT
+    from mergefs.engine.ray_merge import INSTALL_HINT
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     spec = tmp_path / "s.yaml"

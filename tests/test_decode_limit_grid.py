@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 from families import make_family, write_spec
 
-from mergefs import compress
-from mergefs.engine import Session, open_family
-from mergefs.index import load_or_build
-from mergefs.levelplan import DecodeCost, choose, decode_seconds
-from mergefs.spec import load_spec
+from mergefs.deltas import publish as compress
+from mergefs.engine.merger import Session, open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.plan.levels import DecodeCost, choose, decode_seconds
+from mergefs.spec.spec import load_spec
 
 WEIGHTS = [0.5, -0.3, 0.8]
 
@@ -46,7 +46,7 @@ def test_decode_limit_grid_holds_within_budget(tmp_path: Path) -> None:
 def test_add_codes_bit_identical_to_per_code_lut_every_alignment() -> None:
     """add_codes (byte table path for 1/2 bits, per-code path for 3/4/8) equals the per-code
     ``a[e] += lut[bits][code] * step`` for every start offset and size."""
-    from mergefs import _numba_decode as nd
+    from mergefs.deltas import _numba_decode as nd
     lut = np.zeros((17, 256), np.float32)
     for bits in (1, 2, 3, 4, 8):
         for c in range(1 << bits):

@@ -15,10 +15,12 @@ from families import make_family, write_spec
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from mergefs import compress, deltadecode, deltas, kernels
-from mergefs.engine import Session, open_family
-from mergefs.index import load_or_build
-from mergefs.spec import load_spec
+from mergefs.deltas import publish as compress, decode as deltadecode
+from mergefs.deltas import codec as deltas
+from mergefs.methods import kernels
+from mergefs.engine.merger import Session, open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.spec.spec import load_spec
 
 BLOCK = 512
 
@@ -242,7 +244,7 @@ def _blas_decode(w0b, levels, bufs, shared, rows_b: int, cols: int) -> np.ndarra
 def relabelled_lowrank_tensors(tmp_path: Path, seed: int, version: str):
     """Expert 0's sidecar of a :func:`_setup` family relabelled as ``version`` and opened, and
     per tensor whose first level is a quantised low-rank one ``(tl, w0, js, starts, n_rows)``:
-    its non-zero blocks as :func:`mergefs.deltadecode.decode_blocks` takes them."""
+    its non-zero blocks as :func:`mergefs.deltas.decode.decode_blocks` takes them."""
     fam, _, base, experts, index, paths = _setup(tmp_path, seed=seed)
     loaded = load_file(paths[0])
     with safe_open(paths[0], "np") as f:

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from test_deltadecode import _random_case, _setup
 
-from mergefs import deltadecode, deltas
+from mergefs.deltas import decode as deltadecode
+from mergefs.deltas import codec as deltas
 
 
 def _vq_case(rng: np.random.Generator, cols: int, rb: int):

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deltadecode import relabelled_lowrank_tensors
 
-from mergefs import compress, deltadecode, deltas, intgemm
+from mergefs.deltas import publish as compress, decode as deltadecode, intgemm
+from mergefs.deltas import codec as deltas
 
 
 def _built(w0: np.ndarray, wi: np.ndarray):
@@ -237,7 +238,7 @@ def _lowrank_case(seed: int) -> tuple:
 
 def _route(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``blas``: every exact product a float32 BLAS product; ``onednn``: every one of more than
-    one block oneDNN's int8 matmul (:mod:`mergefs.intgemm`), however small."""
+    one block oneDNN's int8 matmul (:mod:`mergefs.deltas.intgemm`), however small."""
     if route == "blas":
         monkeypatch.setattr(deltadecode, "_int_route", lambda: None)
     else:

@@ -1,4 +1,4 @@
-"""Tests of mergefs.format: one byte-literal test per validation rule, fuzzing, and round trips
+"""Tests of mergefs.core.format: one byte-literal test per validation rule, fuzzing, and round trips
 against the reference safetensors implementation."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from mergefs import format as fmt
-from mergefs.errors import MergefsError
+from mergefs.core import format as fmt
+from mergefs.core.errors import MergefsError
 
 
 def raises_exactly(exc_type, data: bytes):

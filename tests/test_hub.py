@@ -16,9 +16,10 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 from families import Family, make_family, write_spec
 
-from mergefs import cli, hub
-from mergefs.errors import SpecError
-from mergefs.spec import parse_spec
+from mergefs.cli import main as cli
+from mergefs.spec import refs as hub
+from mergefs.core.errors import SpecError
+from mergefs.spec.spec import parse_spec
 
 COMMIT_A = "a" * 8 + "1" * 32
 COMMIT_B = "b" * 8 + "2" * 32
@@ -282,8 +283,8 @@ def test_lora_ids_resolve_from_the_cache(fam: Family, cache: Path, tmp_path: Pat
                                          offline: hub.HubConfig) -> None:
     from safetensors.numpy import save_file
 
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.lora import open_source
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources.lora import open_source
 
     name = "model.layers.0.self_attn.q_proj.weight"
     out_dim, in_dim = open_checkpoint(fam.base).tensors[name].shape

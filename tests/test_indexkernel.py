@@ -1,4 +1,4 @@
-"""The index's summation order (mergefs.blockstats): the compiled kernel and the numpy path both
+"""The index's summation order (mergefs.index.stats): the compiled kernel and the numpy path both
 equal a plain reference of the documented order, bit for bit, over dtypes, edge values and
 block sizes that are not multiples of the lane count; without numba an index has the same bits."""
 
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from families import make_family
 
-from mergefs import blockstats, kernels
-from mergefs.blockstats import BASE, LANES, gram_terms
-from mergefs.dtypes import decode_f32
+from mergefs.index import stats as blockstats
+from mergefs.methods import kernels
+from mergefs.index.stats import BASE, LANES, gram_terms
+from mergefs.core.dtypes import decode_f32
 
 NP = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
 BITS = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
@@ -162,8 +163,8 @@ def test_numba_blocked_builds_the_same_index(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['numba'] = None\n"
             "import numpy as np\n"
             "from mergefs import kernels\n"
-            "from mergefs.checkpoint import open_checkpoint\n"
-            "from mergefs.index import load_or_build\n"
+            "from mergefs.sources.checkpoint import open_checkpoint\n"
+            "from mergefs.index.blocks import load_or_build\n"
             "base = open_checkpoint(sys.argv[1]); ex = [open_checkpoint(p) for p in sys.argv[3:]]\n"
             "index, built = load_or_build(base, ex, 4096, sys.argv[2])\n"
             "assert built and kernels.index_kernels() is None\n")
@@ -171,8 +172,8 @@ def test_numba_blocked_builds_the_same_index(tmp_path: Path) -> None:
                           *map(str, fam.experts)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("numba is not installed") == 1
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.index import load_or_build
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.index.blocks import load_or_build
 
     base = open_checkpoint(fam.base)
     ex = [open_checkpoint(p) for p in fam.experts]
@@ -196,9 +197,10 @@ def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
                                                               ) -> None:
     """Sources evicted from the page cache are read with O_DIRECT (aligned reads into the
     reader's buffers): the index equals one built from cached files, bytes counted alike."""
-    from mergefs import indexread
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.index import BuildReport, load_or_build
+    from mergefs.index import read as indexread
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.index.build import BuildReport
+    from mergefs.index.blocks import load_or_build
 
     fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=12)
     files = [p for d in [fam.base, *fam.experts] for p in d.glob("*.safetensors")]

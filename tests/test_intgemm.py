@@ -1,4 +1,4 @@
-"""The exact low-rank product on oneDNN's int8 matmul (:mod:`mergefs.intgemm`, issue 14): the
+"""The exact low-rank product on oneDNN's int8 matmul (:mod:`mergefs.deltas.intgemm`, issue 14): the
 same integers as the float32 product, exactly, for codes of every width (8-bit ones by their
 bias), weights needing one to three base-256 digits, and any number of rows; and the route
 stays off where it would not be exact."""
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergefs import intgemm
+from mergefs.deltas import intgemm
 
 needs_route = pytest.mark.skipif(not intgemm.available(),
                                  reason="this CPU has neither AMX nor VNNI: no oneDNN route")
@@ -94,7 +94,7 @@ def test_the_route_waits_for_torch_or_enough_blas_work(monkeypatch: pytest.Monke
     multiply-adds (importing torch costs about a second); with torch imported, at once."""
     import sys
 
-    from mergefs import deltadecode
+    from mergefs.deltas import decode as deltadecode
 
     if not intgemm.available():
         pytest.skip("no oneDNN route on this CPU")

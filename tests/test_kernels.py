@@ -1,4 +1,4 @@
-"""The compiled merge kernels (mergefs.kernels) against the method registry, bit for bit.
+"""The compiled merge kernels (mergefs.methods.kernels) against the method registry, bit for bit.
 
 Three levels: the dtype conversions against numpy/ml_dtypes on random and special bit patterns;
 ``fused_merge`` against the registry's own arithmetic (``Method.merge`` on the decoded unit, then
@@ -7,7 +7,7 @@ payloads and both signs, +-inf, subnormals, the largest finite values, values th
 dtype boundaries, bf16 rounding ties), with partial runs, every source, mixed and output dtype,
 1..4 models for task arithmetic and 1..7 for linear, normalize on and off, lambda 1 and not; and
 whole merges through the engine with the kernels on and off, with a count that the kernel ran.
-Where two different NaNs meet in one operation the payload is not defined (see mergefs.kernels):
+Where two different NaNs meet in one operation the payload is not defined (see mergefs.methods.kernels):
 there both results must be NaN.
 """
 
@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from families import make_family, write_spec
 
-from mergefs import kernels
-from mergefs.dtypes import NUMPY_DTYPES, decode_f32, encode
-from mergefs.engine import Session
-from mergefs.methods import Fused, get
+from mergefs.methods import kernels
+from mergefs.core.dtypes import NUMPY_DTYPES, decode_f32, encode
+from mergefs.engine.merger import Session
+from mergefs.methods.base import Fused
+from mergefs.methods import get
 from mergefs.methods.base import Unit
-from mergefs.spec import load_spec
+from mergefs.spec.spec import load_spec
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.UNAVAILABLE_REASON)
 
@@ -404,7 +405,7 @@ def test_merges_without_numba(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic", [0.7, 0.4], None,
                       {"block_size": "4KiB", "index_dir": str(tmp_path / "idx")})
     code = ("import sys; sys.modules['numba'] = None\n"
-            "from mergefs import cli, kernels\n"
+            "from mergefs.cli import main as cli; from mergefs import kernels\n"
             "assert not kernels.available()\n"
             "rc = cli.main(['merge', sys.argv[1], sys.argv[2]])\n"
             "assert 'numba' not in sys.modules or sys.modules['numba'] is None\n"
@@ -437,7 +438,7 @@ def test_a_numba_that_fails_to_import_falls_back_to_numpy(tmp_path: Path) -> Non
             "        raise ImportError('Numba needs NumPy 2.2 or less (simulated)')\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = fake\n"
-            "from mergefs import cli, kernels\n"
+            "from mergefs.cli import main as cli; from mergefs import kernels\n"
             "rc = cli.main(['merge', sys.argv[1], sys.argv[2]])\n"
             "assert kernels.counters.units == 0\n"
             "sys.exit(rc)")
@@ -445,7 +446,7 @@ def test_a_numba_that_fails_to_import_falls_back_to_numpy(tmp_path: Path) -> Non
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("numba is installed but unusable (ImportError") == 1
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     assert cli.main(["merge", str(spec), str(tmp_path / "nb")]) == 0
     assert kernels.counters.units > 0  # here, the kernel ran

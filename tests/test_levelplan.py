@@ -21,21 +21,16 @@ from hypothesis import strategies as st
 from reference import reference_merge_dir
 from safetensors.numpy import load_file
 
-from mergefs import compress
-from mergefs.engine import Session, open_family
-from mergefs.index import load_or_build
-from mergefs.levelplan import (
-    DecodeCost,
-    _hulls,
-    _segments,
-    choose,
-    decode_seconds,
-    level_runs,
-    levels_from_runs,
+from mergefs.deltas import publish as compress
+from mergefs.engine.merger import Session, open_family
+from mergefs.index.blocks import load_or_build
+from mergefs.plan.levels import (
+    DecodeCost, _hulls, _segments, choose, decode_seconds, level_runs, levels_from_runs,
 )
-from mergefs.manifest import ManifestWriter
-from mergefs.replayer import replay
-from mergefs.spec import SpecError, load_spec
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.replay import replay
+from mergefs.core.errors import SpecError
+from mergefs.spec.spec import load_spec
 
 BLOCK = 512
 WEIGHTS = [0.5, -0.3, 0.8]
@@ -218,7 +213,7 @@ def test_manifest_records_sidecar_reads_and_replay_verifies(published: tuple[Fam
 
 def test_cli_compress_then_plan_reports_sidecar_bytes(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     fam = make_family(tmp_path / "fam", seed=12)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
@@ -237,8 +232,8 @@ def test_plan_table_rows_show_each_experts_sidecar_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each "reads of" row once showed only exact bytes: with sidecars the rows did not add up
     to the planned expert reads."""
-    from mergefs import cli
-    from mergefs.spec import human_bytes
+    from mergefs.cli import main as cli
+    from mergefs.spec.spec import human_bytes
 
     _, spec_path = published
     monkeypatch.setenv("COLUMNS", "200")  # one line per row
@@ -271,7 +266,7 @@ def test_mount_serves_the_same_reconstructed_merge(tmp_path: Path, mounts: Any) 
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
                            extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx"),
                                   "budget": "8%"})
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     assert cli.main(["compress", str(spec_path)]) == 0
     out = merge(spec_path, tmp_path / "out")
@@ -421,7 +416,7 @@ def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path],
 def _two_block_index(norms: list[float]) -> Any:
     """One float32 tensor of two row blocks (128 and 256 elements: 512 and 1024 bytes), one
     expert with these block norms."""
-    from mergefs.index import BlockIndex, BlockLayout
+    from mergefs.index.blocks import BlockIndex, BlockLayout
     lay = BlockLayout(512, ("w",), (4,), np.zeros(2, np.int32), np.array([0, 128], np.int64),
                       np.array([128, 384], np.int64), np.array([0, 2], np.int64))
     return BlockIndex("k", lay, np.zeros(2, np.uint64), np.zeros((1, 2), np.uint64),

@@ -20,8 +20,8 @@ from families import INT_TENSOR_NAME, Family, make_family
 from test_mount import Mounts, merge, run_cli
 from viewcases import write_case_spec
 
-from mergefs.engine import Session
-from mergefs.spec import load_spec
+from mergefs.engine.merger import Session
+from mergefs.spec.spec import load_spec
 
 pytestmark = [
     pytest.mark.mount,

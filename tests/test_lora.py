@@ -15,11 +15,12 @@ import yaml
 from families import Family, make_llama_family
 from reference import read_tensor, tensor_names
 
-from mergefs import cli, hub
-from mergefs.errors import SourceError, SpecError
-from mergefs.checkpoint import ReadRange, open_checkpoint
-from mergefs.lora import open_source
-from mergefs.spec import parse_spec
+from mergefs.cli import main as cli
+from mergefs.spec import refs as hub
+from mergefs.core.errors import SourceError, SpecError
+from mergefs.sources.checkpoint import ReadRange, open_checkpoint
+from mergefs.sources.lora import open_source
+from mergefs.spec.spec import parse_spec
 
 TARGETS = ["q_proj", "v_proj", "down_proj", "embed_tokens"]
 

@@ -16,10 +16,10 @@ from families import Family, make_family, make_llama_family, write_spec
 from reference import read_tensor, reference_merge_dir, tensor_dtype, tensor_names
 from safetensors.numpy import load_file, save_file
 
-from mergefs import cli
-from mergefs.checkpoint import open_checkpoint
-from mergefs.errors import SpecError
-from mergefs.spec import check_coordinates
+from mergefs.cli import main as cli
+from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.core.errors import SpecError
+from mergefs.spec.spec import check_coordinates
 
 CASTS = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32}
 

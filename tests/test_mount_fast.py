@@ -14,7 +14,7 @@ from families import Family
 from test_mount import Mounts, merge, pytestmark, sha256  # noqa: F401 - pytestmark: mount marks
 from viewcases import tree, write_case_spec
 
-from mergefs.mount import READ_AHEAD_KB, mount_device
+from mergefs.mount.lifecycle import READ_AHEAD_KB, mount_device
 
 
 @pytest.fixture(scope="module")

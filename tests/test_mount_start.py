@@ -19,9 +19,15 @@ import yaml
 from families import Family, make_family
 from viewcases import write_case_spec
 
-from mergefs import cli, engine, kernels, mount, sweepsession
-from mergefs.methods import Fused
-from mergefs.spec import load_spec
+from mergefs.cli import main as cli
+
+from mergefs.engine import merger as engine
+
+from mergefs.mount import lifecycle as mount
+from mergefs.methods import kernels
+from mergefs.mount import sweepsession
+from mergefs.methods.base import Fused
+from mergefs.spec.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +114,9 @@ def test_a_sweep_mount_opens_the_family_once(tmp_path: Path, fam: Family,
 
 DAEMON = """
     import json, sys
-    from mergefs import cli, engine, mount
+    from mergefs.cli import main as cli
+    from mergefs.engine import merger as engine
+    from mergefs.mount import lifecycle as mount
     log = sys.argv[1]
     real_open, real_load = engine.open_family, engine.load_or_build
 

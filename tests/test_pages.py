@@ -12,12 +12,12 @@ import pytest
 from families import Family
 from viewcases import materialise, write_case_spec
 
-from mergefs.cache import UnitCache
-from mergefs.engine import Session
-from mergefs.pages import PAGE
-from mergefs.spec import load_spec
-from mergefs.units import Stream
-from mergefs.view import View
+from mergefs.core.cache import UnitCache
+from mergefs.engine.merger import Session
+from mergefs.mount.pages import PAGE
+from mergefs.spec.spec import load_spec
+from mergefs.mount.files import Stream
+from mergefs.mount.view import View
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from families import Family, make_family, write_spec
 
-from mergefs.checkpoint import Checkpoint, open_checkpoint
-from mergefs.engine import Session
-from mergefs.format import FLOAT_DTYPES
-from mergefs.index import BlockIndex, BuildReport, build_index, build_layout, load_or_build
-from mergefs.spec import load_spec
+from mergefs.sources.checkpoint import Checkpoint, open_checkpoint
+from mergefs.engine.merger import Session
+from mergefs.core.format import FLOAT_DTYPES
+from mergefs.index.blocks import BlockIndex, build_index, build_layout, load_or_build
+from mergefs.index.build import BuildReport
+from mergefs.spec.spec import load_spec
 
 BLOCK = 1024
 
@@ -197,8 +198,8 @@ def test_base_rewritten_in_place_makes_every_expert_piece_stale(tmp_path: Path,
 
 def test_range_statistics_of_one_expert_equal_the_builder(fam: Family) -> None:
     """The pure per-(expert, block range) function a distributed build would run per task."""
-    from mergefs.blockstats import expert_range_stats
-    from mergefs.indexbuild import chunks, source_ranges
+    from mergefs.index.stats import expert_range_stats
+    from mergefs.index.build import chunks, source_ranges
 
     index = fresh(fam, [0, 1])
     base, experts = opened(fam, [0, 1])
@@ -227,7 +228,7 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
     the full index later reads them and computes the pairs, equal to the index published."""
     import shutil
 
-    from mergefs.sidecar import publish
+    from mergefs.index.published import publish
 
     copies = [tmp_path / f"e{i}" for i in range(2)]
     for i, c in enumerate(copies):
@@ -257,7 +258,7 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
 
 def test_an_index_dir_that_cannot_be_written_is_a_clear_error(fam: Family, tmp_path: Path
                                                               ) -> None:
-    from mergefs.errors import SourceError
+    from mergefs.core.errors import SourceError
 
     blocker = tmp_path / "idx"
     blocker.write_text("a file where the index folder should be")

@@ -12,12 +12,12 @@ import pytest
 from families import Family, make_family, write_spec
 from reference import read_tensor, tensor_dtype, tensor_names
 
-from mergefs import cli
-from mergefs.engine import Session
-from mergefs.errors import BudgetError
-from mergefs.index import BlockIndex, BlockLayout
-from mergefs.plan import make_plan, selected_from_runs, selected_runs
-from mergefs.spec import load_spec, parse_spec
+from mergefs.cli import main as cli
+from mergefs.engine.merger import Session
+from mergefs.core.errors import BudgetError
+from mergefs.index.blocks import BlockIndex, BlockLayout
+from mergefs.plan.planner import make_plan, selected_from_runs, selected_runs
+from mergefs.spec.spec import load_spec, parse_spec
 
 README_KEYS = {
     "budget_bytes", "planned_expert_bytes", "total_expert_bytes", "nonzero_expert_bytes",
@@ -340,9 +340,9 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
     from families import write_spec
     from reference import read_tensor
 
-    from mergefs.engine import open_family
-    from mergefs.index import load_or_build
-    from mergefs.spec import load_spec
+    from mergefs.engine.merger import open_family
+    from mergefs.index.blocks import load_or_build
+    from mergefs.spec.spec import load_spec
 
     spec = load_spec(write_spec(tmp_path / "s.yaml", family_f32, extra={
         "block_size": "512B", "index_dir": str(tmp_path / "idx")}))
@@ -359,7 +359,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
 def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
     from families import write_spec
 
-    from mergefs.cli import main
+    from mergefs.cli.main import main
 
     spec = write_spec(tmp_path / "s.yaml", family_f32, extra={
         "block_size": "512B", "index_dir": str(tmp_path / "idx")})

@@ -30,12 +30,13 @@ pytest.importorskip("moto", reason="moto is not installed: Ray tests skipped")
 from raycluster import LocalRayCluster, ray_command
 
 import mergefs
-from mergefs import cli, rayexec, rayindex
-from mergefs.engine import Session
-from mergefs.errors import SourceChanged
-from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replayer import replay
-from mergefs.spec import load_spec
+from mergefs.cli import main as cli
+from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
+from mergefs.engine.merger import Session
+from mergefs.core.errors import SourceChanged
+from mergefs.engine.manifest import ManifestWriter, read_manifest
+from mergefs.engine.replay import replay
+from mergefs.spec.spec import load_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.remote]
 

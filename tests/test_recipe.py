@@ -21,11 +21,11 @@ pytest.importorskip("mergekit")
 
 from test_mergekit_parity import assert_identical, run_mergefs, run_mergekit
 
-from mergefs.engine import Session
-from mergefs.plan import rounding_terms
-from mergefs.recipe import build_recipe
-from mergefs.settings import evaluate
-from mergefs.spec import load_spec
+from mergefs.engine.merger import Session
+from mergefs.plan.planner import rounding_terms
+from mergefs.recipe.outputs import build_recipe
+from mergefs.spec.settings import evaluate
+from mergefs.spec.spec import load_spec
 
 N_LAYERS = 5
 T_TEMPLATE = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
@@ -55,7 +55,7 @@ def both(cfg: dict[str, Any], out: Path, budget: str = "full") -> tuple[dict, di
 
 
 def materialise(cfg: dict[str, Any], out: Path, manifest: Path, budget: str = "full") -> Path:
-    from mergefs.manifest import ManifestWriter
+    from mergefs.engine.manifest import ManifestWriter
 
     spec_path = out.with_suffix(".yaml")
     spec_path.write_text(yaml.safe_dump({**cfg, "block_size": "4KiB", "budget": budget,
@@ -75,7 +75,7 @@ def test_evaluate_matches_mergekit_evaluate_setting() -> None:
     from mergekit.config import ConditionalParameter, evaluate_setting
 
     from mergefs.methods import get
-    from mergefs.settings import check
+    from mergefs.spec.settings import check
 
     pdef = get("slerp").param("t")  # type: ignore[union-attr]
     mk = [ConditionalParameter(**c) for c in T_TEMPLATE]
@@ -187,7 +187,7 @@ def test_per_tensor_coefficients_under_budget(fam: Family, tmp_path: Path) -> No
             assert len({round(float(c), 6) for c in coeffs[0, ~mlp]}) > 1  # a gradient
             omitted = ~session.index.zero & ~plan.selected
             per_pair = np.abs(coeffs) * session.index.norms * omitted
-            # + the output rounding of each block with an omitted delta (mergefs.plan)
+            # + the output rounding of each block with an omitted delta (mergefs.plan.planner)
             rho = rounding_terms(session.spec, session.index, coeffs,
                                  ~session.index.zero & plan.selected)
             assert rho is not None and (rho[~omitted.any(axis=0)] == 0).all()
@@ -215,7 +215,7 @@ def test_recipe_units_and_positions(fam: Family, tmp_path: Path) -> None:
     spec_path.write_text(yaml.safe_dump(common(fam, "passthrough", slices=[
         {"sources": [all_layers(fam.base, 3)]}, {"sources": [all_layers(fam.base, 3)]}])))
     spec = load_spec(spec_path)
-    from mergefs.checkpoint import open_checkpoint
+    from mergefs.sources.checkpoint import open_checkpoint
 
     base = open_checkpoint(spec.base)
     recipe = build_recipe(spec, {spec.base: list(base.tensors)})
@@ -298,7 +298,7 @@ def test_mount_of_a_self_stack_serves_twice_the_layers(fam: Family, tmp_path: Pa
 
 @pytest.mark.parametrize("case", ["layer-stack", "slerp-template", "filtered-task-arithmetic"])
 def test_replay_of_a_recipe_merge(case: str, fam: Family, tmp_path: Path) -> None:
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     cfg, budget = sliced_cases(fam)[case]
     manifest = tmp_path / "m.jsonl"
@@ -334,7 +334,7 @@ def test_multi_document_equals_mergekit_multi(fam: Family, tmp_path: Path) -> No
                   "block_size": "4KiB", "index_dir": str(tmp_path / "index")}
     spec = tmp_path / "fs.yaml"
     spec.write_text(yaml.safe_dump_all(fs_docs))
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     assert cli.main(["merge", str(spec), str(tmp_path / "fs")]) == 0
     assert_identical(load_dir(tmp_path / "mk"), load_dir(tmp_path / "fs"))
@@ -391,7 +391,7 @@ def test_slice_level_required_parameter(fam: Family, tmp_path: Path) -> None:
 
 def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path) -> None:
     """A model only a later slice reads is a source too: no output may land in it."""
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     cfg, _ = sliced_cases(fam)["layer-stack"]
     spec = spec_file(cfg, tmp_path / "spec.yaml")
@@ -401,7 +401,7 @@ def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path
 
 def test_intermediate_dir_inside_a_source_is_refused(fam: Family, tmp_path: Path) -> None:
     """An intermediate merge is an output too: never written into a source (issue 10's rule)."""
-    from mergefs import cli
+    from mergefs.cli import main as cli
 
     docs = [
         {"name": "stack", "merge_method": "passthrough", "dtype": "float32",

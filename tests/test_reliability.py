@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from families import forget_ctimes, make_family, write_spec
-from mergefs.cli import main as cli_main
-from mergefs.engine import Session
-from mergefs.errors import ManifestError, MergefsError, SourceChanged
-from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replayer import replay
-from mergefs.spec import load_spec
+from mergefs.cli.main import main as cli_main
+from mergefs.engine.merger import Session
+from mergefs.core.errors import ManifestError, MergefsError, SourceChanged
+from mergefs.engine.manifest import ManifestWriter, read_manifest
+from mergefs.engine.replay import replay
+from mergefs.spec.spec import load_spec
 
 
 @pytest.fixture()

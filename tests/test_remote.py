@@ -28,12 +28,12 @@ pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto")
 
-from mergefs import cli
-from mergefs.outdir import MARKER
-from mergefs.engine import Session
-from mergefs.errors import MergefsError, SourceChanged, SourceError, SpecError
-from mergefs.remote import HEADER_PROBE_BYTES
-from mergefs.spec import load_spec
+from mergefs.cli import main as cli
+from mergefs.engine.output import MARKER
+from mergefs.engine.merger import Session
+from mergefs.core.errors import MergefsError, SourceChanged, SourceError, SpecError
+from mergefs.sources.remote import HEADER_PROBE_BYTES
+from mergefs.spec.spec import load_spec
 
 pytestmark = pytest.mark.remote
 
@@ -491,8 +491,8 @@ def test_s3_403_404_and_replaced_object(tmp_path: Path, fam: Family,
 
 # -- published index sidecars -------------------------------------------------------------------
 def float_bytes(model: Path) -> int:
-    from mergefs.checkpoint import open_checkpoint
-    from mergefs.format import FLOAT_DTYPES
+    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.core.format import FLOAT_DTYPES
 
     return sum(t.size_bytes for t in open_checkpoint(model).tensors.values()
                if t.dtype in FLOAT_DTYPES)
@@ -573,7 +573,7 @@ def test_file_url_sidecar_for_another_base_is_ignored(tmp_path: Path, fam: Famil
 
 
 def opened_files(model_dir: str) -> tuple[str, ...]:
-    from mergefs.checkpoint import open_checkpoint
+    from mergefs.sources.checkpoint import open_checkpoint
 
     return open_checkpoint(model_dir).files
 
@@ -685,7 +685,7 @@ def test_mount_with_remote_experts_serves_the_local_merge(
     mnt.mkdir()
     log = tmp_path / "mount.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli", "mount", str(spec),
+        proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli.main", "mount", str(spec),
                                  str(mnt), "--foreground"], stdout=fh, stderr=subprocess.STDOUT)
 
     def unmount() -> None:
@@ -829,7 +829,7 @@ def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
         assert cli.main(["compress", str(spec)]) == 0
     names = [n for n in s3.fs.ls(f"{BUCKET}/deltas/expert-0") if "mergefs-delta." in n]
     assert len(names) == 1
-    from mergefs.deltas import open_remote_sidecar, open_sidecar
+    from mergefs.deltas.codec import open_remote_sidecar, open_sidecar
 
     local_sc = open_sidecar(next((local_fam / "expert-0").glob("mergefs-delta.*")))
     blob = s3.fs.cat(names[0])

@@ -19,15 +19,15 @@ from families import make_family
 from safetensors.numpy import save_file
 from viewcases import materialise, write_case_spec
 
-from mergefs import cli
-from mergefs import engine as engine_mod
-from mergefs.cache import UnitCache
-from mergefs.engine import Session
-from mergefs.errors import ManifestError
-from mergefs.manifest import ManifestWriter, read_manifest
-from mergefs.replayer import replay
-from mergefs.spec import human_bytes, load_spec
-from mergefs.view import View
+from mergefs.cli import main as cli
+from mergefs.engine import merger as engine_mod
+from mergefs.core.cache import UnitCache
+from mergefs.engine.merger import Session
+from mergefs.core.errors import ManifestError
+from mergefs.engine.manifest import ManifestWriter, read_manifest
+from mergefs.engine.replay import replay
+from mergefs.spec.spec import human_bytes, load_spec
+from mergefs.mount.view import View
 
 # -- zero-size tensors --------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ import pytest
 from families import Family, make_family, write_spec
 from test_mount import Mounts, run_cli
 
-from mergefs import format as fmt
-from mergefs.checkpoint import open_checkpoint
-from mergefs.cli import main as cli_main
+from mergefs.core import format as fmt
+from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.cli.main import main as cli_main
 
 needs_fuse = pytest.mark.skipif(
     not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,

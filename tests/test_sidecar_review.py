@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mergefs import deltas
-from mergefs.levelplan import choose
+from mergefs.deltas import codec as deltas
+from mergefs.plan.levels import choose
 
 
 class _Layout:
@@ -126,12 +126,12 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
     from reference import reference_merge_dir
     from safetensors.numpy import load_file
 
-    from mergefs import compress
-    from mergefs.engine import Session, open_family
-    from mergefs.index import load_or_build
-    from mergefs.manifest import ManifestWriter
-    from mergefs.replayer import replay
-    from mergefs.spec import load_spec
+    from mergefs.deltas import publish as compress
+    from mergefs.engine.merger import Session, open_family
+    from mergefs.index.blocks import load_or_build
+    from mergefs.engine.manifest import ManifestWriter
+    from mergefs.engine.replay import replay
+    from mergefs.spec.spec import load_spec
 
     fam = _mixed_family(tmp_path / "fam", seed, ODD_SHAPES if odd else None)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[0.7, -0.4],
@@ -143,7 +143,7 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
     first = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
     compress.publish(base, experts, index)
     assert [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths] == first
-    from mergefs import deltas
+    from mergefs.deltas import codec as deltas
 
     kinds = {lv.kind for sc in deltas.find(base, experts, index).values()
              for tl in sc.tensors.values() for lv in tl.levels}
@@ -188,7 +188,7 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
             import sys
 
             env = dict(os.environ, NUMBA_DISABLE_JIT="1")
-            code = ("import sys; from mergefs.replayer import replay; "
+            code = ("import sys; from mergefs.engine.replay import replay; "
                     "r = replay(sys.argv[1]); assert r.outputs_verified > 0, r")
             subprocess.run([sys.executable, "-c", code, str(man)], env=env, check=True)
     assert {"rows", "vq"} <= read_kinds
@@ -205,7 +205,7 @@ def test_one_blas_thread_restores_the_limit_when_another_thread_leaves_last() ->
     code = """
 import threading
 from threadpoolctl import threadpool_info
-from mergefs import deltas
+from mergefs.deltas import codec as deltas
 def blas(): return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
 before = blas()
 a_in, b_in, a_out, b_out = (threading.Event() for _ in range(4))
@@ -242,10 +242,10 @@ def test_publish_in_a_worker_thread_is_byte_identical_to_publish_in_the_main_thr
 
     from families import make_family, write_spec
 
-    from mergefs import compress
-    from mergefs.engine import open_family
-    from mergefs.index import load_or_build
-    from mergefs.spec import load_spec
+    from mergefs.deltas import publish as compress
+    from mergefs.engine.merger import open_family
+    from mergefs.index.blocks import load_or_build
+    from mergefs.spec.spec import load_spec
 
     if max(_blas_threads() or [1]) < 2:
         pytest.skip("BLAS is single-threaded here")
@@ -285,10 +285,10 @@ def test_a_level_of_unknown_kind_is_refused(tmp_path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
-    from mergefs import compress
-    from mergefs.engine import open_family
-    from mergefs.index import load_or_build
-    from mergefs.spec import load_spec
+    from mergefs.deltas import publish as compress
+    from mergefs.engine.merger import open_family
+    from mergefs.index.blocks import load_or_build
+    from mergefs.spec.spec import load_spec
 
     fam = make_family(tmp_path / "fam", seed=51, n_experts=1)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[1.0],

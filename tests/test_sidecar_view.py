@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from test_deltadecode import _setup
 
-from mergefs import engine as engine_mod
-from mergefs.cache import UnitCache
-from mergefs.engine import Session
-from mergefs.view import View
+from mergefs.engine import merger as engine_mod
+from mergefs.core.cache import UnitCache
+from mergefs.engine.merger import Session
+from mergefs.mount.view import View
 
 
 def _through_view(spec, budget: int, cache_bytes: int, chunk: int) -> tuple[bytes, Session]:

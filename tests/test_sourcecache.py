@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from mergefs.checkpoint import ReadRange
-from mergefs.sourcecache import SourceBlockCache
+from mergefs.sources.checkpoint import ReadRange
+from mergefs.sources.blockcache import SourceBlockCache
 
 BLOB = bytes(range(256)) * 4  # 1024 bytes
 

@@ -13,10 +13,10 @@ import yaml
 from families import Family, make_family, write_spec
 from safetensors.numpy import load_file, save_file
 
-from mergefs.checkpoint import open_checkpoint
-from mergefs.engine import open_family
-from mergefs.errors import BudgetError, SpecError
-from mergefs.spec import Budget, check_coordinates, load_spec, parse_budget, parse_size
+from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.engine.merger import open_family
+from mergefs.core.errors import BudgetError, SpecError
+from mergefs.spec.spec import Budget, check_coordinates, load_spec, parse_budget, parse_size
 
 
 def write(path: Path, text: str) -> Path:
@@ -178,7 +178,7 @@ def test_paths_resolve_relative_to_the_spec_file(tmp_path: Path,
 
 
 def test_raw_is_a_valid_spec_again(tmp_path: Path) -> None:
-    from mergefs.spec import parse_spec
+    from mergefs.spec.spec import parse_spec
 
     path = tmp_path / "s.yaml"
     doc = good_doc(merge_method="linear", parameters={"normalize": False}, budget="25%",
@@ -444,7 +444,7 @@ def test_ignored_keys_warn_once_each_and_strict_refuses(tmp_path: Path,
     doc["models"][0]["parameters"]["t"] = 0.5  # a parameter task_arithmetic does not have
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(doc))
-    with caplog.at_level("WARNING", logger="mergefs.spec"):
+    with caplog.at_level("WARNING", logger="mergefs.spec.spec"):
         spec = load_spec(path)
     keys = ["normalize", "anchors", "parameters.typo", "models[0].parameters.t"]
     assert len(spec.warnings) == len(keys)

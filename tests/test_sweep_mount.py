@@ -16,9 +16,9 @@ from families import Family, make_family, write_spec
 from test_mount import merge, run_cli, sha256
 from viewcases import tree
 
-from mergefs import cli
-from mergefs.manifest import read_manifest, read_sweep_manifest
-from mergefs.variants import expand
+from mergefs.cli import main as cli
+from mergefs.engine.manifest import read_manifest, read_sweep_manifest
+from mergefs.spec.variants import expand
 
 pytestmark = [
     pytest.mark.mount,
@@ -237,11 +237,11 @@ def test_units_from_an_earlier_mounts_disk_cache_keep_the_manifest_replayable(
     they are not recorded as shared outputs (replay failed on them: review finding)."""
     import xxhash
 
-    from mergefs.cache import UnitCache
-    from mergefs.manifest import ManifestWriter
-    from mergefs.replayer import replay
-    from mergefs.sweepsession import SweepSession
-    from mergefs.sweepview import SweepView
+    from mergefs.core.cache import UnitCache
+    from mergefs.engine.manifest import ManifestWriter
+    from mergefs.engine.replay import replay
+    from mergefs.mount.sweepsession import SweepSession
+    from mergefs.mount.sweepview import SweepView
 
     spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"budget": ["20%", "60%", "full"]})
 
@@ -264,7 +264,7 @@ def test_units_from_an_earlier_mounts_disk_cache_keep_the_manifest_replayable(
     assert second["shared"]["units_merged"] == 0  # everything came from the disk cache
     assert sum(v["units_from_disk_cache"] for v in second["variants"].values()) > 0
     assert second["shared"]["units_shared"] == 0
-    from mergefs.errors import ManifestError
+    from mergefs.core.errors import ManifestError
 
     replay(tmp_path / "m1.jsonl")
     with pytest.raises(ManifestError, match="no variant of the sweep was read; nothing to "
@@ -278,11 +278,11 @@ def test_a_source_restored_after_a_change_is_served_again(tmp_path: Path, fam: F
     the changed bytes (review finding: EIO until evicted)."""
     import shutil
 
-    from mergefs.cache import UnitCache
-    from mergefs.errors import SourceChanged
-    from mergefs.manifest import ManifestWriter
-    from mergefs.sweepsession import SweepSession
-    from mergefs.sweepview import SweepView
+    from mergefs.core.cache import UnitCache
+    from mergefs.core.errors import SourceChanged
+    from mergefs.engine.manifest import ManifestWriter
+    from mergefs.mount.sweepsession import SweepSession
+    from mergefs.mount.sweepview import SweepView
 
     local = tmp_path / "fam"
     shutil.copytree(fam.root, local)
@@ -324,12 +324,12 @@ def test_replay_of_a_sweep_refuses_altered_records(tmp_path: Path, fam: Family) 
     fails for both (review finding: the last record of a range won, deletions went unseen)."""
     import json
 
-    from mergefs.cache import UnitCache
-    from mergefs.errors import ManifestError
-    from mergefs.manifest import ManifestWriter
-    from mergefs.replayer import replay
-    from mergefs.sweepsession import SweepSession
-    from mergefs.sweepview import SweepView
+    from mergefs.core.cache import UnitCache
+    from mergefs.core.errors import ManifestError
+    from mergefs.engine.manifest import ManifestWriter
+    from mergefs.engine.replay import replay
+    from mergefs.mount.sweepsession import SweepSession
+    from mergefs.mount.sweepview import SweepView
 
     spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"weight": [0.3, 0.7]})
     manifest = tmp_path / "m.jsonl"

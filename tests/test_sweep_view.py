@@ -9,14 +9,14 @@ import pytest
 import yaml
 from families import Family, make_family, write_spec
 
-from mergefs import cli
-from mergefs.cache import UnitCache
-from mergefs.errors import SpecError
-from mergefs.manifest import ManifestWriter, read_sweep_manifest
-from mergefs.replayer import replay
-from mergefs.sweepsession import SweepSession
-from mergefs.sweepview import SweepView
-from mergefs.variants import load_variants
+from mergefs.cli import main as cli
+from mergefs.core.cache import UnitCache
+from mergefs.core.errors import SpecError
+from mergefs.engine.manifest import ManifestWriter, read_sweep_manifest
+from mergefs.engine.replay import replay
+from mergefs.mount.sweepsession import SweepSession
+from mergefs.mount.sweepview import SweepView
+from mergefs.spec.variants import load_variants
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from viewcases import CASES, materialise, tree, write_case_spec
 
-from mergefs.cache import UnitCache
-from mergefs.engine import Session
-from mergefs.errors import SourceChanged
-from mergefs.manifest import ManifestWriter
-from mergefs.spec import load_spec
-from mergefs.view import View
+from mergefs.core.cache import UnitCache
+from mergefs.engine.merger import Session
+from mergefs.core.errors import SourceChanged
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.spec.spec import load_spec
+from mergefs.mount.view import View
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"  # 96 x 48 fp32: 36 blocks of 512 bytes
 

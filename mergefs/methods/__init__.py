@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gta, linear, ram, simple, slerp, spherical, stock
-from .base import REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit
+from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
+from mergefs.methods.base import (
+    REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit,
+)
 
 __all__ = [
     "METHODS",
@@ -64,8 +66,8 @@ def describe_methods() -> list[dict[str, Any]]:
 
 def blockwise_note(m: Method) -> str:
     """Whether the engine merges ``m`` block by block (else whole tensors), in words."""
-    from .exact import TORCH_SUM_MAX
-    from .gta import SEQUENTIAL_SUM_MAX
+    from mergefs.methods.exact import TORCH_SUM_MAX
+    from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
 
     if m.elementwise(TORCH_SUM_MAX + 1, _defaults(m)):
         return "yes"

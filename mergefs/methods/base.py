@@ -142,7 +142,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class Fused:
-    """A unit's arithmetic in one of the forms of mergefs' compiled kernel (mergefs.kernels),
+    """A unit's arithmetic in one of the forms of mergefs' compiled kernel (mergefs.methods.kernels),
     operation for operation the method's numpy kernel, so the kernel's bytes are the method's.
 
     With ``X_k`` the inputs (mergekit order; an omitted block holds the reference's values),

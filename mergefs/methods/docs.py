@@ -6,7 +6,7 @@ Pure; no I/O. Regenerate with
 
 from __future__ import annotations
 
-from .base import REQUIRED, Method, Scope
+from mergefs.methods.base import REQUIRED, Method, Scope
 
 INTRO = """\
 # Merge methods: exact arithmetic
@@ -109,7 +109,7 @@ probabilities). `seed` is a mergefs parameter (default 0).
 
 
 def _param_line(p: object) -> str:
-    from .base import ParamDef
+    from mergefs.methods.base import ParamDef
 
     assert isinstance(p, ParamDef)
     scope = {Scope.GLOBAL: "global", Scope.MODEL: "per model (base included)",
@@ -138,7 +138,7 @@ def _method_section(m: Method) -> str:
 
 
 def render() -> str:
-    from . import _ALL, blockwise_note
+    from mergefs.methods import _ALL, blockwise_note
 
     rows = []
     for m in _ALL:

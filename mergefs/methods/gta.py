@@ -11,19 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from . import exact, prng
-from . import sparsify as sp
-from .base import (
-    INT8_MASK,
-    BasePolicy,
-    Capabilities,
-    Fused,
-    Method,
-    ParamDef,
-    Scope,
-    Unit,
-    flag,
-    weight,
+from mergefs.methods import exact, prng
+from mergefs.methods import sparsify as sp
+from mergefs.methods.base import (
+    INT8_MASK, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit, flag, weight,
 )
 
 #: Sums over the input axis are sequential (input order, from +0.0) in torch's CPU kernels for

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from . import exact
-from .base import BasePolicy, Capabilities, Fused, Method, Scope, Unit, flag, weight
+from mergefs.methods import exact
+from mergefs.methods.base import BasePolicy, Capabilities, Fused, Method, Scope, Unit, flag, weight
 
 ARITHMETIC = """\
 Inputs `W_m` are the models in `models:` order, then `base_model` if it is set and not listed

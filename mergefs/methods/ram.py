@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from . import exact
-from .base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
-from .gta import SEQUENTIAL_SUM_MAX
+from mergefs.methods import exact
+from mergefs.methods.base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
 
 RAM = """\
 `D_i = W_i - W0`; `nz_i = |D_i| > epsilon`; `c = sum_i nz_i` per element; `M = W0 + sum_i

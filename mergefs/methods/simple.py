@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from mergefs.methods.base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
 
 NEARSWAP = """\
 `w = clamp(t / max(|W0 - W_1|, 1e-6), 0, 1)`; `M = w W_1 + (1 - w) W0` (torch float32; `t / x` is

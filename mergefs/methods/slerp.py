@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight
+from mergefs.methods.base import (
+    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight,
+)
 
 CHUNK_ELEMENTS = 1 << 20  # mergekit's chunking of the norm and dot reductions
 

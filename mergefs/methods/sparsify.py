@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import prng
+from mergefs.methods import prng
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag
+from mergefs.methods.base import (
+    INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag,
+)
 
 MODEL_STOCK = """\
 `D_i = W_i - W0` (flattened; `filter_wise`: per row, 1-D tensors one row). `cos` = mean over pairs

@@ -1,0 +1,1 @@
+"""The ``mergefs`` command line."""

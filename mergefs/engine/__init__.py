@@ -1,0 +1,1 @@
+"""The merge engine: executes a plan unit by unit, writes outputs, records and replays manifests."""

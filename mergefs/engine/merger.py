@@ -1,0 +1,1155 @@
+"""The merge engine: executes a plan, one merge unit (a run of blocks, or a whole tensor) at a time.
+
+``Session`` opens a spec's family, loads or builds the index and makes the plan. ``Engine`` then
+reads the base range and only the planned expert ranges of a unit (each run of adjacent planned
+blocks is one pread), checks every block's bytes against the index hashes (a changed source is
+refused, never merged), merges in float32 (the spec's method from ``methods``) and casts to the
+output dtype. Every range read and every unit produced is recorded in the manifest.
+``materialise`` writes a Hugging Face directory whose files are byte-identical to what the mount
+serves (same ``output_layout``).
+
+Merging and reading block on disk and CPU: call from worker threads, never the trio thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from mergefs import __version__
+from mergefs.methods import kernels
+from mergefs.core import memory
+from mergefs.spec import tokenizer as tokenizers
+from mergefs.sources.checkpoint import (
+    INDEX_NAME, SINGLE_NAME, Checkpoint, GapAllowance, ReadRange, open_checkpoint, read_many,
+)
+from mergefs.core.dtypes import decode_f32, encode
+from mergefs.core.errors import MergefsError, SourceChanged, SpecError
+from mergefs.core.format import DTYPES, FLOAT_DTYPES, build_header
+from mergefs.index.blocks import BlockIndex, load_or_build
+from mergefs.sources.lora import open_source
+from mergefs.engine.manifest import SCHEMA_VERSION, ManifestWriter
+from mergefs.methods.base import Fused, Unit
+from mergefs.engine.output import Staging
+from mergefs.plan.planner import Plan, make_plan, selected_runs
+from mergefs.recipe.outputs import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
+from mergefs.spec.spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
+
+log = logging.getLogger(__name__)
+
+UNIT_ELEMS = 1 << 20  # materialise merges about this many elements per unit (elementwise ops)
+PREFETCH_UNITS = 8  # materialise asks the kernel for this many units' ranges ahead of the workers
+WRITEBACK_BYTES = 64 << 20  # materialise starts writing its output back every this many bytes
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of an output file: absolute ``[start, end)`` in that file."""
+
+    name: str
+    file: str
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+    layout_index: int | None  # None: not merged (non-float), the base's bytes pass through
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    header: bytes
+    size_bytes: int
+    tensors: tuple[OutTensor, ...]  # in data order
+
+
+def output_dtype(spec: Spec, src_dtype: str) -> str:
+    if src_dtype in FLOAT_DTYPES and spec.out_dtype is not None:
+        return spec.out_dtype
+    return src_dtype
+
+
+def output_layout(spec: Spec, base: Checkpoint, layout_index: dict[str, int]
+                  ) -> tuple[list[OutFile], bytes | None]:
+    """The merged model's weight files (mirroring the base's sharding) and its shard index."""
+    files: list[OutFile] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    sharded = base.index_json is not None
+    for f in base.files:
+        names = [t.name for t in base.headers[f].tensors]
+        spec_map = {n: (output_dtype(spec, base.tensors[n].dtype), base.tensors[n].shape)
+                    for n in names}
+        header, lay = build_header(spec_map, {"format": "pt"})
+        out_name = f if sharded or base.is_dir else SINGLE_NAME
+        tensors = tuple(
+            OutTensor(n, out_name, len(header) + lay[n].start, len(header) + lay[n].end,
+                      lay[n].dtype, lay[n].shape, layout_index.get(n))
+            for n in sorted(lay, key=lambda n: lay[n].start)
+        )
+        size = len(header) + max((t.end for t in lay.values()), default=0)
+        files.append(OutFile(out_name, header, size, tensors))
+        for t in tensors:
+            weight_map[t.name] = out_name
+            total += t.end - t.start
+    index_json = None
+    if sharded:
+        doc = {"metadata": {"total_size": total},
+               "weight_map": dict(sorted(weight_map.items()))}
+        index_json = (json.dumps(doc, indent=2) + "\n").encode()
+    return files, index_json
+
+
+CONFIG_NAME = "config.json"
+
+
+def sliced_layout(spec: Spec, recipe: Recipe, base: Checkpoint, layout_index: dict[str, int],
+                  vocab_shapes: dict[str, tuple[str, tuple[int, ...]]] | None = None
+                  ) -> tuple[list[OutFile], bytes | None]:
+    """The weight file of a sliced (or tokenizer) merge: every output tensor, one file;
+    ``vocab_shapes``: unit key -> (source dtype, output shape) of vocabulary tensors."""
+    spec_map = {}
+    for o in recipe.outputs:
+        if vocab_shapes and o.key in vocab_shapes:
+            dtype, shape = vocab_shapes[o.key]
+        else:
+            dtype, shape = base.tensors[o.key].dtype, base.tensors[o.key].shape
+        spec_map[o.name] = (output_dtype(spec, dtype), shape)
+    header, lay = build_header(spec_map, {"format": "pt"})
+    units = {o.name: o.key for o in recipe.outputs}
+    tensors = tuple(
+        OutTensor(n, SINGLE_NAME, len(header) + lay[n].start, len(header) + lay[n].end,
+                  lay[n].dtype, lay[n].shape, layout_index.get(units[n]))
+        for n in sorted(lay, key=lambda n: lay[n].start))
+    size = len(header) + max((t.end for t in lay.values()), default=0)
+    return [OutFile(SINGLE_NAME, header, size, tensors)], None
+
+
+def recipe_of(spec: Spec, base: Checkpoint) -> Recipe:
+    """The spec's recipe: carried by the sources of a sliced spec, else built over the base."""
+    if isinstance(base, RoleSource):
+        return base.recipe
+    return build_recipe(spec, {spec.base: list(base.tensors)})
+
+
+def output_extra_files(spec: Spec, base: Checkpoint, recipe: Recipe | None = None
+                       ) -> dict[str, bytes]:
+    """Non-weight files the merge writes differently from the base's, by relative path.
+
+    ``config.json`` carries the output dtype (``torch_dtype`` and ``dtype``, the name
+    transformers >= 5 reads), as mergekit writes it, so ``from_pretrained`` loads a float16
+    merge as float16. Keys keep their order. Without an output dtype (each tensor keeps its own)
+    or with a config that is not a JSON object, the base's file passes through unchanged.
+    """
+    sliced = recipe is not None and recipe.layers is not None
+    if (spec.out_dtype is None and not sliced) or CONFIG_NAME not in base.extra_files:
+        return {}
+    try:
+        config = json.loads(base.read_extra(CONFIG_NAME))
+    except ValueError:
+        log.warning("%s of the base is not valid JSON: copied unchanged (its dtype may not match "
+                    "the merge)", CONFIG_NAME)
+        return {}
+    if not isinstance(config, dict):
+        log.warning("%s of the base is not a JSON object: copied unchanged (its dtype may not "
+                    "match the merge)", CONFIG_NAME)
+        return {}
+    if recipe is not None:
+        config = rewrite_config(config, recipe)  # layer count and per-layer lists of slices
+    if spec.out_dtype is not None:
+        name = OUT_DTYPE_NAMES[spec.out_dtype]
+        config["torch_dtype"] = name
+        config["dtype"] = name
+    return {CONFIG_NAME: (json.dumps(config, indent=2) + "\n").encode()}
+
+
+_HUB_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def _label_parts(path: str) -> list[str]:
+    """Path components a label is made of: a Hub snapshot or ``hf://`` URL as ``org/name``."""
+    m = _HUB_SNAPSHOT.search(path)
+    if m:
+        return [f"{m.group(1)}/{m.group(2)}"]
+    body = path.split("://", 1)[-1].rstrip("/")
+    if path.startswith("hf://"):
+        return [body.split("@", 1)[0]]
+    return [q for q in body.split("/") if q] or [path]
+
+
+def expert_labels(paths: Sequence[str]) -> list[str]:
+    """Short unique names of experts for plans, stats and manifests: the shortest trailing
+    path components that tell them apart (``math-7b``, ``a/ckpt`` vs ``b/ckpt``), never
+    ``base``; a URL's scheme is dropped."""
+    parts = [_label_parts(p) for p in paths]
+    labels: list[str] = [""] * len(paths)
+    for i, comps in enumerate(parts):
+        for k in range(1, len(comps) + 1):
+            cand = "/".join(comps[-k:])
+            clash = any("/".join(o[-k:]) == cand for j, o in enumerate(parts) if j != i)
+            if not clash and cand != "base":
+                labels[i] = cand
+                break
+    for i, lab in enumerate(labels):
+        if not lab:  # only "base" left, or the same path twice: name it by its position
+            labels[i] = f"{parts[i][-1]}#{i}"
+    for i, lab in enumerate(labels):
+        if labels.count(lab) > 1:
+            labels[i] = f"{lab}#{i}"
+    return labels
+
+
+def _configs(spec: Spec, opened: dict[str, Checkpoint]) -> dict[str, dict[str, Any]]:
+    """Each model's config.json, for a ``modules:`` spec (its architecture says which tensors
+    belong to which module); {} otherwise."""
+    if not spec.slices or spec.slices[0].module is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for path, c in opened.items():
+        if CONFIG_NAME in c.extra_files:
+            try:
+                cfg = json.loads(c.read_extra(CONFIG_NAME))
+            except ValueError as exc:
+                raise SpecError(f"{path}/{CONFIG_NAME}: not valid JSON ({exc})") from None
+            if isinstance(cfg, dict):
+                out[path] = cfg
+    return out
+
+
+def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
+    every model the slices name, keyed by the output's units. A multi-document spec's
+    named merges are materialised first (mergefs.engine.intermediates), unless already up to date."""
+    if spec.intermediates:
+        from mergefs.engine.intermediates import ensure_intermediates
+
+        ensure_intermediates(spec)
+    base = open_checkpoint(spec.base, spec.source_options(spec.base))
+    experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
+               for e in spec.experts]
+    if spec.sliced or spec.tokenizer is not None:
+        opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
+        try:
+            for sl in spec.slices:
+                for r in (sl.ref, *sl.experts):
+                    if r.path not in opened:
+                        opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+            built, vocab = _tokenizer(spec, opened)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
+                                  _configs(spec, opened))
+            # a base-alone module slice names the base in the expert roles too: those roles
+            # get their own handle on it, so their counters count their own reads only
+            aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
+            roles = [RoleSource(recipe, 0, opened)]
+            for k in range(1, 1 + len(experts)):
+                own = dict(opened)
+                for p in aliased:
+                    own[p] = opened[f"\0{k}:{p}"] = open_source(p, spec.source_options(p),
+                                                                 base)
+                roles.append(RoleSource(recipe, k, own))
+        except BaseException:
+            for c in opened.values():
+                c.close()
+            raise
+        for role in roles:
+            role.tokenizer = built
+        base, experts = roles[0], roles[1:]  # type: ignore[assignment]
+    check_coordinates(base, experts)
+    return base, experts
+
+
+#: Vocabulary tensors (rows are tokens) of a tokenizer merge: embeddings and LM heads whose
+#: first dimension is the model's vocab_size
+_VOCAB_NAME = re.compile(r"lm_head|embed_out|(^|\.)output\.weight$")
+
+
+def _config_of(c: Checkpoint) -> dict[str, Any] | None:
+    if CONFIG_NAME not in c.extra_files:
+        return None
+    try:
+        doc = json.loads(c.read_extra(CONFIG_NAME))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
+               ) -> tuple[tokenizers.BuiltTokenizer | None, frozenset[str]]:
+    """The output tokenizer of a spec that merges one, and the vocabulary tensors of its
+    reference model (empty when only a chat template is set: no rows change)."""
+    if spec.tokenizer is None:
+        return None, frozenset()
+    configs = {p: _config_of(c) for p, c in opened.items()}
+    with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
+        dirs: dict[str, str] = {}
+        for k, (path, c) in enumerate(opened.items()):
+            if c.is_remote:  # its tokenizer files, fetched for transformers to load
+                d = Path(tmp) / str(k)
+                for rel in c.extra_files:  # top level only: what transformers reads
+                    if "/" not in rel and rel in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
+                        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (d / rel).write_bytes(c.read_extra(rel))
+                dirs[path] = str(d)
+        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs)
+    if spec.tokenizer.source is None:
+        return built, frozenset()
+    ref = opened[spec.slices[0].ref.path]
+    size = tokenizers.vocab_size_of(configs[spec.slices[0].ref.path], -1)
+    vocab = frozenset(n for n, loc in ref.tensors.items()
+                      if loc.shape and loc.shape[0] == size and loc.dtype in FLOAT_DTYPES
+                      and (PRE_WEIGHT.search(n) or _VOCAB_NAME.search(n)))
+    return built, vocab
+
+
+#: at most this many planned sidecar bytes of tensors are held for their units at once; beyond,
+#: units read their own ranges (see Engine._unit_payloads)
+TENSOR_LEVELS_MAX_BYTES = 128 << 20
+
+
+@dataclass(eq=False)
+class _HeldLevels:
+    """One tensor's planned sidecar ranges of one expert, read once for all its units."""
+
+    planned: np.ndarray  # the tensor's planned blocks (relative to its first block)
+    depths: np.ndarray  # their level depths
+    left: int  # planned blocks not decoded yet: the entry is dropped at 0
+    nbytes: int  # the planned bytes (counted against TENSOR_LEVELS_MAX_BYTES)
+    payloads: Any = None  # mergefs.deltas.decode.Payloads once read
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Engine:
+    """Merges units of a plan. Thread-safe: units may be merged concurrently."""
+
+    def __init__(self, spec: Spec, base: Checkpoint, experts: Sequence[Checkpoint],
+                 index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
+                 verify_index: bool = True, recipe: Recipe | None = None,
+                 deltas: dict[int, Any] | None = None,
+                 gap_allowance: GapAllowance | None = None) -> None:
+        """``gap_allowance``: where remote reads of the experts (exact blocks and delta
+        sidecar ranges) take the gap bytes they coalesce over; default the plan's
+        (:attr:`mergefs.plan.planner.Plan.gap_allowance_bytes`)."""
+        self.spec = spec
+        self.recipe = recipe if recipe is not None else recipe_of(spec, base)
+        self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
+        #: output tensor name -> the unit it is made of (several names for a repeated unit)
+        self.unit_of = {o.name: o.key for o in self.recipe.outputs}
+        self.tokenizer = getattr(base, "tokenizer", None)
+        #: vocabulary units of a tokenizer merge: not in the index, merged from whole tensors
+        self.derived = frozenset(o.key for o in self.recipe.outputs if o.vocab)
+        self.base = base
+        self.experts = list(experts)
+        self.index = index
+        self.layout = index.layout
+        self.plan = plan
+        self.method = spec.method_def
+        self.manifest = manifest
+        self.verify_index = verify_index
+        self.tindex = self.layout.tensor_index()
+        if self.recipe.layers is not None or self.derived:
+            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
+                                                            self._vocab_shapes())
+        else:
+            self.out_files, self.index_json = output_layout(spec, base, self.tindex)
+        self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
+        self.extra_overrides = output_extra_files(spec, base, self.recipe)
+        #: non-weight files of the base not in the output (its tokenizer, when one is built)
+        self.extra_hidden: frozenset[str] = frozenset()
+        if self.tokenizer is not None:
+            self.extra_hidden = frozenset(r for r in base.extra_files
+                                          if r in tokenizers.TOKENIZER_FILES)
+            self.extra_overrides.update(self.tokenizer.files)
+            if self.derived and (CONFIG_NAME in self.extra_overrides
+                                 or CONFIG_NAME in base.extra_files):
+                cfg = json.loads(self.extra_overrides.get(CONFIG_NAME)
+                                 or base.read_extra(CONFIG_NAME))
+                self.extra_overrides[CONFIG_NAME] = tokenizers.json_bytes(
+                    tokenizers.update_config(cfg, self.tokenizer))
+        self.labels = expert_labels([e.path for e in spec.experts])
+        # delta sidecars (issue 14): blocks the plan reads as reconstructed levels
+        self.deltas = dict(deltas or {}) if plan.levels is not None else {}
+        #: the gap bytes every remote expert read of this merge shares (issue 14)
+        self.gap_allowance = gap_allowance if gap_allowance is not None else \
+            GapAllowance(plan.gap_allowance_bytes)
+        for i, sc in self.deltas.items():
+            sc.recorder = functools.partial(self._record_sidecar, self.labels[i], sc.name)
+            sc.gap_allowance = self.gap_allowance
+        #: a tensor's planned sidecar ranges, read once for units smaller than the tensor
+        #: (the mount's row-block units), by (expert, tensor); dropped when every planned
+        #: block was decoded
+        self._tensor_levels: dict[tuple[int, str], _HeldLevels] = {}
+        self._tensor_levels_bytes = 0  # their planned bytes, at most TENSOR_LEVELS_MAX_BYTES
+        self._tensor_levels_lock = threading.Lock()
+        self._lock = threading.Lock()
+        #: expert bytes of vocabulary tensors read whole (a tokenizer merge), outside the plan
+        self.vocab_expert_bytes_read = 0
+        self.blocks_merged = 0
+        self.units_merged = 0
+        self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.methods.kernels)
+        self._fused: dict[str, Fused | None] = {}
+        #: some unit's arithmetic has a compiled kernel form (used when numba is available)
+        self.fusable = any(self._fused_form(name) is not None for name in self.unit_outputs)
+        if self.fusable:
+            kernels.note_unavailable()
+        memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
+
+    def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        if self.tokenizer is None:
+            return out
+        for key in self.derived:
+            _, loc = self.base.vocab_locs[key]  # type: ignore[attr-defined]
+            out[key] = (loc.dtype, (self.tokenizer.rows, *loc.shape[1:]))
+        return out
+
+    def _vocab_unit(self, name: str) -> bytes:
+        """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
+        tokens (mergefs.spec.tokenizer.permute), then merged by the method as one unit."""
+        import torch
+
+        assert self.tokenizer is not None and self.spec.tokenizer is not None
+        u = self.unit_outputs[name]
+        loaded: dict[str, Any] = {}
+        for role, src in enumerate([self.base, *self.experts]):
+            c, loc = src.vocab_locs[name]  # type: ignore[attr-defined]
+            buf = c.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+            if role:
+                with self._lock:
+                    self.vocab_expert_bytes_read += len(buf)
+            if self.manifest is not None:
+                label = "base" if role == 0 else self.labels[role - 1]
+                self.manifest.write({"type": "read", "source": label, "file": loc.file,
+                                     "tensor": name, "start": loc.start, "end": loc.end,
+                                     "xxh3": xxhash.xxh3_64_hexdigest(buf)})
+            loaded[u.models[role]] = torch.from_numpy(decode_f32(buf, loc.dtype).copy()
+                                                      ).reshape(loc.shape)
+        order = [u.models[0] if k == REFERENCE else u.models[k + 1]
+                 for k in self.spec.input_order]
+        if self.spec.has_base:
+            order = [u.models[0], *order]
+        permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
+                                      u.models[0] if self.spec.has_base else None,
+                                      {m: loaded[m] for m in order})
+        # the methods take numpy arrays (and use torch themselves where they need it)
+        arrays = {m: np.ascontiguousarray(t.numpy(), dtype=np.float32)
+                  for m, t in permuted.items()}
+        ref = arrays[u.models[0]]
+        inputs = tuple(ref if k == REFERENCE else arrays[u.models[k + 1]]
+                       for k in self.spec.input_order)
+        unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
+                    base=ref if self.spec.has_base else None, inputs=inputs, params=u.params,
+                    input_params=u.input_params, expert_ids=tuple(range(len(inputs))))
+        out = self.method.merge(unit)
+        if not isinstance(out, np.ndarray):
+            out = out.detach().numpy()
+        merged = np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
+        size = self.out_tensors[name].end - self.out_tensors[name].start
+        data = encode(merged, self.out_tensors[name].dtype)
+        assert len(data) == size
+        return self._output(name, 0, 0, data)
+
+    # -- units ---------------------------------------------------------------------------
+    def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
+        """Merge units of tensor ``name`` as block runs ``(b0, b1)``.
+
+        Whole-tensor methods: one unit. Elementwise: single blocks, or runs of about
+        ``unit_elems`` elements when given.
+        """
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return [(0, 0)]
+        t = self.tindex[name]
+        blocks = self.layout.blocks_of(t)
+        if not self._elementwise(name) or not blocks:
+            return [(blocks.start, blocks.stop)]
+        out = []
+        b0 = blocks.start
+        for b in blocks:
+            if b > b0 and self.layout.elem_end[b] - self.layout.elem_start[b0] > unit_elems:
+                out.append((b0, b))
+                b0 = b
+        out.append((b0, blocks.stop))
+        return out
+
+    def unit_out_range(self, name: str, b0: int, b1: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of a unit within the tensor's output bytes."""
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return 0, self.out_tensors[name].end - self.out_tensors[name].start
+        item = DTYPES[self.out_tensors[name].dtype][0]
+        return int(self.layout.elem_start[b0]) * item, int(self.layout.elem_end[b1 - 1]) * item
+
+    # -- reading -------------------------------------------------------------------------
+    def _range(self, src: Checkpoint, name: str, e0: int, e1: int) -> ReadRange:
+        loc = src.tensors[name]
+        item = DTYPES[loc.dtype][0]  # the source's own dtype (experts may differ from the base)
+        return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
+
+    def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
+               b0: int, b1: int, hashes: np.ndarray) -> memoryview:
+        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
+        item = DTYPES[src.tensors[name].dtype][0]
+        origin = int(self.layout.elem_start[b0])
+        for b in range(b0, b1) if self.verify_index else ():
+            lo = (int(self.layout.elem_start[b]) - origin) * item
+            hi = (int(self.layout.elem_end[b]) - origin) * item
+            if xxhash.xxh3_64_intdigest(buf[lo:hi]) != int(hashes[b]):
+                raise SourceChanged(
+                    f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
+                    f"(source changed since it was indexed); run `mergefs index` again"
+                )
+        if self.manifest is not None:
+            self.manifest.write({"type": "read", "source": label, "file": rng.file,
+                                 "tensor": name, "start": rng.start, "end": rng.end,
+                                 "xxh3": xxhash.xxh3_64_hexdigest(buf)})
+        return buf
+
+    # -- merging -------------------------------------------------------------------------
+    def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
+        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
+        name = self.unit_of.get(name, name)
+        if name in self.derived:
+            return self._vocab_unit(name)
+        lay = self.layout
+        e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
+        src_dtype = self.base.tensors[name].dtype
+        # One batch per unit: the base range and every planned expert run, fetched together
+        # (remote sources concurrently; local ones in this order, one pread per run).
+        base_rng = self._range(self.base, name, e0, e1)
+        runs = [_runs(row, b0, b1) for row in self.plan.selected]
+        ranges = [[self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
+                   for r0, r1 in src_runs] for src, src_runs in zip(self.experts, runs)]
+        requests = [(src, rs) for src, rs in zip(self.experts, ranges) if rs]
+        got = read_many([(self.base, [base_rng]), *requests],
+                        [None] + [self.gap_allowance] * len(requests))
+        base_buf = self._check(self.base, "base", name, base_rng, got[0][0], b0, b1,
+                               self.index.base_hash)
+        fetched = iter(got[1:])
+        expert_bufs = [next(fetched) if rs else [] for rs in ranges]
+        out_dtype = self.out_tensors[name].dtype
+        u = self.unit_outputs.get(name)
+        if u is not None and u.ref_only:  # the base alone: cast, as mergekit returns it
+            data = bytes(base_buf) if out_dtype == src_dtype else \
+                encode(decode_f32(base_buf, src_dtype), out_dtype)
+            return self._output(name, b0, b1, data)
+        levels = [self._level_blocks(i, b0, b1) for i in range(len(self.experts))]
+        if not any(runs) and not any(levels) and self._unread_is_base(src_dtype, out_dtype,
+                                                                      base_buf):
+            return self._output(name, b0, b1, bytes(base_buf))
+        form = self._fused_form(name)
+        size = int(np.prod(self.out_tensors[name].shape, dtype=np.int64))
+        if not any(levels) and kernels.supports(
+                form, [src_dtype, *(e.tensors[name].dtype for e, r in zip(self.experts, runs)
+                                    if r)], out_dtype, size):
+            assert form is not None
+            data = self._merge_fused(name, form, base_buf, src_dtype, runs, ranges,
+                                     expert_bufs, e0, out_dtype, size)
+            return self._output(name, b0, b1, data, fused=True)
+        w0 = decode_f32(base_buf, src_dtype)
+        values: list[np.ndarray | None] = []  # per expert; None: the reference's values
+        for i, src in enumerate(self.experts):
+            if not runs[i] and not levels[i]:
+                values.append(None)
+                continue
+            whole = runs[i] == [(b0, b1)]
+            full = None if whole else w0.copy()  # omitted blocks: W_i := W0 (zero delta)
+            for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i]):
+                buf = self._check(src, self.labels[i], name, rng, raw, r0, r1,
+                                  self.index.expert_hash[i])
+                wi = decode_f32(buf, src.tensors[name].dtype)  # promoted to float32
+                if full is None:
+                    full = wi
+                else:
+                    full[int(lay.elem_start[r0]) - e0:int(lay.elem_end[r1 - 1]) - e0] = wi
+            if levels[i]:
+                assert full is not None
+                self._reconstruct(i, name, e0, w0, full, levels[i])
+            values.append(full)
+        if any(levels) and kernels.supports(form, [src_dtype, "F32"], out_dtype, size):
+            # reconstructed units: the compiled kernel on the float32 values, the same
+            # arithmetic as the method's numpy path on them (tests/test_deltadecode.py)
+            assert form is not None
+            inputs = [None if k == REFERENCE or values[k] is None
+                      else [(0, values[k], "F32")] for k in self.spec.input_order]
+            data = kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype,
+                                       elem_offset=e0, tensor_size=size)
+            return self._output(name, b0, b1, data, fused=True)
+        merged = self._merge(name, e0, w0, values)
+        return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    def _fused_form(self, name: str) -> Fused | None:
+        """The unit arithmetic of tensor ``name`` as a compiled kernel's form, or None (whole
+        tensors, vocabulary units, methods or parameters the kernel does not reproduce)."""
+        if name not in self._fused:
+            out_t = self.unit_outputs.get(name)
+            form = None
+            if out_t is not None and name not in self.derived:
+                form = self.method.fused(out_t.params, out_t.input_params)
+                if form is not None and form.order == "sequential" \
+                        and not self._elementwise(name):
+                    form = None  # a sequential form needs elementwise units
+            self._fused[name] = form
+        return self._fused[name]
+
+    def _merge_fused(self, name: str, form: Fused, base_buf: memoryview, src_dtype: str,
+                     runs: list[list[tuple[int, int]]], ranges: list[list[ReadRange]],
+                     expert_bufs: list[list[memoryview]], e0: int, out_dtype: str,
+                     tensor_size: int) -> bytes:
+        """``merge_unit`` by :func:`mergefs.methods.kernels.fused_merge`: the same reads, checks and
+        manifest records, then one pass per input over the raw bytes."""
+        lay = self.layout
+        planned: list[kernels.Runs] = []
+        for i, src in enumerate(self.experts):
+            dtype = src.tensors[name].dtype
+            planned.append([
+                (int(lay.elem_start[r0]) - e0,
+                 self._check(src, self.labels[i], name, rng, raw, r0, r1,
+                             self.index.expert_hash[i]), dtype)
+                for (r0, r1), rng, raw in zip(runs[i], ranges[i], expert_bufs[i])])
+        inputs = [None if k == REFERENCE or not planned[k] else planned[k]
+                  for k in self.spec.input_order]
+        return kernels.fused_merge(form, base_buf, src_dtype, inputs, out_dtype,
+                                   elem_offset=e0, tensor_size=tensor_size)
+
+    # -- delta sidecars (issue 14) ---------------------------------------------------------
+    def _level_blocks(self, i: int, b0: int, b1: int) -> list[tuple[int, int]]:
+        """(block, levels) of expert i in [b0, b1) that the plan reconstructs from its sidecar."""
+        if i not in self.deltas or self.plan.levels is None:
+            return []
+        row = self.plan.levels[i, b0:b1]
+        return [(b0 + int(j), int(row[j])) for j in np.flatnonzero(row)]
+
+    def _reconstruct(self, i: int, name: str, e0: int, w0: np.ndarray, full: np.ndarray,
+                     blocks: list[tuple[int, int]]) -> None:
+        """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
+        from mergefs.deltas.decode import decode_blocks
+
+        sc = self.deltas[i]
+        tl = sc.tensors[name]
+        lay = self.layout
+        b = np.asarray([b for b, _ in blocks], np.int64)
+        depths = np.asarray([k for _, k in blocks], np.int64)
+        starts = lay.elem_start[b] - e0
+        n_rows = (lay.elem_end[b] - lay.elem_start[b]) // tl.cols
+        first = int(lay.first_block[tl.t])
+        payloads = self._unit_payloads(i, tl, b - first)
+        decode_blocks(sc, tl, b - first, depths, starts, n_rows, w0, full, name,
+                      payloads=payloads)
+
+    def _unit_payloads(self, i: int, tl: Any, js: np.ndarray) -> Any:
+        """The sidecar payloads of blocks ``js`` of tensor ``tl`` (relative to its first block)
+        when the unit holds only some of the tensor's planned blocks: every planned block's
+        ranges are read once, one pread per run per level as for a whole tensor, instead of
+        one pread per level per unit (64 KiB units: ~7 levels x 3 experts per unit). None: the
+        unit holds all of them, or they are too large to keep; the caller reads its own. The
+        bytes are the plan's either way: only when they are read changes."""
+        from mergefs.deltas.decode import Payloads, read_payloads
+
+        key = (i, tl.name)
+        with self._tensor_levels_lock:
+            held = self._tensor_levels.get(key)
+            if held is None:
+                held = self._hold_levels(i, tl, len(js))
+                if held is None:
+                    return None
+        with held.lock:  # one reader per tensor; the others wait for its bytes
+            if held.payloads is None:
+                held.payloads = read_payloads(self.deltas[i], tl, held.planned, held.depths,
+                                              tl.name)
+            got: Payloads = held.payloads
+        with self._tensor_levels_lock:
+            held.left -= len(js)
+            if held.left <= 0 and self._tensor_levels.get(key) is held:
+                del self._tensor_levels[key]
+                self._tensor_levels_bytes -= held.nbytes
+        sel = np.searchsorted(held.planned, js)
+        return Payloads(got.data, got.off[:, sel], got.size[:, sel])
+
+    def _hold_levels(self, i: int, tl: Any, unit_blocks: int) -> _HeldLevels | None:
+        """A new entry of ``_tensor_levels`` for expert i's tensor ``tl`` (under its lock), or
+        None: a unit of ``unit_blocks`` blocks holds every planned block, or the cap is
+        reached (entries of tensors a reader left half read stay until their blocks are
+        decoded: a cap on them all, not only per tensor)."""
+        assert self.plan.levels is not None
+        lay = self.layout
+        row = self.plan.levels[i, int(lay.first_block[tl.t]):int(lay.first_block[tl.t + 1])]
+        planned = np.flatnonzero(row)
+        if len(planned) <= unit_blocks:
+            return None
+        depths = row[planned].astype(np.int64)
+        sizes = self.deltas[i].range_bytes()
+        nbytes = sum(int(sizes[lv.first_range + planned[depths > lvl]].sum())
+                     for lvl, lv in enumerate(tl.levels[:int(depths.max())]))
+        if self._tensor_levels_bytes + nbytes > TENSOR_LEVELS_MAX_BYTES:
+            return None
+        self._tensor_levels_bytes += nbytes
+        held = self._tensor_levels[(i, tl.name)] = _HeldLevels(planned, depths, len(planned),
+                                                              nbytes)
+        return held
+
+    def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
+                        buf: memoryview) -> None:
+        if self.manifest is not None:
+            self.manifest.write({"type": "read", "source": label, "file": file,
+                                 "tensor": tensor, "start": start, "end": end,
+                                 "xxh3": xxhash.xxh3_64_hexdigest(buf)})
+
+    def _merge(self, name: str, e0: int, w0: np.ndarray, values: list[np.ndarray | None]
+               ) -> np.ndarray:
+        """Run the method on one unit: float32 in, float32 out (flat)."""
+        shape = (w0.size,) if self._elementwise(name) else self.out_tensors[name].shape
+        ref = w0.reshape(shape)
+        out_t = self.unit_outputs[name]
+        inputs = tuple(ref if k == REFERENCE or values[k] is None
+                       else values[k].reshape(shape)  # type: ignore[union-attr]
+                       for k in self.spec.input_order)
+        unit = Unit(tensor=name, shape=tuple(shape), elem_offset=e0,
+                    base=ref if self.spec.has_base else None, inputs=inputs,
+                    params=out_t.params, input_params=out_t.input_params,
+                    expert_ids=tuple(range(len(inputs))),
+                    tensor_size=int(np.prod(self.out_tensors[name].shape, dtype=np.int64)))
+        out = self.method.merge(unit)  # numpy, or torch (methods import torch when they need it)
+        if not isinstance(out, np.ndarray):
+            out = out.detach().numpy()
+        return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
+
+    def _elementwise(self, name: str) -> bool:
+        u = self.unit_outputs.get(name)
+        return self.method.elementwise(len(self.spec.input_order),
+                                       u.params if u is not None else self.spec.parameters)
+
+    def _unread_is_base(self, src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
+        """True when a unit that reads no expert is exactly the base's bytes (see
+        :func:`_is_identity`): for methods whose output is the base when every delta is 0."""
+        return (self.method.caps.zero_delta_is_base and self.spec.has_base
+                and _is_identity(src_dtype, out_dtype, base_buf))
+
+    def add_merged(self, blocks: int, units: int, fused: int = 0) -> None:
+        """Count blocks and units merged (here, or by another process for this engine)."""
+        with self._lock:
+            self.blocks_merged += blocks
+            self.units_merged += units
+            self.units_fused += fused
+
+    def _output(self, name: str, b0: int, b1: int, out: bytes, fused: bool = False) -> bytes:
+        self.add_merged(b1 - b0, 1, int(fused))
+        if self.manifest is not None:
+            start, end = self.unit_out_range(name, b0, b1)
+            self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
+                                 "start": start, "end": end,
+                                 "xxh3": xxhash.xxh3_64_hexdigest(out)})
+        return out
+
+    def passthrough(self, name: str) -> bytes:
+        """Bytes of a non-merged tensor (non-float): the base's, unchanged."""
+        name = self.unit_of.get(name, name)
+        loc = self.base.tensors[name]
+        return bytes(self.base.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0])
+
+    def tensor_pieces(self, name: str, unit_elems: int) -> list[Callable[[], bytes]]:
+        if self.unit_of.get(name, name) in self.derived:
+            return [functools.partial(self.merge_unit, name, 0, 0)]
+        if self.out_tensors[name].layout_index is None:
+            return [functools.partial(self.passthrough, name)]
+        return [functools.partial(self.merge_unit, name, b0, b1)
+                for b0, b1 in self.units(name, unit_elems)]
+
+    def prefetch(self, name: str, b0: int, b1: int) -> None:
+        """Ask the kernel to start reading a unit's base range and planned expert runs
+        (``POSIX_FADV_WILLNEED``: no wait, no bytes beyond the plan; local sources only)."""
+        lay = self.layout
+        wanted = [(self.base, self._range(self.base, name, int(lay.elem_start[b0]),
+                                          int(lay.elem_end[b1 - 1])))]
+        for src, row in zip(self.experts, self.plan.selected):
+            wanted += [(src, self._range(src, name, int(lay.elem_start[r0]),
+                                         int(lay.elem_end[r1 - 1])))
+                       for r0, r1 in _runs(row, b0, b1)]
+        for src, rng in wanted:
+            if not src.is_remote:
+                os.posix_fadvise(src.fds()[rng.file], rng.start, rng.end - rng.start,
+                                 os.POSIX_FADV_WILLNEED)
+
+    # -- materialising ---------------------------------------------------------------------
+    def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,
+                    threads: int = 2, overwrite: bool = False) -> dict[str, str]:
+        """Write the merged model to ``outdir``; returns {tensor: xxh3 of its output bytes}."""
+        hashes: dict[str, str] = {}
+        staging = Staging(outdir, force=overwrite)  # checks the directory before any work
+        try:
+            with staging:
+                out = staging.tmp
+                with ThreadPoolExecutor(max_workers=threads,
+                                        thread_name_prefix="mergefs-merge") as pool:
+                    for f in self.out_files:
+                        self._write_file(out, f, pool, hashes, on_bytes)
+                self.write_extras(out)
+                staging.commit(self.marker())
+        except OSError as exc:
+            # e.g. ENOSPC: the temporary tree was removed; the output directory is untouched.
+            raise write_error(exc, outdir) from None
+        return hashes
+
+    def write_extras(self, out: Path) -> None:
+        """The shard index and the non-weight files (copied, or as the merge rewrites them)."""
+        if self.index_json is not None:
+            _atomic_write(out / INDEX_NAME, [self.index_json])
+        added = [r for r in self.extra_overrides if r not in self.base.extra_files]
+        for rel in [*self.base.extra_files, *added]:
+            if rel in self.extra_hidden and rel not in self.extra_overrides:
+                continue
+            dst = out / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            rewritten = self.extra_overrides.get(rel)
+            if rewritten is not None:
+                _atomic_write(dst, [rewritten])
+            else:
+                self.base.copy_extra(rel, dst)
+
+    def marker(self) -> dict[str, Any]:
+        """What the output directory's marker records about the merge that wrote it."""
+        manifest_path = getattr(self.manifest, "path", None)
+        return {"spec": self.spec.source, "plan_hash": self.plan.plan_hash,
+                "manifest": str(manifest_path) if manifest_path else None}
+
+    def record_tensors(self, f: OutFile, file_hashes: dict[str, str],
+                       hashes: dict[str, str]) -> None:
+        """Add output file ``f``'s tensor hashes to ``hashes``; one manifest record each."""
+        for t in f.tensors:
+            digest = file_hashes[t.name]
+            hashes[t.name] = digest
+            if self.manifest is not None:
+                self.manifest.write({"type": "tensor", "name": t.name, "file": f.name,
+                                     "size_bytes": t.end - t.start, "xxh3": digest})
+
+    def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
+                    hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
+        tmp = out / f".{f.name}.partial"
+        file_hashes = self.write_shard(tmp, f, pool, on_bytes)
+        os.replace(tmp, out / f.name)
+        self.record_tensors(f, file_hashes, hashes)
+
+    def write_shard(self, tmp: Path, f: OutFile, pool: ThreadPoolExecutor,
+                    on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+        """Write output file ``f`` whole at ``tmp`` (created exclusively, fsynced; removed on
+        any failure); returns {tensor: xxh3 of its bytes} for each of its tensors."""
+        # A unit the output repeats (a self-stack) is merged once, where it first appears in
+        # the file; its later copies are read back from the file written so far.
+        first: dict[str, OutTensor] = {}
+        pieces: list[tuple[str, Callable[[], bytes] | OutTensor]] = []
+        for t in f.tensors:
+            key = self.unit_of.get(t.name, t.name)
+            if key in first:
+                pieces.append((t.name, first[key]))
+            else:
+                first[key] = t
+                pieces += [(t.name, fn) for fn in self.tensor_pieces(t.name, UNIT_ELEMS)]
+        # The same merge units in the same order, for reading ahead of the workers.
+        ahead = iter([(t.name, b0, b1) for t in first.values() if t.layout_index is not None
+                      for b0, b1 in self.units(t.name, UNIT_ELEMS)])
+        for unit in islice(ahead, PREFETCH_UNITS):
+            self.prefetch(*unit)
+        hashers: dict[str, Any] = {}
+        try:
+            _clear_temp(tmp)
+            with open(tmp, "xb+") as fh:  # read back: repeated units
+                fh.write(f.header)
+                window: deque[tuple[str, Future[bytes] | OutTensor]] = deque()
+                it = iter(pieces)
+
+                def fill() -> None:
+                    while len(window) < 3:
+                        nxt = next(it, None)
+                        if nxt is None:
+                            return
+                        job = nxt[1]
+                        window.append((nxt[0], job if isinstance(job, OutTensor)
+                                       else pool.submit(job)))
+                        for unit in islice(ahead, 1):
+                            self.prefetch(*unit)
+
+                fill()
+                written = synced = 0
+                while window:
+                    name, fut = window.popleft()
+                    if isinstance(fut, OutTensor):  # a repeated unit: its bytes written earlier
+                        fh.flush()
+                        data = os.pread(fh.fileno(), fut.end - fut.start, fut.start)
+                    else:
+                        data = fut.result()
+                    fill()
+                    fh.write(data)
+                    written += len(data)
+                    if written - synced >= WRITEBACK_BYTES:  # start writeback now, not at fsync
+                        fh.flush()
+                        os.posix_fadvise(fh.fileno(), synced, written - synced,
+                                         os.POSIX_FADV_DONTNEED)
+                        synced = written
+                    hashers.setdefault(name, xxhash.xxh3_64()).update(data)
+                    if on_bytes is not None:
+                        on_bytes(len(data))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return {t.name: hashers[t.name].hexdigest() if t.name in hashers
+                else xxhash.xxh3_64_hexdigest(b"") for t in f.tensors}
+
+
+# Bit patterns that ``W0 + (+0.0)`` changes: -0.0 (becomes +0.0) and NaN (may be quietened).
+_IDENTITY_CHECK = {"BF16": ("<u2", 0x8000, 0x7FFF, 0x7F80),
+                   "F16": ("<u2", 0x8000, 0x7FFF, 0x7C00),
+                   "F32": ("<u4", 0x80000000, 0x7FFFFFFF, 0x7F800000)}
+
+
+def _is_identity(src_dtype: str, out_dtype: str, base_buf: memoryview) -> bool:
+    """True when a unit whose deltas are all zero is exactly the base's bytes.
+
+    Such a unit is ``M = W0 + S`` with ``S`` all zeros (of either sign), and ``w + 0.0 == w``
+    bit for bit except for -0.0 and NaN; the cast back to the source dtype is exact. So the
+    base's bytes are the output when the dtype is unchanged and the unit holds neither.
+    """
+    check = _IDENTITY_CHECK.get(src_dtype)
+    if check is None or out_dtype != src_dtype:
+        return False
+    kind, neg_zero, magnitude, inf = check
+    u = np.frombuffer(base_buf, dtype=kind)
+    return not (np.any(u == neg_zero) or np.any((u & magnitude) > inf))
+
+
+def may_use_kernels(spec: Spec) -> bool:
+    """Whether merging ``spec`` will likely run the compiled kernels (numba installed and the
+    spec-level parameters give a kernel form), without opening anything: to load them early."""
+    if not kernels.available():
+        return False
+    try:
+        return spec.method_def.fused(spec.parameters, spec.input_parameters()) is not None
+    except (TypeError, ValueError, KeyError):  # per-tensor parameters: known per unit only
+        return False
+
+
+def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:
+    """Runs of True in row[b0:b1] as absolute block ranges."""
+    seg = row[b0:b1]
+    if not seg.any():
+        return []
+    padded = np.concatenate([[False], seg, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(b0 + int(a), b0 + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def write_error(exc: OSError, outdir: str | Path) -> MergefsError:
+    """The error of a failed write of the merged model (e.g. ENOSPC), naming where."""
+    where = exc.filename or outdir
+    return MergefsError(f"{where}: cannot write the merged model: {exc.strerror}")
+
+
+def _clear_temp(tmp: Path) -> None:
+    """Remove whatever sits at a temporary name (a crash's leftover, or a symlink planted
+    there) without following it. Weight files and the shard index are then created with
+    O_EXCL ("xb"), which never writes through a symlink made in between."""
+    tmp.unlink(missing_ok=True)
+
+
+def _atomic_write(path: Path, chunks: list[bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        _clear_temp(tmp)
+        with open(tmp, "xb") as fh:
+            fh.writelines(chunks)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class Session:
+    """A spec opened for work: family, index, plan, engine and the manifest header."""
+
+    def __init__(self, spec: Spec, *, budget_bytes: int | None = None,
+                 manifest: ManifestWriter | None = None,
+                 on_index_bytes: Callable[[int], None] | None = None,
+                 plan: Plan | None = None,
+                 family: tuple[Checkpoint, list[Checkpoint]] | None = None,
+                 sidecars: bool = True, index: BlockIndex | None = None,
+                 index_runner: Any = None, reset_counters: bool | None = None) -> None:
+        """``family``: the spec's (base, experts) if the caller opened them already (the
+        session then owns and closes them). ``sidecars``: plan with the experts' delta
+        sidecars when they have matching ones (:mod:`mergefs.deltas.codec`). ``index``: the family's
+        index, loaded by the caller (a sweep's variants share one; counters are then left
+        alone, as other sessions may be counting on the same sources). ``index_runner``:
+        where an index build computes its chunks (:data:`mergefs.index.blocks.ChunkRunner`).
+        ``reset_counters``: zero the sources' counters once the session is open, so that they
+        count its merge reads only (default: when the session loaded the index itself; a
+        mount that loaded it for this session alone passes True)."""
+        self.spec = spec
+        self.started = time.monotonic()
+        self.base, self.experts = family if family is not None else open_family(spec)
+        if index is not None:
+            self.index, self.index_built = index, False
+        else:
+            self.index, self.index_built = load_or_build(
+                self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
+                runner=index_runner)
+        self.recipe = recipe_of(spec, self.base)
+        self.deltas = _find_deltas(self.base, self.experts, self.index) if sidecars else {}
+        if reset_counters is None:  # a shared index: other sessions may count on the sources
+            reset_counters = index is None
+        if reset_counters:
+            for c in [self.base, *self.experts]:  # count merge reads only, not indexing or
+                c.counters.reset()  # looking for sidecars
+        self.plan = plan if plan is not None else make_plan(
+            spec, self.index, budget_bytes,
+            coefficients=self.recipe.coefficients(spec, self.index.layout.tensors),
+            sidecars=self.deltas)
+        self.manifest = manifest
+        self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
+                             recipe=self.recipe, deltas=self.deltas)
+        #: BLAS held at one thread while sidecars are decoded (the workers use the cores):
+        #: once per session, not per decode call, which set and restored OpenBLAS's thread
+        #: count per unit (the mount's 64 KiB units: seconds per file)
+        if manifest is not None:
+            manifest.write(self.header_record())
+        self._one_blas: Any = None  # taken last: nothing after it can fail before close()
+        if self.engine.deltas:
+            from mergefs.deltas.codec import one_blas_thread
+
+            self._one_blas = one_blas_thread()
+            self._one_blas.__enter__()
+
+    def header_record(self) -> dict[str, Any]:
+        return {
+            "type": "header",
+            "schema": SCHEMA_VERSION,
+            "mergefs_version": __version__,
+            "spec": dict(self.spec.raw),
+            "spec_file": self.spec.source,
+            "sources": {"base": self.base.identity_json(),
+                        **{lab: e.identity_json()
+                           for lab, e in zip(self.engine.labels, self.experts)}},
+            "index_key": self.index.key,
+            "plan_hash": self.plan.plan_hash,
+            "budget_bytes": self.plan.budget_bytes,
+            "selected": selected_runs(self.plan.selected),
+            **self._levels_record(),
+            "created_unix": time.time(),
+        }
+
+    def _levels_record(self) -> dict[str, Any]:
+        """Header keys of a plan that reads delta sidecars (absent otherwise)."""
+        if self.plan.levels is None:
+            return {}
+        from mergefs.plan.levels import level_runs
+
+        return {"levels": level_runs(self.plan.levels),
+                "sidecars": {self.engine.labels[i]: str(sc.path)
+                             for i, sc in sorted(self.deltas.items())}}
+
+    def source_bytes(self) -> dict[str, int]:
+        return {"base": self.base.counters.bytes_read,
+                **{lab: e.counters.bytes_read for lab, e in zip(self.engine.labels, self.experts)}}
+
+    def sidecar_bytes(self) -> dict[str, int]:
+        """Delta sidecar payload bytes read per expert (expert I/O, issue 14): fetched, the
+        gaps between coalesced ranges included."""
+        return {self.engine.labels[i]: sc.bytes_read for i, sc in sorted(self.deltas.items())}
+
+    def sidecar_gap_bytes(self) -> dict[str, int]:
+        """Of :meth:`sidecar_bytes`, those between the ranges a remote read coalesced (fetched
+        and dropped, in no plan)."""
+        return {self.engine.labels[i]: sc.gap_bytes for i, sc in sorted(self.deltas.items())}
+
+    def gap_bytes_record(self) -> dict[str, Any]:
+        """Totals keys of a merge with remote experts: ``expert_gap_bytes_allowed``, the gap
+        bytes coalesced reads of experts and their sidecars may fetch beyond the plan (the
+        budget's slack; None: no limit, a full budget), and ``expert_gap_bytes_read``, those
+        they fetched (in ``expert_bytes_read``; dropped, in no plan)."""
+        allowance = self.engine.gap_allowance
+        return {"expert_gap_bytes_allowed": allowance.limit_bytes,
+                "expert_gap_bytes_read": allowance.spent_bytes}
+
+    def sidecar_requests(self) -> dict[str, int]:
+        """Delta sidecar payload fetches per expert (preads, or ranged GETs of a remote one)."""
+        return {self.engine.labels[i]: sc.reads for i, sc in sorted(self.deltas.items())}
+
+    def source_requests(self) -> dict[str, int]:
+        """Read requests per source: preads (local) or requests sent, retries included (remote)."""
+        return {label: getattr(c.counters, "requests", c.counters.reads)
+                for label, c in [("base", self.base),
+                                 *zip(self.engine.labels, self.experts)]}
+
+    def totals_record(self) -> dict[str, Any]:
+        read = self.source_bytes()
+        expert_read = sum(v for k, v in read.items() if k != "base")
+        extra: dict[str, Any] = {}
+        if self.plan.levels is not None:
+            extra = {"sidecar_bytes_read": self.sidecar_bytes(),
+                     "sidecar_gap_bytes_read": self.sidecar_gap_bytes(),
+                     "sidecar_reads": self.sidecar_requests(),
+                     "sidecar_bytes_planned": self.plan.sidecar_bytes}
+            expert_read += sum(extra["sidecar_bytes_read"].values())
+        vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan
+        if vocab:
+            extra["expert_bytes_vocabulary"] = vocab
+        if any(e.is_remote for e in self.experts):  # gaps: see gap_bytes_record
+            extra.update(self.gap_bytes_record())
+        return {
+            **extra,
+            "type": "totals",
+            "physical_bytes_read": read,
+            "physical_requests": self.source_requests(),
+            "expert_bytes_read": expert_read,
+            "expert_bytes_planned": self.plan.planned_bytes,
+            "expert_bytes_skipped": self.plan.total_expert_bytes - self.plan.planned_bytes,
+            "total_expert_bytes": self.plan.total_expert_bytes,
+            "blocks_merged": self.engine.blocks_merged,
+            "bound_tight": self.plan.bound_tight,
+            "bound_loose": self.plan.bound_loose,
+            "bound_output_tight": self.plan.bound_output_tight,
+            "bound_output_loose": self.plan.bound_output_loose,
+            "error_exact": self.plan.error_exact,
+            "update_norm": self.plan.update_norm,
+            "wall_seconds": round(time.monotonic() - self.started, 6),
+        }
+
+    def finish(self) -> dict[str, Any]:
+        totals = self.totals_record()
+        if self.manifest is not None:
+            self.manifest.write(totals)
+            self.manifest.close()
+        return totals
+
+    def close(self) -> None:
+        for c in [self.base, *self.experts]:
+            c.close()
+        for sc in self.deltas.values():
+            sc.close()
+        if self._one_blas is not None:
+            self._one_blas, held = None, self._one_blas
+            held.__exit__(None, None, None)
+
+
+def _find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
+                 ) -> dict[int, Any]:
+    from mergefs.deltas.codec import find
+
+    return find(base, experts, index)
+

@@ -1,0 +1,429 @@
+"""The block index: per (expert, block) delta norms, hashes and zero flags, built once, reused.
+
+A *block* is a contiguous range of whole rows of one floating-point tensor, about ``block_size``
+bytes (a tensor smaller than that is one block). Blocks are numbered in the base's file order.
+For every block the index holds the xxh3 of the base bytes, the base norm ``||W0_b||`` and, per
+expert, the xxh3 of the
+expert bytes, the delta L2 norm ``||W_i - W0||`` (float32 deltas, float64 accumulation), a zero
+flag (bytes identical to the base) and the Gram matrix ``<D_i, D_j>`` of the experts' deltas, which
+gives the exact norm of any additive combination (bounds relative to the merge update, and the
+exact error of a plan).
+
+The index is stored as pieces (:mod:`mergefs.index.store`): one per base, one per (base,
+expert), one per pair of experts for the Gram cross terms. A family's :class:`BlockIndex` is
+assembled from them in spec order (:func:`assemble`), so adding an expert builds only its piece
+and its pairs, removing or reordering experts builds nothing, and specs sharing experts share
+pieces. Building reads files in order on two worker threads (:mod:`mergefs.index.build`); the
+statistics themselves are pure functions of bytes (:mod:`mergefs.index.stats`). A remote expert with a
+matching published sidecar (:mod:`mergefs.index.published`) is not read at all: its piece comes from
+the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
+False). Nothing here runs on the trio thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from mergefs.index import published as sidecar
+from mergefs.sources.checkpoint import Checkpoint
+from mergefs.core.format import DTYPES, FLOAT_DTYPES
+from mergefs.index.build import BuildReport, ChunkRunner, Pass
+from mergefs.index.store import (
+    ExpertPiece, PieceStore, base_key, ctimes_of, dtype_digest, expert_key, pair_key,
+)
+from mergefs.index.published import ExpertStats
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = "2"  # of the family key (plan hashes, manifests); pieces: PIECES_VERSION
+# 2: norms and Gram terms in blockstats' fixed order, base norms (bounds with the rounding term)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """Blocks of the mergeable (floating-point) tensors, in the base's file order.
+
+    Block ``b`` covers elements ``[elem_start[b], elem_end[b])`` of tensor ``tensor_of[b]``;
+    ``first_block[t]`` .. ``first_block[t + 1]`` are tensor ``t``'s blocks.
+    """
+
+    block_size: int
+    tensors: tuple[str, ...]
+    itemsize: tuple[int, ...]
+    tensor_of: np.ndarray
+    elem_start: np.ndarray
+    elem_end: np.ndarray
+    first_block: np.ndarray
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.tensor_of.size)
+
+    def tensor_index(self) -> dict[str, int]:
+        return {name: t for t, name in enumerate(self.tensors)}
+
+    def block_bytes(self) -> np.ndarray:
+        items = np.asarray(self.itemsize, dtype=np.int64)[self.tensor_of]
+        return (self.elem_end - self.elem_start) * items
+
+    def blocks_of(self, t: int) -> range:
+        return range(int(self.first_block[t]), int(self.first_block[t + 1]))
+
+
+def build_layout(base: Checkpoint, block_size: int) -> BlockLayout:
+    """Split every floating-point tensor of the base into row blocks of about block_size bytes."""
+    file_rank = {f: k for k, f in enumerate(base.files)}
+    locs = sorted(
+        (loc for loc in base.tensors.values() if loc.dtype in FLOAT_DTYPES),
+        key=lambda loc: (file_rank[loc.file], loc.start, loc.name),
+    )
+    names, items, tensor_of, starts, ends, first = [], [], [], [], [], [0]
+    for t, loc in enumerate(locs):
+        itemsize = loc.size_bytes // max(1, math.prod(loc.shape)) if loc.shape else loc.size_bytes
+        numel = math.prod(loc.shape)
+        if numel and itemsize == 0:
+            itemsize = 1
+        row = math.prod(loc.shape[1:]) if len(loc.shape) >= 2 else 1
+        rows_per_block = max(1, block_size // max(1, row * max(1, itemsize)))
+        step = max(1, rows_per_block * row)  # row is 0 for a (n, 0) tensor: one empty block
+        names.append(loc.name)
+        items.append(max(1, itemsize))
+        for s in range(0, max(numel, 1), step):
+            tensor_of.append(t)
+            starts.append(s)
+            ends.append(min(numel, s + step))
+        first.append(len(tensor_of))
+    return BlockLayout(
+        block_size,
+        tuple(names),
+        tuple(items),
+        np.asarray(tensor_of, dtype=np.int32),
+        np.asarray(starts, dtype=np.int64),
+        np.asarray(ends, dtype=np.int64),
+        np.asarray(first, dtype=np.int64),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class BlockIndex:
+    """Statistics of one family (base + experts in spec order) at one block size."""
+
+    key: str
+    layout: BlockLayout
+    base_hash: np.ndarray  # (B,) uint64
+    expert_hash: np.ndarray  # (N, B) uint64
+    norms: np.ndarray  # (N, B) float64, ||D_ib||
+    zero: np.ndarray  # (N, B) bool, expert bytes == base bytes
+    gram: np.ndarray  # (B, N, N) float64, <D_ib, D_jb>
+    has_gram: bool = True  # False: only the diagonal is known (statistics from sidecars)
+    #: (N, T) bytes per element of each expert's tensors; None: the base's (``layout.itemsize``)
+    expert_itemsize: np.ndarray | None = None
+    #: (B,) float64 ``||W0_b||``, the base's block norms (the output-rounding term of the
+    #: planner's bounds); None: not known (an index built elsewhere), no rounding term
+    base_norms: np.ndarray | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.norms.shape[0])
+
+    def expert_block_bytes(self) -> np.ndarray:
+        """(N, B) bytes of each expert's blocks: what reading them costs."""
+        if self.expert_itemsize is None:
+            return np.broadcast_to(self.layout.block_bytes(), self.norms.shape)
+        elems = self.layout.elem_end - self.layout.elem_start
+        return elems[None, :] * self.expert_itemsize[:, self.layout.tensor_of]
+
+    def tensor_norms(self) -> np.ndarray:
+        """(N, T) per-tensor delta norms."""
+        sq = self.norms**2
+        out = np.zeros((self.n_experts, len(self.layout.tensors)))
+        np.add.at(out.T, self.layout.tensor_of, sq.T)
+        return np.sqrt(out)
+
+
+def family_key(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int) -> str:
+    """The family's name: base and experts' identities in spec order, and the block size."""
+    blob = json.dumps(
+        {
+            "v": INDEX_VERSION,
+            "block_size": block_size,
+            "base": base.identity_json(),
+            "experts": [e.identity_json() for e in experts],
+        },
+        sort_keys=True,
+    ).encode()
+    return xxhash.xxh3_128_hexdigest(blob)
+
+
+def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
+                on_bytes: Callable[[int], None] | None = None, threads: int = 2,
+                runner: ChunkRunner | None = None) -> BlockIndex:
+    """Read every base and expert block once and compute the statistics (nothing stored)."""
+    keys = [e.identity_key() for e in experts]
+    first = [keys.index(k) for k in keys]  # the same expert twice is read once
+    uniq = sorted(set(first))
+    pairs = [(i, j) for a, i in enumerate(uniq) for j in uniq[a:]]
+    p = Pass(base, experts, layout, uniq, pairs, {}, True, on_bytes, BuildReport())
+    p.run(threads, runner)
+    pieces = {i: _piece(p, k, pairs) for k, i in enumerate(uniq)}
+    grams = {(i, j): p.gram[k] for k, (i, j) in enumerate(pairs) if i != j}
+    return assemble(family_key(base, experts, layout.block_size), layout, p.base_hash,
+                    [pieces[f] for f in first], _expand(grams, first),
+                    _expert_itemsize(experts, layout), np.sqrt(p.base_sq))
+
+
+def _piece(p: Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
+    i = p.own[k]
+    sq = p.gram[pairs.index((i, i))]
+    return ExpertPiece(p.expert_hash[k], sq, np.sqrt(sq), p.zero[k])
+
+
+def _expand(grams: dict[tuple[int, int], np.ndarray], first: list[int]
+            ) -> dict[tuple[int, int], np.ndarray]:
+    """Gram terms by family position from those by unique expert (``first[i]``: i's)."""
+    out = {}
+    for i in range(len(first)):
+        for j in range(i + 1, len(first)):
+            a, b = sorted((first[i], first[j]))
+            if a != b and (a, b) in grams:
+                out[(i, j)] = grams[(a, b)]
+    return out
+
+
+def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
+             pieces: Sequence[ExpertPiece], grams: dict[tuple[int, int], np.ndarray],
+             expert_itemsize: np.ndarray | None = None,
+             base_norms: np.ndarray | None = None) -> BlockIndex:
+    """The family's index from stored pieces in spec order: ``pieces[i]`` is expert i's,
+    ``grams[(i, j)]`` (i < j) their cross terms. The same expert twice has its squared norms as
+    cross terms; a pair left out (an expert known from a sidecar only) makes ``has_gram`` False.
+    """
+    n, nb = len(pieces), layout.n_blocks
+    gram = np.zeros((nb, n, n), dtype=np.float64)
+    complete = True
+    for i, pi in enumerate(pieces):
+        gram[:, i, i] = pi.sq_norms
+        for j in range(i + 1, n):
+            g = pi.sq_norms if pieces[j] is pi else grams.get((i, j))
+            if g is None:
+                complete = False
+                continue
+            gram[:, i, j] = gram[:, j, i] = g
+    stack = (lambda name, dt: np.stack([getattr(p, name) for p in pieces]).astype(dt)
+             if pieces else np.zeros((0, nb), dtype=dt))
+    return BlockIndex(key, layout, base_hash, stack("expert_hash", np.uint64),
+                      stack("norms", np.float64), stack("zero", bool), gram,
+                      has_gram=complete, expert_itemsize=expert_itemsize,
+                      base_norms=base_norms)
+
+
+def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
+    """Bytes a build from nothing reads (an upper bound when pieces are stored already)."""
+    elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
+                        len(layout.tensors))
+    items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
+    per_elem = np.asarray(items, np.int64).reshape(len(experts), len(layout.tensors))
+    return int(layout.block_bytes().sum()) + int((per_elem @ elems).sum())  # 0 experts: 0
+
+
+def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:
+    """(N, T) bytes each expert reads per element of its tensors (their dtypes may differ from
+    the base's; a LoRA expert computes its adapted tensors from the base's bytes: 0)."""
+    out = np.zeros((len(experts), len(layout.tensors)), dtype=np.int64)
+    for i, e in enumerate(experts):
+        out[i] = [e.read_itemsize(name) for name in layout.tensors]
+    return out
+
+
+def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
+                  index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
+                  rebuild: bool = False, sidecars: bool = True,
+                  report: BuildReport | None = None,
+                  runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
+    """Return (index, built_now): the family's index assembled from stored pieces, building
+    only the pieces that are missing or stale (each rebuild logged with the source's name).
+
+    With ``sidecars`` (the default), remote experts with a matching published sidecar are not
+    read; without, only pieces read from every source (hence the full Gram) are accepted.
+    ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
+    ``runner``: where the build passes compute their chunks (default: two local threads).
+    """
+    layout = build_layout(base, block_size)
+    store = PieceStore(index_dir, layout)
+    b = _Family(base, experts, layout, store, report if report is not None else BuildReport(),
+                on_bytes, runner)
+    b.load(rebuild, sidecars)
+    b.build(sidecars)
+    return b.assemble(), b.built
+
+
+class _Family:
+    """One load_or_build: which pieces exist, which to build, and the build passes."""
+
+    def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
+                 store: PieceStore, report: BuildReport,
+                 on_bytes: Callable[[int], None] | None,
+                 runner: ChunkRunner | None = None) -> None:
+        self.base, self.experts, self.layout, self.store = base, experts, layout, store
+        self.report, self.on_bytes, self.runner = report, on_bytes, runner
+        bs = layout.block_size
+        # before reading: a change during the build shows at the next load
+        self.base_ctimes = ctimes_of(base)
+        self.ctimes = [ctimes_of(e) for e in experts]
+        self.bkey = base_key(base, bs)
+        self.keys = [expert_key(base, e, bs) for e in experts]
+        self.first = [self.keys.index(k) for k in self.keys]  # the same expert twice: once
+        self.uniq = sorted(set(self.first))
+        self.base_hash: np.ndarray | None = None
+        self.base_sq: np.ndarray | None = None
+        self.pieces: dict[int, ExpertPiece] = {}
+        self.grams: dict[tuple[int, int], np.ndarray] = {}  # by unique expert, i < j
+        self.fresh: set[int] = set()  # built now, from the bytes
+        self.changed: set[int] = set()  # stored pieces that no longer hold
+        self.built = False
+
+    def load(self, rebuild: bool, sidecars: bool) -> None:
+        """The stored pieces that hold; without the base's, none do (all are rebuilt)."""
+        whys = []
+        if rebuild:
+            whys.append("rebuild requested")
+        else:
+            got_base, why = self.store.load_base(self.bkey, self.base)
+            if got_base is not None:
+                self.base_hash, self.base_sq = got_base
+            whys += [why] if why else []
+        base_hash = self.base_hash
+        for i in self.uniq:
+            if base_hash is None:
+                break
+            got = self.store.load_expert(self.keys[i], self.experts[i], self.base, base_hash,
+                                         sidecars)
+            if got.piece is not None:
+                self.pieces[i] = got.piece
+            elif got.why is not None:
+                whys.append(got.why)
+                if got.may_be_same:
+                    self.changed.add(i)
+        for why in dict.fromkeys(whys):
+            log.info("building block index: %s", why)
+
+    def build(self, sidecars: bool) -> None:
+        """Build the missing pieces: from sidecars, by reading, then the missing pairs."""
+        missing = [i for i in self.uniq if i not in self.pieces]
+        found: dict[int, ExpertStats] = {}
+        if sidecars and any(self.experts[i].is_remote for i in missing):
+            got = sidecar.find(self.base, [self.experts[i] for i in missing], self.layout)
+            found = {missing[k]: s for k, s in got.items()}
+        to_read = [i for i in missing if i not in found]
+        if to_read or self.base_hash is None:
+            self._describe(to_read, first_time=set(to_read) - self.changed)
+        assert self.base_hash is not None
+        stale = [i for i, s in found.items() if not np.array_equal(s.base_hash, self.base_hash)]
+        for i in stale:
+            log.warning("ignoring index sidecar of %s: published against a base whose bytes "
+                        "differ from %s", self.experts[i].root, self.base.root)
+            del found[i]
+        if stale:
+            self._describe(stale, first_time=set(stale))
+        for i, s in found.items():
+            piece = ExpertPiece(s.expert_hash, s.norms**2, s.norms, s.zero, origin="sidecar")
+            self._save_expert(i, piece)
+        if found:
+            log.info("block index: %d of %d experts from published sidecars (not read)",
+                     sum(self.first[i] in found for i in range(len(self.experts))),
+                     len(self.experts))
+        self._pairs()
+
+    def _read_from_bytes(self) -> list[int]:
+        return [i for i in self.uniq if i in self.pieces and self.pieces[i].origin == "read"]
+
+    def _pair_key(self, i: int, j: int) -> str:
+        assert self.base_hash is not None
+        names = self.layout.tensors
+        dt = (dtype_digest(self.base, names), dtype_digest(self.experts[i], names),
+              dtype_digest(self.experts[j], names))
+        return pair_key(self.base_hash, self.pieces[i], self.pieces[j], self.layout.block_size,
+                        dt)
+
+    def _wanted(self, i: int, j: int) -> bool:
+        """The pair of (read) experts i < j has no Gram terms yet, stored or computed now."""
+        if (i, j) in self.grams:
+            return False
+        g = self.store.load_pair(self._pair_key(i, j))
+        if g is not None:
+            self.grams[(i, j)] = g
+        return g is None
+
+    def _describe(self, own: list[int], first_time: set[int]) -> None:
+        """Read the base and ``own`` experts in full: their pieces, their mutual Gram terms,
+        and those of first-time experts with the experts already indexed (those read only
+        where both deltas are non-zero: a changed expert's pairs wait until its new hashes
+        show whether stored ones still hold)."""
+        old = self._read_from_bytes()
+        pairs = [(i, i) for i in own] + [(i, j) for a, i in enumerate(own) for j in own[a + 1:]]
+        pairs += [tuple(sorted((i, j))) for i in own if i in first_time  # type: ignore[misc]
+                  for j in old]
+        pairs += [(i, j) for a, i in enumerate(old) for j in old[a + 1:] if self._wanted(i, j)]
+        p = Pass(self.base, self.experts, self.layout, own, pairs,
+                  {j: self.pieces[j].zero for j in old}, self.base_hash is None,
+                  self.on_bytes, self.report)
+        p.run(2, self.runner)
+        if self.base_hash is None:
+            self.base_hash, self.base_sq = p.base_hash, p.base_sq
+            self.store.save_base(self.bkey, self.base, p.base_hash, p.base_sq, self.base_ctimes)
+            self.report.base_built = self.built = True
+        for k, i in enumerate(own):
+            self._save_expert(i, _piece(p, k, pairs))
+            self.fresh.add(i)
+        self._save_pairs(p, pairs)
+
+    def _save_expert(self, i: int, piece: ExpertPiece) -> None:
+        self.pieces[i] = piece
+        assert self.base_hash is not None
+        self.store.save_expert(self.keys[i], self.experts[i], piece, self.base_hash,
+                               self.ctimes[i])
+        self.report.experts_built.append(str(self.experts[i].root))
+        self.built = True
+
+    def _save_pairs(self, p: Pass, pairs: list[tuple[int, int]]) -> None:
+        for k, (i, j) in enumerate(pairs):
+            if i != j:
+                self.grams[(i, j)] = p.gram[k]
+                self.store.save_pair(self._pair_key(i, j), p.gram[k])
+                self.report.pairs_built += 1
+                self.built = True
+
+    def _pairs(self) -> None:
+        """Gram terms still missing (a changed expert's with the others, or experts merged
+        together for the first time): read the base and both experts where both deltas are
+        non-zero."""
+        read = self._read_from_bytes()
+        pairs = [(i, j) for a, i in enumerate(read) for j in read[a + 1:] if self._wanted(i, j)]
+        if not pairs:
+            return
+        named = sorted({str(self.experts[x].root) for p in pairs for x in p if x in self.fresh})
+        log.info("building block index: Gram terms of %d expert pairs %s", len(pairs),
+                 f"of {', '.join(named)} with the others" if named
+                 else "(experts indexed before, merged together for the first time)")
+        p = Pass(self.base, self.experts, self.layout, [], pairs,
+                  {j: self.pieces[j].zero for j in {x for q in pairs for x in q}}, False,
+                  self.on_bytes, self.report)
+        p.run(2, self.runner)
+        self._save_pairs(p, pairs)
+
+    def assemble(self) -> BlockIndex:
+        assert self.base_hash is not None
+        return assemble(family_key(self.base, self.experts, self.layout.block_size),
+                        self.layout, self.base_hash,
+                        [self.pieces[self.first[i]] for i in range(len(self.experts))],
+                        _expand(self.grams, self.first),
+                        _expert_itemsize(self.experts, self.layout),
+                        None if self.base_sq is None else np.sqrt(self.base_sq))

@@ -1,0 +1,684 @@
+"""The mount lifecycle, in one place: ``mergefs mount``, ``mergefs umount``, ``mergefs stats``.
+
+``run_mount`` checks the mountpoint, makes sure the block index exists (with a progress bar),
+then serves in the foreground or forks a daemon and returns once the mount answers. Serving
+(:func:`serve`) opens the session (its manifest is written live to the spec's ``manifest`` path,
+one flushed line per record, so even a killed process leaves whole lines), builds the cache and
+the view, then runs trio: ``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM ->
+``pyfuse3.terminate()``; SIGHUP -> a sweep mount's reload, in a worker thread), a readiness
+probe, ``await pyfuse3.main()``, and ``pyfuse3.close()`` in a ``finally``. When the main loop
+ends (signal or external unmount) the manifest gets its totals record and is closed. A sweep
+spec is served the same way by :func:`serve_sweep` (:mod:`mergefs.mount.sweepsession`,
+:mod:`mergefs.mount.sweepview`); its client side (``mergefs reload``) is :mod:`mergefs.mount.control`.
+
+Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
+before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyfuse3
+import trio
+import xxhash
+
+from mergefs.methods import kernels
+from mergefs.core.cache import UnitCache
+from mergefs.engine.merger import Session, may_use_kernels, open_family
+from mergefs.core.errors import MergefsError
+from mergefs.mount.fuse import Operations, mount_options, notify_store
+from mergefs.index.blocks import BlockIndex, build_layout, index_bytes_total, load_or_build
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.output import check_writes, pid_alive
+from mergefs.core.progress import byte_progress
+from mergefs.spec.spec import Spec, human_bytes, parse_size
+from mergefs.mount.view import STATE_DIR, STATS_NAME, View
+
+if TYPE_CHECKING:
+    from mergefs.sources.checkpoint import Checkpoint
+    from mergefs.spec.variants import Variant
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_CAP = 8 << 30
+# The kernel's readahead window of the mount (its bdi) sets the size of cached-mode FUSE read
+# requests: 128 KiB by default; 1-4 MiB gives 1 MiB requests (libfuse 3.14's max_pages 256) and
+# a few of them in flight.
+READ_AHEAD_KB = 4096
+UMOUNT_WAIT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    mountpoint: Path
+    cache_bytes: int
+    cache_dir: Path | None
+    allow_other: bool
+    threads: int
+    log_file: Path
+    warm: bool = False  # merge and push the whole model (up to the cache size) at mount time
+    read_ahead_kb: int = READ_AHEAD_KB  # the mount's bdi readahead window; 0 leaves it alone
+    readahead_units: int = 8  # units merged ahead of a sequential reader
+    source_cache_bytes: int = 0  # a sweep mount's shared source-block cache; 0 disables it
+    strict: bool = False  # spec keys mergekit ignores are errors (reloads too)
+
+
+def default_cache_bytes() -> int:
+    """A quarter of physical memory, at most 8 GiB."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        ram = 4 << 30
+    return min(ram // 4, DEFAULT_CACHE_CAP)
+
+
+def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
+    if getattr(args, "cache_size", None):
+        try:
+            cache_bytes = parse_size(args.cache_size, "--cache-size")
+        except ValueError as exc:
+            raise MergefsError(str(exc)) from None
+    elif spec.cache_memory_bytes is not None:
+        cache_bytes = spec.cache_memory_bytes
+    else:
+        cache_bytes = default_cache_bytes()
+    cache_dir = getattr(args, "cache_dir", None) or spec.cache_dir
+    source_cache_bytes = cache_bytes
+    if getattr(args, "source_cache_size", None):
+        try:
+            source_cache_bytes = parse_size(args.source_cache_size, "--source-cache-size")
+        except ValueError as exc:
+            raise MergefsError(str(exc)) from None
+    return MountConfig(
+        mountpoint=Path(os.path.abspath(args.mountpoint)),
+        cache_bytes=cache_bytes,
+        cache_dir=Path(os.path.abspath(cache_dir)) if cache_dir else None,
+        allow_other=bool(getattr(args, "allow_other", False)),
+        threads=max(4, 2 * (os.cpu_count() or 1)),
+        log_file=Path(spec.manifest).with_suffix(".log"),
+        warm=bool(getattr(args, "warm", False)),
+        source_cache_bytes=source_cache_bytes,
+        strict=bool(getattr(args, "strict", False)),
+    )
+
+
+# -- mountpoints ---------------------------------------------------------------------------
+def _unescape(field: str) -> str:
+    """/proc/self/mountinfo escapes space, tab, newline and backslash as octal."""
+    out, k = [], 0
+    while k < len(field):
+        if field[k] == "\\" and k + 3 < len(field) and field[k + 1:k + 4].isdigit():
+            out.append(chr(int(field[k + 1:k + 4], 8)))
+            k += 4
+        else:
+            out.append(field[k])
+            k += 1
+    return "".join(out)
+
+
+def is_mounted(path: str | Path) -> bool:
+    """Whether something is mounted at ``path`` (also true for a dead FUSE mount)."""
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            return any(_unescape(line.split()[4]) == target for line in f if line.strip())
+    except OSError:
+        return os.path.ismount(target)
+
+
+def check_mountpoint(path: str | Path) -> Path:
+    """An absolute, existing, empty directory with nothing mounted on it, or MergefsError."""
+    p = Path(os.path.abspath(path))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise MergefsError(f"{p}: mountpoint does not exist (create an empty directory)") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MergefsError(f"{p}: a dead mount is still attached (its process exited); "
+                               f"run `mergefs umount {p}` first") from None
+        raise MergefsError(f"{p}: cannot use as mountpoint: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MergefsError(f"{p}: mountpoint is not a directory")
+    if is_mounted(p):
+        try:
+            os.listdir(p)
+            state = "already mounted"
+        except OSError as exc:
+            state = "a dead mount is still attached (its process exited)" \
+                if exc.errno == errno.ENOTCONN else "already mounted"
+        raise MergefsError(f"{p}: {state}; run `mergefs umount {p}` first")
+    with os.scandir(p) as it:
+        if any(True for _ in it):
+            raise MergefsError(f"{p}: mountpoint is not empty")
+    return p
+
+
+# -- mount ---------------------------------------------------------------------------------
+@dataclass
+class Opened:
+    """A spec's family and block index, opened once before the mount starts serving and
+    handed to its session (which then owns and closes them)."""
+
+    base: Checkpoint
+    experts: list[Checkpoint]
+    index: BlockIndex
+
+    def close(self) -> None:
+        for c in [self.base, *self.experts]:
+            c.close()
+
+
+def ensure_index(spec: Spec, progress: bool = True) -> Opened:
+    """Open the family and load its block index, building it now if needed (with a progress
+    bar, before the mount returns), so the session opens fast and its counters only count the
+    mount's own reads. The caller closes what it gets, or hands it to :func:`serve`."""
+    base, experts = open_family(spec)
+    try:
+        total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
+        with byte_progress("indexing", total, enabled=progress) as tick:
+            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
+        if built:
+            log.info("index built in %s", spec.index_dir)
+    except BaseException:
+        for c in [base, *experts]:
+            c.close()
+        raise
+    return Opened(base, experts, index)
+
+
+def forks_safely(spec: Spec) -> bool:
+    """Whether the family opened before the daemon forks can be used by it: local files
+    are (descriptors and parsed headers carry over); remote sources are not (their I/O runs
+    on fsspec's event loop thread, which does not exist in the forked child)."""
+    return not spec.remote_sources
+
+
+def run_mount(args: argparse.Namespace, spec: Spec,
+              variants: Sequence[tuple[Variant, Spec]] | None = None) -> int:
+    """Mount ``spec``; with ``variants`` (a sweep spec's, ``spec`` the first one's), mount
+    every variant as a directory of one sweep mount (:mod:`mergefs.mount.sweepview`)."""
+    cfg = make_config(args, spec)
+    explicit = getattr(args, "manifest", None)
+    if explicit:
+        explicit = os.path.abspath(explicit)  # the daemon runs in /
+    check_writes(spec.model_paths,
+                 manifest=explicit or spec.manifest, cache_dir=cfg.cache_dir, log=cfg.log_file)
+    check_mountpoint(cfg.mountpoint)
+    # Validated now, created by the server at its first record (never truncating anything).
+    manifest = ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
+    opened: Opened | None = ensure_index(spec)
+    if opened is not None and not args.foreground and not forks_safely(spec):
+        opened.close()  # the server opens its own
+        opened = None
+
+    def serve_it(ready: Callable[[], None]) -> dict[str, Any]:
+        if variants is not None:
+            return serve_sweep(spec.source, variants, cfg, ready, manifest, opened)
+        return serve(spec, cfg, ready, manifest, opened)
+
+    what = spec.source if variants is None else f"{spec.source} ({len(variants)} variants)"
+    if args.foreground:
+        def ready() -> None:
+            print(f"mergefs: {what} mounted at {cfg.mountpoint} (Ctrl-C or `mergefs "
+                  f"umount {cfg.mountpoint}` unmounts); manifest {manifest.path}", flush=True)
+
+        totals = serve_it(ready)
+        of = f" of {human_bytes(totals['total_expert_bytes'])}" \
+            if "total_expert_bytes" in totals else ""  # (a sweep's totals have no one total)
+        print(f"mergefs: unmounted {cfg.mountpoint}: read {human_bytes(totals['expert_bytes_read'])}"
+              f"{of} expert bytes; manifest {manifest.path}", flush=True)
+        return 0
+    return _daemonize(what, cfg, manifest, serve_it)
+
+
+def _daemonize(what: str, cfg: MountConfig, manifest: ManifestWriter,
+               serve_it: Callable[[Callable[[], None]], Any]) -> int:
+    """Fork a detached server; return 0 once the mount answers, or raise its startup error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(r)
+        code = 1
+        try:
+            os.setsid()
+            os.chdir("/")
+            _redirect_output(cfg.log_file)
+            serve_it(lambda: _tell(w, b"ok " + str(manifest.path).encode() + b"\n"))
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting parent
+            msg = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
+            log.error("mount failed: %s", msg)
+            _tell(w, b"error " + msg.encode(errors="replace") + b"\n")
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        answer = pipe.readline()
+    if answer.startswith(b"ok"):
+        where = answer[3:].decode(errors="replace").strip()
+        print(f"mergefs: {what} mounted at {cfg.mountpoint} (pid {pid}, log "
+              f"{cfg.log_file}, manifest {where}); `mergefs umount {cfg.mountpoint}` unmounts")
+        return 0
+    os.waitpid(pid, 0)
+    text = answer.decode(errors="replace").strip()
+    raise MergefsError(text[len("error "):] if text.startswith("error ")
+                       else f"the mount process exited before the mount was ready "
+                            f"(see {cfg.log_file})")
+
+
+def _tell(fd: int, msg: bytes) -> None:
+    try:
+        os.write(fd, msg)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _redirect_output(log_file: Path) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setFormatter(logging.Formatter("%(asctime)s mergefs[%(process)d]: %(message)s"))
+
+
+def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
+          manifest: ManifestWriter | None = None, opened: Opened | None = None
+          ) -> dict[str, Any]:
+    """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals.
+    ``opened``: the family and index :func:`ensure_index` opened (owned from here on)."""
+    # load the compiled kernels (numba import, disk cache) on a thread from now on: the mount
+    # is ready before they are (listing, config.json and headers need no merge) and the first
+    # unit merged waits for them (kernels.supports); only methods with a kernel form use them
+    if may_use_kernels(spec):
+        kernels.start_warm_up()
+    if manifest is None:
+        manifest = ManifestWriter.for_run(spec.manifest)
+    try:
+        if opened is not None:
+            session = Session(spec, manifest=manifest, family=(opened.base, opened.experts),
+                              index=opened.index, reset_counters=True)
+        else:
+            session = Session(spec, manifest=manifest)
+        try:
+            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
+            view = View(session, cache, readahead_units=cfg.readahead_units)
+            try:
+                trio.run(_serve_fuse, view, cfg, ready)
+            finally:
+                view.close()
+            totals = session.finish()
+        finally:
+            session.close()
+    finally:
+        manifest.close()
+    stats = view.stats()
+    log.info("unmounted %s: served %d weight bytes; read %d expert bytes of %d; cache %d hits, "
+             "%d misses", cfg.mountpoint, stats["served_bytes"]["weights"],
+             stats["expert_bytes_read"], stats["total_expert_bytes"], stats["cache"]["hits"],
+             stats["cache"]["misses"])
+    return totals
+
+
+def serve_sweep(spec_path: str, variants: Sequence[tuple[Variant, Spec]], cfg: MountConfig,
+                ready: Callable[[], None], manifest: ManifestWriter,
+                opened: Opened | None = None) -> dict[str, Any]:
+    """Serve every variant of a sweep spec from one mount; SIGHUP (``mergefs reload``) adds
+    the variants the changed spec file lists. Returns the sweep's totals. ``opened``: the
+    first variant's family and index (:func:`ensure_index`; owned from here on)."""
+    from mergefs.mount.sweepsession import SweepSession
+    from mergefs.mount.sweepview import SweepView
+
+    try:
+        sweep = SweepSession(spec_path, manifest, cfg.source_cache_bytes, strict=cfg.strict,
+                             found=variants,
+                             family=None if opened is None else (opened.base, opened.experts),
+                             index=None if opened is None else opened.index)
+        try:
+            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir,
+                              xxhash.xxh3_64_hexdigest(f"sweep\x00{sweep.index.key}".encode()))
+            view = SweepView(sweep, cache, readahead_units=cfg.readahead_units)
+            try:
+                trio.run(_serve_fuse, view, cfg, ready)
+            finally:
+                view.close()
+            totals = sweep.finish()
+        finally:
+            sweep.close()
+    finally:
+        manifest.close()
+    log.info("unmounted %s: %d variants; read %d source bytes (%d expert bytes)",
+             cfg.mountpoint, len(totals["variants"]), sum(totals["physical_bytes_read"].values()),
+             totals["expert_bytes_read"])
+    return totals
+
+
+async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+    ops = Operations(view, trio.CapacityLimiter(cfg.threads))
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        try:
+            pyfuse3.init(ops, str(cfg.mountpoint), mount_options(cfg.allow_other))
+        except RuntimeError as exc:
+            raise MergefsError(f"{cfg.mountpoint}: cannot mount: {exc}") from None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals, signals, view)
+                nursery.start_soon(_announce_when_ready, view, cfg, ready)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        finally:
+            # no store may run once the session is gone; one waiting for a read that will never
+            # come is released by the unmount below, which we then wait for
+            drained = await trio.to_thread.run_sync(view.disable_pages, 5.0)
+            if not drained:
+                log.warning("a page-cache store is still waiting; aborting the connection")
+                _abort_connection(cfg.mountpoint)
+                await trio.to_thread.run_sync(view.disable_pages, 5.0)
+            pyfuse3.close(unmount=True)
+
+
+async def _watch_signals(signals: Any, view: View) -> None:
+    """SIGINT/SIGTERM unmount; SIGHUP reloads a sweep mount's spec (in a worker thread: it
+    opens and plans the new variants) and is ignored, logged, by any other mount."""
+    async for signum in signals:
+        if signum == signal.SIGHUP:
+            reload = getattr(view, "reload", None)
+            if reload is None:
+                log.warning("received SIGHUP: not a sweep mount, nothing to reload")
+                continue
+            log.info("received SIGHUP: reloading the spec")
+            await trio.to_thread.run_sync(reload)
+            continue
+        log.info("received %s: unmounting", signal.Signals(signum).name)
+        pyfuse3.terminate()
+        return
+
+
+async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+    """Once the kernel routes requests to us (a stat through the mount): widen the mount's
+    readahead window, start pushing merged units into the page cache (and the warm-up when
+    asked for), then call ``ready``."""
+    mountpoint = cfg.mountpoint
+    await trio.to_thread.run_sync(os.stat, mountpoint / STATE_DIR / STATS_NAME)
+    log.info("mounted at %s", mountpoint)
+    if cfg.read_ahead_kb > 0:
+        set_read_ahead(mountpoint, cfg.read_ahead_kb)
+    view.enable_page_store(notify_store)
+    if cfg.warm:
+        def lookup(rel: str) -> None:
+            os.stat(mountpoint / rel)
+
+        view.start_warm(lookup)
+        log.info("warm-up started (up to %d bytes of merged units)", view.cache.capacity_bytes)
+    ready()
+
+
+def mount_device(mountpoint: Path) -> tuple[int, int] | None:
+    """The (major, minor) device of the mount at ``mountpoint``, from /proc/self/mountinfo (no
+    request through the mount, which may not be answering)."""
+    target = os.path.realpath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and _unescape(fields[4]) == target:
+                    major, minor = fields[2].split(":")
+                    found = (int(major), int(minor))  # the last one is on top
+    except (OSError, ValueError):
+        return None
+    return found
+
+
+def set_read_ahead(mountpoint: Path, kb: int) -> bool:
+    """Set the mount's readahead window (``/sys/class/bdi/<major:minor>/read_ahead_kb``; root
+    only); log a line and carry on when not permitted."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        log.info("cannot find the device of %s: readahead window left alone", mountpoint)
+        return False
+    path = Path(f"/sys/class/bdi/{dev[0]}:{dev[1]}/read_ahead_kb")
+    try:
+        before = path.read_text().strip()
+        path.write_text(f"{kb}\n")
+    except OSError as exc:
+        log.info("cannot set %s to %d (%s): reads stay at the kernel's default request size",
+                 path, kb, exc.strerror or exc)
+        return False
+    log.info("readahead window %s: %s -> %d KiB", path, before, kb)
+    return True
+
+
+def _abort_connection(mountpoint: Path) -> None:
+    """Abort the FUSE connection (root): releases any kernel wait on this mount."""
+    dev = mount_device(mountpoint)
+    try:
+        if dev is None:
+            raise OSError("mount not found")
+        Path(f"/sys/fs/fuse/connections/{dev[1]}/abort").write_text("1\n")
+    except OSError as exc:
+        log.warning("cannot abort the FUSE connection of %s: %s", mountpoint, exc)
+
+
+# -- umount --------------------------------------------------------------------------------
+def _server_pid(mountpoint: Path) -> int | None:
+    try:
+        pid = int(json.loads((mountpoint / STATE_DIR / STATS_NAME).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if b"mergefs" in cmdline and pid != os.getpid() else None
+
+
+def holders(mountpoint: Path) -> list[tuple[int, str]]:
+    """Processes using files under ``mountpoint`` (open, mapped, or as cwd/root), as umount(8)
+    would find them: ``(pid, command)`` from /proc, sorted by pid. Unreadable processes (not
+    ours, without root) are skipped."""
+    root = str(mountpoint).rstrip("/")
+    inside = (lambda p: p == root or p.startswith(root + "/"))
+    found: list[tuple[int, str]] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        base = f"/proc/{pid}"
+        if _uses(base, inside):
+            try:
+                cmd = " ".join(Path(f"{base}/cmdline").read_bytes().decode(errors="replace")
+                               .replace("\0", " ").split())
+                name = cmd[:80] or Path(f"{base}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+            found.append((pid, name))
+    return sorted(found)
+
+
+def _uses(base: str, inside: Callable[[str], bool]) -> bool:
+    try:
+        for link in ("cwd", "root", "exe"):
+            try:
+                if inside(os.readlink(f"{base}/{link}")):
+                    return True
+            except OSError:
+                pass
+        try:
+            for fd in os.scandir(f"{base}/fd"):
+                try:
+                    if inside(os.readlink(fd.path)):
+                        return True
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        with open(f"{base}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and inside(fields[5].rstrip("\n").removesuffix(" (deleted)")):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _is_dead(mnt: Path) -> bool:
+    try:
+        os.stat(mnt / STATE_DIR)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
+def run_umount(args: argparse.Namespace) -> int:
+    mnt = Path(os.path.realpath(args.mountpoint))
+    if not is_mounted(mnt):
+        raise MergefsError(f"{mnt}: not mounted")
+    pid = _server_pid(mnt)
+    lazy_wanted = bool(getattr(args, "lazy", False))
+    first = _fusermount(["-u", str(mnt)])
+    if first.returncode != 0:
+        dead = _is_dead(mnt)
+        users = [] if dead else holders(mnt)
+        if not dead and not lazy_wanted:
+            if users:
+                who = ", ".join(f"pid {p} ({c})" for p, c in users[:5])
+                more = f" and {len(users) - 5} more" if len(users) > 5 else ""
+                raise MergefsError(f"{mnt}: busy: in use by {who}{more}; close them first (a "
+                                   "model loaded from the mount keeps its files mapped while "
+                                   "it lives), or `mergefs umount --lazy` to detach anyway")
+            raise MergefsError(f"{mnt}: cannot unmount: "
+                               f"{first.stderr.strip() or 'fusermount3 failed'}")
+        lazy = _fusermount(["-u", "-z", str(mnt)])
+        if lazy.returncode != 0:
+            raise MergefsError(f"{mnt}: cannot unmount: "
+                               f"{(lazy.stderr or first.stderr).strip() or 'fusermount3 failed'}")
+        if not dead:
+            who = ", ".join(f"pid {p}" for p, _ in users) or "its open files"
+            print(f"mergefs: detached {mnt} lazily; the server"
+                  f"{f' (pid {pid})' if pid else ''} keeps serving {who} until the last user "
+                  "closes, then records the manifest's totals and exits")
+            return 0
+        log.info("%s: its process had died: detached", mnt)
+    if pid is not None:  # wait for the server to write the manifest's totals and exit
+        deadline = time.monotonic() + UMOUNT_WAIT_SECONDS
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            log.warning("mount process %d still running after %.0fs", pid, UMOUNT_WAIT_SECONDS)
+    print(f"mergefs: unmounted {mnt}")
+    return 0
+
+
+def _fusermount(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(["fusermount3", *argv], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise MergefsError("fusermount3 not found (install the fuse3 package)") from None
+
+
+def _alive(pid: int) -> bool:
+    return pid_alive(pid)
+
+
+# -- stats ---------------------------------------------------------------------------------
+def read_stats(mountpoint: str | Path) -> dict[str, Any]:
+    p = Path(mountpoint) / STATE_DIR / STATS_NAME
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MergefsError(f"{mountpoint}: not a mergefs mount (no {STATE_DIR}/{STATS_NAME})"
+                           ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MergefsError(f"{mountpoint}: the mount's process died; run `mergefs umount "
+                               f"{mountpoint}`") from None
+        raise MergefsError(f"{p}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MergefsError(f"{p}: not valid JSON: {exc}") from None
+
+
+def _pct(a: float, b: float) -> str:
+    return f"  ({100 * a / b:.1f}%)" if b else ""
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    data = read_stats(args.mountpoint)
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    if data.get("kind") == "sweep":
+        from mergefs.mount.control import sweep_stats_table
+
+        Console().print(sweep_stats_table(args, data))
+        return 0
+
+    c = data["cache"]
+    read = data["physical_bytes_read"]
+    table = Table(title=f"mergefs {args.mountpoint}  ({data['method']}, plan "
+                        f"{data['plan_hash'][:16]})", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    full = data["base_tensor_bytes"] + data["total_expert_bytes"]
+    table.add_row("weight bytes served", f"{human_bytes(data['served_bytes']['weights'])} (weight "
+                  f"files: {human_bytes(data['weight_file_bytes'])})")
+    table.add_row("source bytes read / full merge", f"{human_bytes(sum(read.values()))} of "
+                  f"{human_bytes(full)}{_pct(sum(read.values()), full)}")
+    table.add_row("base bytes read", f"{human_bytes(read.get('base', 0))}")
+    table.add_row("expert bytes read", f"{human_bytes(data['expert_bytes_read'])} of "
+                  f"{human_bytes(data['total_expert_bytes'])}"
+                  f"{_pct(data['expert_bytes_read'], data['total_expert_bytes'])}")
+    for label, n in sorted(read.items()):
+        if label != "base":
+            table.add_row(f"  {label}", human_bytes(n))
+    table.add_row("expert bytes planned (budget)", f"{human_bytes(data['planned_expert_bytes'])} "
+                  f"({human_bytes(data['budget_bytes'])})")
+    table.add_row("units / blocks merged", f"{data['units_merged']} / {data['blocks_merged']}")
+    table.add_row("cache", f"{human_bytes(c['bytes_cached'])} of {human_bytes(c['capacity_bytes'])}, "
+                  f"{c['entries']} units")
+    table.add_row("cache hits / misses / waits", f"{c['hits']} / {c['misses']} / {c['waits']}")
+    table.add_row("cache evictions", str(c["evictions"]))
+    table.add_row("merges in flight", str(c["merges_in_flight"]))
+    if c["disk_hits"] or c["disk_writes"] or c["disk_corrupt"]:
+        table.add_row("disk cache hits / writes / corrupt",
+                      f"{c['disk_hits']} / {c['disk_writes']} / {c['disk_corrupt']}")
+    table.add_row("readahead units", str(data["readahead"]["units_scheduled"]))
+    table.add_row("read errors", str(data["read_errors"]))
+    for e in data.get("last_errors", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["unix_time"]))
+        table.add_row(f"  {when} {e['path']} @{e['offset']}", e["error"])
+    if data.get("read_errors"):
+        table.add_row("", "a reader of a mapped file gets SIGBUS on such an error: see the log "
+                      "and the README")
+    table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
+    Console().print(table)
+    return 0
+

@@ -1,0 +1,520 @@
+"""The recipe: the output model as output tensors, each with its sources and resolved parameters.
+
+Between the spec and the index. An :class:`OutputTensor` names, per *role* (0: the reference,
+``Spec.base``'s role; then the roles of ``Spec.experts``), the model and the source tensor it is
+made of, its position ``t`` in its slice and the method's parameters resolved for it (gradients
+and filters, precedence slice source > slice > global, as mergekit 0.1.5). Output tensors with the
+same sources and parameters are one *unit* (``key``: the first of them): it is indexed, planned,
+read and merged once, however often the output repeats it (a self-stack).
+
+Layers are found as mergekit infers them: the first ``.N.`` in a tensor name is the layer index.
+Non-layer tensors of a sliced spec are taken from the first slice's models when they are
+embeddings (their name matches :data:`PRE_WEIGHT`), else from the last slice's (mergekit's pre and
+post weights). :class:`RoleSource` presents one role's source tensors under the unit keys, so the
+index, plan and engine work in the output's coordinates unchanged. Pure but for RoleSource's
+reads; no trio.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from mergefs.spec import settings
+from mergefs.sources.checkpoint import Checkpoint, Counters, GapAllowance, ReadRange, TensorLoc
+from mergefs.core.errors import SpecError
+from mergefs.spec.spec import REFERENCE, SliceDef, SliceSource, Spec
+
+LAYER = re.compile(r"\.(\d+)\.")
+#: Non-layer tensors that mergekit's architectures put before the layers (pre weights)
+PRE_WEIGHT = re.compile(r"embed|wte|wpe|word_embeddings|position_embeddings|token_type")
+#: config.json keys holding the number of layers, the first present is rewritten
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    key: str
+    models: tuple[str, ...]  # per role: model path
+    sources: tuple[str, ...]  # per role: tensor name in that model
+    t: float
+    params: Mapping[str, Any]
+    input_params: tuple[Mapping[str, Any], ...]  # per input, in ``Spec.input_order``
+    #: a vocabulary tensor of a tokenizer merge: rows permuted per model (mergefs.spec.tokenizer),
+    #: read whole, not indexed
+    vocab: bool = False
+    #: the reference's tensor cast to the output dtype (a base-alone module slice,
+    #: :attr:`mergefs.spec.spec.SliceDef.ref_only`): no expert is read, no method runs
+    ref_only: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    outputs: tuple[OutputTensor, ...]
+    #: per output layer: (model path of the reference role, source layer); None: not sliced
+    layers: tuple[tuple[str, int], ...] | None = None
+    #: a ``modules:`` spec: per module with a layer-count key, (dotted config key, its
+    #: output layer count), written into config.json as mergekit writes it; None: no modules
+    layer_counts: tuple[tuple[str, int], ...] | None = None
+
+    @property
+    def units(self) -> dict[str, OutputTensor]:
+        out: dict[str, OutputTensor] = {}
+        for o in self.outputs:
+            out.setdefault(o.key, o)
+        return out
+
+    @property
+    def identity(self) -> bool:
+        """Every output tensor is its own unit, read under its own name from one model per role."""
+        return self.layers is None and all(o.key == o.name and set(o.sources) == {o.name}
+                                           for o in self.outputs)
+
+    def coefficients(self, spec: Spec, tensors: Sequence[str]) -> np.ndarray:
+        """(N, T) the method's coefficient of each expert for each unit in ``tensors``."""
+        units = self.units
+        out = np.zeros((len(spec.experts), len(tensors)))
+        for t, key in enumerate(tensors):
+            u = units[key]
+            if u.ref_only:
+                continue  # no expert contributes
+            per_input = spec.method_def.coefficients(u.params, u.input_params)
+            for k, c in zip(spec.input_order, per_input):
+                if k != REFERENCE:
+                    out[k, t] = float(c)
+        return out
+
+
+def layer_of(name: str) -> tuple[str, int, str] | None:
+    m = LAYER.search(name)
+    return None if m is None else (name[:m.start()], int(m.group(1)), name[m.end():])
+
+
+def _layer_counts(names: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in names:
+        lay = layer_of(n)
+        if lay is not None:
+            counts[lay[0]] = max(counts.get(lay[0], 0), lay[1] + 1)
+    return counts
+
+
+def _position(index: int, count: int) -> float:
+    return index / (count - 1) if count > 1 else 1.0
+
+
+class _Resolver:
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.m = spec.method_def
+        self.check = self.m.check is not None and not all(
+            settings.is_scalar(v) for p in [spec.parameters, *spec.input_parameters()]
+            for v in p.values())
+
+    def resolve(self, name: str, sl: SliceDef, roles: Sequence[SliceSource],
+                sources: Sequence[str], t: float) -> tuple[dict[str, Any], tuple[dict, ...]]:
+        spec, m = self.spec, self.m
+        glob_levels = (sl.settings, sl.module_settings, spec.settings)
+        params = {p.name: self._value(p, glob_levels, name, t, name) for p in m.global_params}
+        if sl.ref_only:
+            return params, tuple({} for _ in spec.input_order)
+        per_input = []
+        for k in spec.input_order:
+            r = 0 if k == REFERENCE else k + 1
+            levels = (roles[r].settings, sl.settings, sl.module_settings, spec.settings)
+            per_input.append({p.name: self._value(p, levels, sources[r], t, name)
+                              for p in m.model_params})
+        if self.check:
+            problem = m.check(params, per_input)  # type: ignore[misc]
+            if problem:
+                raise SpecError(f"{spec.source}: {name}: {problem}")
+        return params, tuple(per_input)
+
+    def _value(self, p: Any, levels: Any, tensor: str, t: float, out_name: str) -> Any:
+        v = settings.resolve(p, levels, tensor, t)
+        if v is settings.NO_VALUE:
+            raise SpecError(f"{self.spec.source}: parameters.{p.name}: required by "
+                            f"{self.m.name}, and no value applies to {out_name}")
+        return v
+
+
+_Row = tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef, tuple[SliceSource, ...]]
+
+
+def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
+                 vocab: frozenset[str] = frozenset(),
+                 configs: Mapping[str, Mapping[str, Any]] | None = None) -> Recipe:
+    """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order);
+    ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged;
+    ``configs``: each model's config.json (a ``modules:`` spec needs them)."""
+    res = _Resolver(spec)
+    rows: list[_Row] = []
+    layers: list[tuple[str, int]] | None = None
+    layer_counts: tuple[tuple[str, int], ...] | None = None
+    if spec.slices and spec.slices[0].module is not None:
+        rows, layers, layer_counts = _module_rows(spec, names, configs or {})
+    elif not spec.sliced:
+        sl = spec.slices[0]
+        roles = (sl.ref, *sl.experts)
+        base_names = names[spec.base]
+        counts = _layer_counts(base_names)
+        models = tuple(r.path for r in roles)
+        for n in base_names:
+            lay = layer_of(n)
+            t = 0.0 if lay is None else _position(lay[1], counts[lay[0]])
+            rows.append((n, models, (n,) * len(roles), t, sl, roles))
+    else:
+        layers = []
+        first, last = spec.slices[0], spec.slices[-1]
+        ref_names = names[first.ref.path]
+        prefixes = set(_layer_counts(ref_names))
+        if len(prefixes) != 1:
+            raise SpecError(f"{spec.source}: slices: {first.ref.path} has "
+                            f"{len(prefixes)} stacks of layers; slices need exactly one "
+                            "(modules: are not supported yet)")
+        prefix = prefixes.pop()
+        loose = [n for n in ref_names if layer_of(n) is None]
+        pre = [n for n in loose if PRE_WEIGHT.search(n)]
+        post = [n for n in loose if not PRE_WEIGHT.search(n)]
+        for n in pre:
+            rows.append(_loose(spec, first, n, names))
+        out_layer = 0
+        for s, sl in enumerate(spec.slices):
+            roles = (sl.ref, *sl.experts)
+            assert all(r.layer_range is not None for r in roles)
+            lo0, hi0 = roles[0].layer_range  # type: ignore[misc]
+            for i in range(hi0 - lo0):
+                t = _position(i, hi0 - lo0)
+                src_layers = [r.layer_range[0] + i for r in roles]  # type: ignore[index]
+                layers.append((roles[0].path, src_layers[0]))
+                head = f"{prefix}.{src_layers[0]}."
+                suffixes = [n[len(head):] for n in names[roles[0].path] if n.startswith(head)]
+                if not suffixes:
+                    raise SpecError(f"{spec.source}: slices[{s}]: {roles[0].path} has no "
+                                    f"layer {src_layers[0]}")
+                for suf in suffixes:
+                    srcs = tuple(f"{prefix}.{L}.{suf}" for L in src_layers)
+                    for r, src in zip(roles, srcs):
+                        if src not in names[r.path]:
+                            raise SpecError(f"{spec.source}: slices[{s}]: {r.path} has no "
+                                            f"tensor {src}")
+                    rows.append((f"{prefix}.{out_layer}.{suf}", tuple(r.path for r in roles),
+                                 srcs, t, sl, roles))
+                out_layer += 1
+        for n in post:
+            rows.append(_loose(spec, last, n, names))
+    outputs: list[OutputTensor] = []
+    keys: dict[str, str] = {}
+    for name, models, srcs, t, sl, roles in rows:
+        params, per_input = res.resolve(name, sl, roles, srcs, t)
+        is_vocab = srcs[0] in vocab
+        sig = json.dumps([models, srcs, params, per_input, is_vocab, sl.ref_only],
+                         sort_keys=True, default=str)
+        key = keys.setdefault(sig, name)
+        outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab,
+                                    sl.ref_only))
+    return Recipe(tuple(outputs), tuple(layers) if layers is not None else None, layer_counts)
+
+
+def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
+                 configs: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[list[_Row], list[tuple[str, int]], tuple[tuple[str, int], ...]]:
+    """The rows of a ``modules:`` spec as mergekit 0.1.5 plans them: per module in the order
+    given, its pre weights from the first slice's models, each slice's layers renumbered from
+    0 within the module, its post weights from the last slice's models (both with the slice's
+    parameters at t = 0); only the modules' weights are output (mergefs.recipe.modules)."""
+    from mergefs.recipe.modules import Module, read_modules, set_dotted
+
+    cache: dict[str, dict[str, Module]] = {}
+
+    def modules_of(path: str) -> dict[str, Module]:
+        if path not in cache:
+            if path not in configs:
+                raise SpecError(f"{spec.source}: modules: {path} has no config.json")
+            cache[path] = read_modules(configs[path], path, used)
+        return cache[path]
+
+    groups: dict[str, list[SliceDef]] = {}
+    for sl in spec.slices:
+        assert sl.module is not None
+        groups.setdefault(sl.module, []).append(sl)
+    used = set(groups)
+    ref_modules = modules_of(spec.base)
+    for name in groups:
+        if name not in ref_modules:
+            raise SpecError(f"{spec.source}: modules.{name}: not a module of {spec.base} "
+                            f"(its architecture has {', '.join(ref_modules)})")
+
+    def ranges(name: str, key: str, sl: SliceDef) -> tuple[list[tuple[int, int]], int]:
+        roles = (sl.ref, *sl.experts)
+        rs = [r.layer_range if r.layer_range is not None
+              else (0, modules_of(r.path)[name].n_layers) for r in roles]
+        lengths = {hi - lo for lo, hi in rs}
+        if len(lengths) != 1:
+            raise SpecError(f"{spec.source}: {key}: all inputs of a slice must have the same "
+                            f"number of layers, got {sorted(lengths)} (mergekit refuses it too)")
+        return rs, lengths.pop()
+
+    # the output's config: the reference's with each module's layer count (its templates may
+    # use the count, as mergekit's do with the output's config)
+    out_config: dict[str, Any] = dict(configs.get(spec.base, {}))
+    counts: list[tuple[str, int]] = []
+    for name, sls in groups.items():
+        total = sum(ranges(name, f"modules.{name}", sl)[1] for sl in sls)
+        count_key = ref_modules[name].layers_key
+        if count_key is not None:
+            counts.append((count_key, total))
+            set_dotted(out_config, count_key, total)
+    out_modules = read_modules(out_config, spec.base, used) if counts else ref_modules
+
+    rows: list[_Row] = []
+    layers: list[tuple[str, int]] = []
+
+    def source_names(ws: Sequence[Any], roles: Sequence[SliceSource], out: Any,
+                     key: str) -> tuple[str, ...] | None:
+        found = tuple(w.find(names[r.path]) for w, r in zip(ws, roles))
+        if all(f is None for f in found) and out.optional:
+            return None  # an optional weight no input has: skipped, as mergekit does
+        # a tied weight (lm_head of a tied model) is loaded as the tensor it is tied to
+        found = tuple(f if f is not None else w.find(names[r.path], tied=True)
+                      for f, w, r in zip(found, ws, roles))
+        for f, w, r in zip(found, ws, roles):
+            if f is None:
+                why = (" (mergekit merges an optional weight over the models that have it; "
+                       "mergefs needs it in every model)" if out.optional else "")
+                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}{why}")
+        return found  # type: ignore[return-value]
+
+    for name, sls in groups.items():
+        first, last = sls[0], sls[-1]
+        for w in out_modules[name].pre:
+            roles = (first.ref, *first.experts)
+            srcs = source_names([w] * len(roles), roles, w, f"modules.{name}")
+            if srcs is not None:
+                rows.append((w.name, tuple(r.path for r in roles), srcs, 0.0, first, roles))
+        out_layer = 0
+        for s, sl in enumerate(sls):
+            roles = (sl.ref, *sl.experts)
+            key = f"modules.{name}.slices[{s}]"
+            rs, n = ranges(name, key, sl)
+            for i in range(n):
+                t = _position(i, n)
+                outs = out_modules[name].layer(out_layer)
+                ins = [modules_of(r.path)[name].layer(lo + i) for r, (lo, _) in zip(roles, rs)]
+                if any(len(w) != len(outs) for w in ins):
+                    raise SpecError(f"{spec.source}: {key}: the models' layer {i} differ in "
+                                    "their weights")
+                layers.append((roles[0].path, rs[0][0] + i))
+                for j, w_out in enumerate(outs):
+                    srcs = source_names([w[j] for w in ins], roles, w_out, key)
+                    if srcs is not None:
+                        rows.append((w_out.name, tuple(r.path for r in roles), srcs, t, sl,
+                                     roles))
+                out_layer += 1
+        for w in out_modules[name].post:
+            roles = (last.ref, *last.experts)
+            srcs = source_names([w] * len(roles), roles, w, f"modules.{name}")
+            if srcs is not None:
+                rows.append((w.name, tuple(r.path for r in roles), srcs, 0.0, last, roles))
+    return rows, layers, tuple(counts)
+
+
+def _loose(spec: Spec, sl: SliceDef, name: str, names: Mapping[str, Sequence[str]]
+           ) -> tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef,
+                      tuple[SliceSource, ...]]:
+    roles = (sl.ref, *sl.experts)
+    for r in roles:
+        if name not in names[r.path]:
+            raise SpecError(f"{spec.source}: slices: {r.path} has no tensor {name}")
+    return (name, tuple(r.path for r in roles), (name,) * len(roles), 0.0, sl, roles)
+
+
+def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """``config.json`` of a sliced output: the layer count, and every per-layer list (a list as
+    long as the reference model's layer count) rebuilt from the source layers."""
+    if recipe.layers is None:
+        return config
+    out = dict(config)
+    if recipe.layer_counts is not None:  # modules: each module's count, nothing else
+        from mergefs.recipe.modules import set_dotted
+
+        for dotted, n in recipe.layer_counts:
+            set_dotted(out, dotted, n)
+        return out
+    n_out = len(recipe.layers)
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(config.get(k), int)), None)
+    if key is not None:
+        n_src = config[key]
+        out[key] = n_out
+        for k, v in config.items():
+            if (isinstance(v, list) and len(v) == n_src and n_src != n_out
+                    and all(L < len(v) for _, L in recipe.layers)):
+                out[k] = [v[L] for _, L in recipe.layers]
+    return out
+
+
+class _SumCounters(Counters):
+    """The counters of several sources, summed (``reset`` resets them all)."""
+
+    def __init__(self, parts: Sequence[Counters]) -> None:
+        super().__init__()
+        self._parts = list(parts)
+
+    @property  # type: ignore[override]
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read for p in self._parts)
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        pass
+
+    @property  # type: ignore[override]
+    def reads(self) -> int:
+        return sum(p.reads for p in self._parts)
+
+    @reads.setter
+    def reads(self, value: int) -> None:
+        pass
+
+    @property
+    def requests(self) -> int:
+        """Requests sent (remote parts) or preads (local parts), as ``source_requests`` counts."""
+        return sum(getattr(p, "requests", p.reads) for p in self._parts)
+
+    def reset(self) -> None:
+        for p in self._parts:
+            p.reset()
+
+
+class RoleSource:
+    """One role's source tensors under the recipe's unit keys: reads go to the models the role
+    takes each unit from. Files are the models' own (``k:name`` when the role spans several
+    models); non-weight files are the first model's. Remote models (HTTP, S3, uncached Hub
+    ids) are read by ranges as anywhere else; a role with any remote model is remote (no file
+    descriptors, no page-cache advice)."""
+
+    def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
+        self.recipe = recipe
+        self.tokenizer: Any = None  # mergefs.spec.tokenizer.BuiltTokenizer of a tokenizer merge
+        members: list[str] = []
+        for u in recipe.units.values():
+            if u.models[role] not in members:
+                members.append(u.models[role])
+        self.members = [sources[p] for p in members]
+        self.is_remote = any(c.is_remote for c in self.members)
+        self._multi = len(self.members) > 1
+        rank = {p: k for k, p in enumerate(members)}
+
+        def q(k: int, f: str) -> str:
+            return f"{k}:{f}" if self._multi else f
+
+        self._where = {q(k, f): (c, f) for k, c in enumerate(self.members) for f in c.files}
+        self.files = tuple(self._where)
+        self.headers = {qf: c.headers[f] for qf, (c, f) in self._where.items()}
+        self.identities = {qf: c.identities[f] for qf, (c, f) in self._where.items()}
+        first = self.members[0]
+        self.root: Path = first.root  # a remote model's root is its URL (a str)
+        self.extra_files = first.extra_files
+        self.index_json = None
+        self.tensors: dict[str, TensorLoc] = {}
+        file_rank = {f: i for i, f in enumerate(self.files)}
+        items = []
+        #: vocabulary units (not indexed): where this role reads them whole
+        self.vocab_locs: dict[str, tuple[Checkpoint, TensorLoc]] = {}
+        for key, u in recipe.units.items():
+            k = rank[u.models[role]]
+            loc = self.members[k].tensors[u.sources[role]]
+            if u.vocab:
+                self.vocab_locs[key] = (self.members[k], loc)
+                continue
+            items.append(TensorLoc(key, q(k, loc.file), loc.start, loc.end, loc.dtype,
+                                   loc.shape))
+        for loc in sorted(items, key=lambda x: (file_rank[x.file], x.start, x.name)):
+            self.tensors[loc.name] = loc
+        self._map = xxhash.xxh3_64_hexdigest(json.dumps(
+            [[u.key, u.models[role], u.sources[role]] for u in recipe.units.values()]).encode())
+        self.counters = _SumCounters([c.counters for c in self.members])
+        self._role_sources = {key: (rank[u.models[role]], u.sources[role])
+                              for key, u in recipe.units.items()}
+
+    @property
+    def name(self) -> str:
+        return str(self.root)
+
+    @property
+    def is_dir(self) -> bool:
+        return self.members[0].is_dir
+
+    def path_of(self, file: str) -> Path:
+        c, f = self._where[file]
+        return c.path_of(f)
+
+    def read_extra(self, rel: str) -> bytes:
+        return self.members[0].read_extra(rel)
+
+    def copy_extra(self, rel: str, dst: Path) -> None:
+        self.members[0].copy_extra(rel, dst)
+
+    def read_aux(self, name: str) -> bytes | None:
+        """No index sidecar: one is published per model, and a role may span several."""
+        return None
+
+    def read_itemsize(self, name: str) -> int:
+        k, src = self._role_sources[name]
+        return self.members[k].read_itemsize(src)
+
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def identity_json(self) -> dict[str, object]:
+        return {"root": str(self.root), "files": [self.identities[f].to_json()
+                                                  for f in self.files], "recipe": self._map}
+
+    def identity_key(self) -> str:
+        return xxhash.xxh3_64_hexdigest(json.dumps(self.identity_json(),
+                                                   sort_keys=True).encode())
+
+    def check_unchanged(self) -> None:
+        for c in self.members:
+            c.check_unchanged()
+
+    def fds(self) -> dict[str, int]:
+        out = {}
+        for qf, (c, f) in self._where.items():
+            out[qf] = c.fds()[f]
+        return out
+
+    def close(self) -> None:
+        for c in self.members:
+            c.close()
+
+    def read_ranges(self, ranges: Iterable[ReadRange],
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
+        ranges = list(ranges)
+        if not self._multi:
+            return self.members[0].read_ranges(ranges, gap_allowance=gap_allowance)
+        out: list[memoryview | None] = [None] * len(ranges)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(ranges):
+            c, _ = self._where[r.file]
+            groups.setdefault(id(c), []).append(i)
+        for idxs in groups.values():
+            c, _ = self._where[ranges[idxs[0]].file]
+            got = c.read_ranges([ReadRange(self._where[ranges[i].file][1], ranges[i].start,
+                                           ranges[i].end) for i in idxs],
+                                gap_allowance=gap_allowance)
+            for i, v in zip(idxs, got):
+                out[i] = v
+        return [v for v in out if v is not None]
+
+    def read_tensor(self, name: str) -> memoryview:
+        loc = self.tensors[name]
+        return self.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]

@@ -1,0 +1,1 @@
+"""Where bytes come from: one source protocol (read ranges with counters, aux files, identity) over local files, object stores, the Hub and LoRA adapters."""

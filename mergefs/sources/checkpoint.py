@@ -1,0 +1,518 @@
+"""Checkpoint sources: Hugging Face model directories or bare .safetensors files.
+
+``open_checkpoint(path)`` parses every header once and yields the tensor map (name -> file,
+absolute byte range, dtype, shape), the directory's non-weight files and each file's identity.
+All reads of tensor bytes go through :meth:`Checkpoint.read_ranges`, which coalesces adjacent
+ranges, uses ``os.pread`` and counts physical bytes per source. A source given as a URL
+(``s3://``, ``https://``, ``file://``) opens as :class:`mergefs.sources.remote.RemoteCheckpoint`, the same
+interface over fsspec. Thread-safe: reads may run on worker threads concurrently; nothing here may
+run on the trio thread (it blocks on disk or network).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import xxhash
+
+from mergefs.core import format as fmt
+from mergefs.core.errors import SourceChanged, SourceError
+
+if TYPE_CHECKING:
+    from mergefs.sources.remote import RemoteOptions
+
+log = logging.getLogger(__name__)
+
+
+class RangeCache(Protocol):
+    def read(self, src: Checkpoint, ranges: Sequence[ReadRange]) -> list[memoryview]: ...
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_PREFIX_READ = 8 + fmt.HEADER_SIZE_CAP
+#: Published index sidecars (mergefs.index.published) live beside weights; they are never weights.
+SIDECAR_RE = re.compile(r"(^|.*\.)mergefs-index\.[0-9a-f]+\.\d+\.safetensors$")
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when we parsed it: a change in any field means the file changed.
+
+    ``etag`` is the store's entity tag of a remote object (None for local files and for stores
+    that send none); it is left out of the JSON when None, so local identities are unchanged.
+    """
+
+    path: str
+    size_bytes: int
+    mtime_ns: int
+    header_xxh3: str
+    etag: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "path": self.path,
+            "size_bytes": self.size_bytes,
+            "mtime_ns": self.mtime_ns,
+            "header_xxh3": self.header_xxh3,
+        }
+        if self.etag is not None:
+            out["etag"] = self.etag
+        return out
+
+
+@dataclass(frozen=True)
+class TensorLoc:
+    """Where one tensor's bytes live: ``[start, end)`` are absolute offsets in ``file``."""
+
+    name: str
+    file: str
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    """A half-open byte range ``[start, end)`` of one file of a source."""
+
+    file: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One physical read ``[start, end)`` of ``file`` serving the requested ranges ``members``.
+
+    ``covered_bytes`` is how many of its bytes some requested range asked for; the rest are gap
+    bytes read only to save a request (remote sources with a gap threshold).
+    """
+
+    file: str
+    start: int
+    end: int
+    members: tuple[int, ...]
+    covered_bytes: int
+
+
+class GapAllowance:
+    """Gap bytes that coalesced remote reads may still fetch, shared by every read of a merge.
+
+    A budgeted plan leaves ``budget - planned`` bytes of its budget unread: the bytes between
+    coalesced ranges (fetched and dropped) are taken from that slack, so planned plus gap bytes
+    stay within the budget (issue 14). ``limit_bytes`` None: no limit (a full budget: coalescing
+    as the ``coalesce_gap`` threshold alone decides). ``spent_bytes`` counts every gap byte
+    taken. Thread-safe: :meth:`take` is atomic, so concurrent readers never overspend.
+    """
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.spent_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` gap bytes if that many remain (True), else spend nothing (False)."""
+        with self._lock:
+            if self.limit_bytes is not None and self.spent_bytes + nbytes > self.limit_bytes:
+                return False
+            self.spent_bytes += nbytes
+            return True
+
+    def absorb(self, spent_bytes: int) -> None:
+        """Count gap bytes spent elsewhere from a share of this allowance (a Ray task's)."""
+        with self._lock:
+            self.spent_bytes += spent_bytes
+
+
+def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0,
+             allowance: GapAllowance | None = None) -> list[Run]:
+    """Group ranges of one file that overlap, touch, or lie at most ``gap_bytes`` apart.
+
+    Runs come in (file, start) order; ``members`` index into ``ranges``. With an
+    ``allowance``, a gap joins two ranges only if it can be taken from the allowance; once it
+    is spent, ranges further apart than touching start runs of their own.
+    """
+    order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
+    runs: list[Run] = []
+    members: list[int] = []
+    start = end = covered = 0
+    for k in order:
+        r = ranges[k]
+        if members and (r.file != ranges[members[0]].file or r.start > end + gap_bytes
+                        or (r.start > end and allowance is not None
+                            and not allowance.take(r.start - end))):
+            runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
+            members = []
+        if not members:
+            start, end, covered = r.start, r.start, 0
+        covered += max(0, r.end - max(r.start, end))  # new bytes beyond the run's end so far
+        end = max(end, r.end)
+        members.append(k)
+    if members:
+        runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
+    return runs
+
+
+def slice_runs(ranges: Sequence[ReadRange], runs: Sequence[Run],
+               bufs: Sequence[memoryview]) -> list[memoryview]:
+    """One zero-copy view per requested range, in request order, cut from its run's buffer."""
+    out: list[memoryview | None] = [None] * len(ranges)
+    for run, buf in zip(runs, bufs):
+        for k in run.members:
+            r = ranges[k]
+            out[k] = buf[r.start - run.start : r.end - run.start]
+    return [m for m in out if m is not None]
+
+
+def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
+              allowances: Sequence[GapAllowance | None] | None = None
+              ) -> list[list[memoryview]]:
+    """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
+
+    Local sources are read in the calling thread, in request order, exactly as
+    ``src.read_ranges(ranges)`` would. ``allowances``: per request, the
+    :class:`GapAllowance` its coalesced gaps are taken from (None: no limit).
+    """
+    gaps = list(allowances) if allowances is not None else [None] * len(requests)
+    out: list[list[memoryview] | None] = [None] * len(requests)
+    # sources with an async reader of their own (a recipe's role over remote models reads
+    # through its members, one after another)
+    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
+              and hasattr(src, "read_ranges_async")]
+    if len(remote) > 1:
+        from mergefs.sources.remote import read_concurrently
+
+        for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
+                                                      [gaps[k] for k in remote])):
+            out[k] = views
+    for k, (src, ranges) in enumerate(requests):
+        if out[k] is None:
+            out[k] = src.read_ranges(ranges, gap_allowance=gaps[k])
+    return [v for v in out if v is not None]
+
+
+class Counters:
+    """Physical read counters of one source; ``bytes_read`` counts bytes returned by pread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.reads = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = 0
+            self.reads = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+
+    #: every counter, by attribute name (what :meth:`snapshot` and :meth:`absorb` carry)
+    FIELDS: tuple[str, ...] = ("bytes_read", "reads")
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter's value now (e.g. to send a worker's counts to the driver)."""
+        with self._lock:
+            return {k: getattr(self, k) for k in self.FIELDS}
+
+    def absorb(self, counts: dict[str, int]) -> None:
+        """Add another copy's :meth:`snapshot` (reads the same source made elsewhere)."""
+        with self._lock:
+            for k in self.FIELDS:
+                setattr(self, k, getattr(self, k) + int(counts.get(k, 0)))
+
+
+def _read_header(path: Path) -> tuple[fmt.Header, FileIdentity]:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = fmt.header_length(prefix, st.st_size)
+            prefix += f.read(n)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read: {exc.strerror}") from None
+    except fmt.FormatError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    try:
+        header = fmt.parse_file_prefix(prefix, st.st_size)
+    except fmt.FormatError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    ident = FileIdentity(
+        str(path), st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(prefix)
+    )
+    return header, ident
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise SourceError(
+        f"{path}: pickle checkpoints are not read (mergefs reads safetensors only); convert it "
+        "with transformers' save_pretrained(..., safe_serialization=True)"
+    )
+
+
+class Checkpoint:
+    """One source: tensor map, non-weight files, identities, and the only way to read bytes."""
+
+    is_remote = False
+
+    def __init__(
+        self,
+        root: Path,
+        files: Sequence[str],
+        tensors: dict[str, TensorLoc],
+        headers: dict[str, fmt.Header],
+        identities: dict[str, FileIdentity],
+        extra_files: Sequence[str],
+        index_json: dict | None,
+    ) -> None:
+        self.root = root
+        self.files = tuple(files)  # weight file names, relative to root (or the bare file name)
+        self.tensors = tensors
+        self.headers = headers
+        self.identities = identities
+        self.extra_files = tuple(extra_files)
+        self.index_json = index_json
+        self.counters = Counters()
+        #: a shared cache of source byte ranges (a sweep mount's variants read through it);
+        #: None reads every range from the file
+        self.range_cache: RangeCache | None = None
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return str(self.root)
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file if self.root.is_dir() else self.root
+
+    @property
+    def is_dir(self) -> bool:
+        """A model directory (True) or a bare .safetensors file (False)."""
+        return self.root.is_dir()
+
+    def read_extra(self, rel: str) -> bytes:
+        """The bytes of a non-weight file (``extra_files``), e.g. config.json."""
+        try:
+            return (self.root / rel).read_bytes()
+        except OSError as exc:
+            raise SourceError(f"{self.root / rel}: cannot read: {exc.strerror}") from None
+
+    def copy_extra(self, rel: str, dst: Path) -> None:
+        """Copy a non-weight file to ``dst`` (OSError on failure, as shutil.copyfile)."""
+        shutil.copyfile(self.root / rel, dst)
+
+    def read_itemsize(self, name: str) -> int:
+        """Bytes read from this source per element of tensor ``name`` (what a plan charges)."""
+        return fmt.DTYPES[self.tensors[name].dtype][0]
+
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def identity_json(self) -> dict[str, object]:
+        return {"root": str(self.root), "files": [self.identities[f].to_json() for f in self.files]}
+
+    def identity_key(self) -> str:
+        """A short stable hash of all file identities."""
+        blob = json.dumps(self.identity_json(), sort_keys=True).encode()
+        return xxhash.xxh3_64_hexdigest(blob)
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChanged if any weight file's size or mtime differs from when opened."""
+        for f in self.files:
+            ident = self.identities[f]
+            try:
+                st = os.stat(self.path_of(f))
+            except OSError as exc:
+                raise SourceChanged(f"{self.path_of(f)}: source vanished: {exc.strerror}") from None
+            if st.st_size != ident.size_bytes or st.st_mtime_ns != ident.mtime_ns:
+                raise SourceChanged(
+                    f"{self.path_of(f)}: source changed since it was opened "
+                    f"(size {ident.size_bytes} -> {st.st_size}, mtime changed: "
+                    f"{st.st_mtime_ns != ident.mtime_ns})"
+                )
+
+    def _fd(self, file: str) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.path_of(file), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    raise SourceError(f"{self.path_of(file)}: cannot open: {exc.strerror}") from None
+                self._fds[file] = fd
+            return fd
+
+    def fds(self) -> dict[str, int]:
+        return {f: self._fd(f) for f in self.files}
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _pread(self, file: str, start: int, end: int) -> bytes:
+        fd = self._fd(file)
+        want = end - start
+        try:
+            data = os.pread(fd, want, start)
+            if len(data) < want:  # large or interrupted reads may come back short
+                parts = [data]
+                got = len(data)
+                while got < want:
+                    more = os.pread(fd, want - got, start + got)
+                    if not more:
+                        break
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+        except OSError as exc:
+            raise SourceError(f"{self.path_of(file)}: read failed: {exc.strerror}") from None
+        self.counters.add(len(data))
+        if len(data) != want:
+            raise SourceChanged(
+                f"{self.path_of(file)}: short read at [{start}, {end}): file was truncated"
+            )
+        return data
+
+    def read_ranges(self, ranges: Iterable[ReadRange],
+                    gap_allowance: GapAllowance | None = None) -> list[memoryview]:
+        """Read each range, in order; adjacent or overlapping ranges of a file share one pread.
+
+        Returns one zero-copy view per requested range, in the order given. With a
+        ``range_cache``, ranges it holds are not read again (:class:`mergefs.sources.blockcache.SourceBlockCache`).
+        ``gap_allowance`` is unused: local reads fetch no gap bytes (remote sources take
+        theirs from it, :meth:`mergefs.sources.remote.RemoteCheckpoint.read_ranges`).
+        """
+        ranges = list(ranges)
+        if self.range_cache is not None:
+            return self.range_cache.read(self, ranges)
+        return self.read_physical(ranges)
+
+    def read_physical(self, ranges: Sequence[ReadRange]) -> list[memoryview]:
+        """``read_ranges`` from the files, bypassing any range cache (counted)."""
+        runs = coalesce(ranges)
+        bufs = [memoryview(self._pread(run.file, run.start, run.end)) for run in runs]
+        return slice_runs(ranges, runs, bufs)
+
+    def read_tensor(self, name: str) -> memoryview:
+        loc = self.tensors[name]
+        return self.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
+
+
+def _weights_of_dir(root: Path) -> tuple[list[str], dict | None]:
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{index_path}: not a valid shard index: {exc}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise SourceError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if Path(f).is_absolute() or ".." in Path(f).parts:
+                raise SourceError(f"{index_path}: shard name {f!r} escapes the model directory")
+            if not (root / f).is_file():
+                raise SourceError(f"{index_path}: names shard {f!r}, which does not exist")
+        return files, index
+    if (root / SINGLE_NAME).is_file():
+        return [SINGLE_NAME], None
+    found = sorted(p.name for p in root.glob("*.safetensors") if not SIDECAR_RE.match(p.name))
+    if len(found) == 1:
+        return found, None
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        _refuse_pickle(root / pickles[0])
+    if found:
+        raise SourceError(
+            f"{root}: {len(found)} .safetensors files but no {INDEX_NAME} to say how they shard"
+        )
+    raise SourceError(f"{root}: no model.safetensors or {INDEX_NAME} found")
+
+
+def open_checkpoint(path: str | os.PathLike[str], remote: RemoteOptions | None = None
+                    ) -> Checkpoint:
+    """Open a model directory or a bare .safetensors file and parse every header.
+
+    A URL (``scheme://...``) opens a remote source through fsspec with ``remote``'s options.
+    """
+    if isinstance(path, str) and "://" in path:
+        from mergefs.sources.remote import RemoteOptions, open_remote
+
+        return open_remote(path, remote or RemoteOptions())
+    root = Path(path).absolute()
+    if root.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(root)
+    if root.is_dir():
+        files, index = _weights_of_dir(root)
+        extra = sorted(
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file()
+            and p.name not in set(files) | {INDEX_NAME}
+            and not p.name.endswith(".safetensors")
+            and p.suffix not in PICKLE_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        )
+    elif root.is_file():
+        if root.suffix != ".safetensors":
+            raise SourceError(f"{root}: not a .safetensors file or a model directory")
+        files, index, extra = [root.name], None, []
+    else:
+        raise SourceError(f"{root}: no such file or directory")
+
+    tensors: dict[str, TensorLoc] = {}
+    headers: dict[str, fmt.Header] = {}
+    identities: dict[str, FileIdentity] = {}
+    for f in files:
+        p = root / f if root.is_dir() else root
+        header, ident = _read_header(p)
+        headers[f] = header
+        identities[f] = ident
+        for t in header.tensors:
+            if t.name in tensors:
+                raise SourceError(f"{p}: tensor {t.name!r} also appears in {tensors[t.name].file}")
+            tensors[t.name] = TensorLoc(
+                t.name, f, header.data_start + t.start, header.data_start + t.end, t.dtype, t.shape
+            )
+    if index is not None:
+        weight_map = index["weight_map"]
+        for name, f in weight_map.items():
+            loc = tensors.get(name)
+            if loc is None:
+                raise SourceError(f"{root / INDEX_NAME}: names tensor {name!r}, missing from {f}")
+            if loc.file != f:
+                raise SourceError(
+                    f"{root / INDEX_NAME}: maps {name!r} to {f}, but it is in {loc.file}"
+                )
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise SourceError(
+                f"{root / INDEX_NAME}: tensor {unlisted[0]!r} is in a shard but not in weight_map"
+            )
+    return Checkpoint(root, files, tensors, headers, identities, extra, index)
