@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from mergefs.core.errors import MergefsError
-from mergefs.spec.spec import Budget, Spec, load_spec, parse_budget
+from mergefs.spec.budget import Budget, parse_budget
+from mergefs.spec.model import Spec
+from mergefs.spec.load import load_spec
 
 __all__ = ["Merge", "MergeResult", "Mounted", "open", "replay"]
 
@@ -195,7 +197,7 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
          base_dir: str | os.PathLike[str] | None = None) -> Merge:
     """Open a spec file (or a spec already loaded as a dict, paths relative to ``base_dir``)."""
     if isinstance(spec, dict):
-        from mergefs.spec.spec import parse_spec
+        from mergefs.spec.load import parse_spec
 
         return Merge(parse_spec(json.loads(json.dumps(spec)), Path(base_dir or ".").resolve()))
     return Merge(load_spec(Path(spec)))

@@ -40,7 +40,7 @@ from mergefs.deltas import decode as deltadecode
 from mergefs.deltas import codec as deltas
 from mergefs.core.dtypes import decode_f32
 from mergefs.engine.merger import Session
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sidecar import replaced_read_seconds  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from families import Family, make_family
 
-from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.sources import open_source
 from mergefs.index.build import BuildReport
 from mergefs.index.blocks import load_or_build
 
@@ -41,8 +41,8 @@ def evict(fam: Family) -> None:
 
 def step(fam: Family, which: list[int], idx: Path) -> tuple[float, BuildReport]:
     evict(fam)
-    base = open_checkpoint(fam.base)
-    experts = [open_checkpoint(fam.experts[i]) for i in which]
+    base = open_source(fam.base)
+    experts = [open_source(fam.experts[i]) for i in which]
     report = BuildReport()
     t0 = time.perf_counter()
     try:

@@ -49,7 +49,7 @@ from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
 from mergefs.engine.merger import Session, open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.engine.manifest import ManifestWriter
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 
 def evict(root: Path) -> None:

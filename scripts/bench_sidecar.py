@@ -57,7 +57,7 @@ from mergefs.deltas.publish import publish
 from mergefs.engine.merger import Session, open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.planner import make_plan
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 LAYER = re.compile(r"(^|\.)layers?\.\d+\.")
 

@@ -25,7 +25,7 @@ from mergefs.index import build as indexbuild
 from mergefs.methods import kernels
 from mergefs.engine.merger import open_family
 from mergefs.index.blocks import load_or_build
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 t_imports = time.perf_counter()
 cpu: collections.Counter[str] = collections.Counter()

@@ -23,9 +23,10 @@ from safetensors.numpy import load, save
 
 from mergefs.cli import main as cli
 from mergefs.index import build as indexbuild, read as indexread
-from mergefs.sources.checkpoint import Counters, ReadRange
+from mergefs.sources.base import Counters
+from mergefs.sources.base import ReadRange
 from mergefs.engine.merger import Session
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 
 def _outputs(spec_path: Path, out: Path, names: list[str]) -> tuple[dict[str, np.ndarray], Any]:
@@ -139,11 +140,11 @@ def test_oversized_chunks_stay_out_of_the_reader_buffers(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks above CHUNK_BYTES: the reader's reused buffers stay at about CHUNK_BYTES, and the
     index has the same bits as one built with a chunk size above the blocks."""
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
     from mergefs.index.blocks import load_or_build
 
     fam = make_family(tmp_path / "fam", n_experts=2, dtype="bfloat16", seed=6)
-    srcs = [open_checkpoint(fam.base), *(open_checkpoint(p) for p in fam.experts)]
+    srcs = [open_source(fam.base), *(open_source(p) for p in fam.experts)]
     try:
         want, _ = load_or_build(srcs[0], srcs[1:], 8192, tmp_path / "want")
         sizes: list[int] = []
@@ -271,12 +272,12 @@ def test_old_index_sidecars_are_ignored_naming_the_file(
 
 def test_index_pieces_of_another_summation_order_are_rebuilt(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
     from mergefs.index.blocks import load_or_build
     from mergefs.index.build import BuildReport
 
     fam = make_family(tmp_path / "fam", n_experts=1, dtype="bfloat16", seed=9)
-    srcs = [open_checkpoint(fam.base), open_checkpoint(fam.experts[0])]
+    srcs = [open_source(fam.base), open_source(fam.experts[0])]
     try:
         load_or_build(srcs[0], srcs[1:], 4096, tmp_path / "idx")
         pieces = sorted((tmp_path / "idx").rglob("*.safetensors"))

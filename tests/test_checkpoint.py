@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergefs.core import format as fmt
-from mergefs.sources.checkpoint import (
-    INDEX_NAME, Checkpoint, GapAllowance, ReadRange, coalesce, open_checkpoint,
-)
+from mergefs.sources.base import INDEX_NAME, GapAllowance, ReadRange, coalesce
+from mergefs.sources.local import Checkpoint
+from mergefs.sources import open_source
 from mergefs.core.errors import SourceChanged, SourceError
 
 TORCH_TO_NAME = {
@@ -121,7 +121,7 @@ def assert_matches_safe_open(ckpt: Checkpoint, path: Path, file: str) -> set[str
 
 def test_single_file_dir(single_dir):
     root, tensors = single_dir
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     try:
         assert ckpt.files == ("model.safetensors",)
         assert ckpt.index_json is None
@@ -136,13 +136,13 @@ def test_single_file_dir(single_dir):
 
 def test_extra_files_listed_hidden_and_weights_excluded(single_dir):
     root, _ = single_dir
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     assert ckpt.extra_files == ("config.json", "sub/notes.txt", "tokenizer.json")
 
 
 def test_sharded_dir(sharded_dir):
     root, shards = sharded_dir
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     try:
         assert ckpt.files == tuple(sorted(shards))
         assert ckpt.index_json is not None
@@ -163,7 +163,7 @@ def test_bare_file(tmp_path):
     tensors = sample_tensors(3)
     save_file(tensors, path)
     (tmp_path / "config.json").write_text("{}")  # a sibling, not part of a bare-file source
-    ckpt = open_checkpoint(path)
+    ckpt = open_source(path)
     try:
         assert ckpt.files == ("weights.safetensors",)
         assert ckpt.extra_files == ()
@@ -175,7 +175,7 @@ def test_bare_file(tmp_path):
 
 def test_dir_with_one_oddly_named_safetensors(tmp_path):
     save_file({"w": torch.arange(4, dtype=torch.int32)}, tmp_path / "weights.safetensors")
-    ckpt = open_checkpoint(tmp_path)
+    ckpt = open_source(tmp_path)
     assert ckpt.files == ("weights.safetensors",)
     assert bytes(ckpt.read_tensor("w")) == tensor_bytes(torch.arange(4, dtype=torch.int32))
 
@@ -184,18 +184,18 @@ def test_dir_with_several_safetensors_and_no_index(tmp_path):
     save_file({"w": torch.zeros(1)}, tmp_path / "a.safetensors")
     save_file({"v": torch.zeros(1)}, tmp_path / "b.safetensors")
     with pytest.raises(SourceError, match=INDEX_NAME):
-        open_checkpoint(tmp_path)
+        open_source(tmp_path)
 
 
 def test_dir_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SourceError, match="no model.safetensors"):
-        open_checkpoint(tmp_path)
+        open_source(tmp_path)
 
 
 def test_missing_path(tmp_path):
     with pytest.raises(SourceError, match="no such file"):
-        open_checkpoint(tmp_path / "nope")
+        open_source(tmp_path / "nope")
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_missing_path(tmp_path):
 def test_identity_fields(single_dir):
     root, _ = single_dir
     path = root / "model.safetensors"
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     ident = ckpt.identities["model.safetensors"]
     st = os.stat(path)
     assert ident.path == str(path)
@@ -215,14 +215,14 @@ def test_identity_fields(single_dir):
     (n,) = struct.unpack("<Q", blob[:8])
     assert ident.header_xxh3 == xxhash.xxh3_128_hexdigest(blob[: 8 + n])
     assert ckpt.identity_json()["files"] == [ident.to_json()]
-    assert ckpt.identity_key() == open_checkpoint(root).identity_key()  # stable
+    assert ckpt.identity_key() == open_source(root).identity_key()  # stable
     ckpt.check_unchanged()  # nothing changed yet
 
 
 def test_check_unchanged_after_rewrite(single_dir):
     root, tensors = single_dir
     path = root / "model.safetensors"
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     old_ident = ckpt.identities["model.safetensors"]
     changed = dict(tensors)
     changed["extra"] = torch.ones(7)
@@ -230,17 +230,17 @@ def test_check_unchanged_after_rewrite(single_dir):
     with pytest.raises(SourceChanged) as info:
         ckpt.check_unchanged()
     assert str(path) in str(info.value)
-    new_ident = open_checkpoint(root).identities["model.safetensors"]
+    new_ident = open_source(root).identities["model.safetensors"]
     assert new_ident.size_bytes != old_ident.size_bytes
     assert new_ident.header_xxh3 != old_ident.header_xxh3
-    assert open_checkpoint(root).identity_key() != ckpt.identity_key()
+    assert open_source(root).identity_key() != ckpt.identity_key()
 
 
 def test_check_unchanged_same_size_rewrite(single_dir):
     # Same size, different bytes: caught by the mtime even if the clock did not tick.
     root, tensors = single_dir
     path = root / "model.safetensors"
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     ident = ckpt.identities["model.safetensors"]
     changed = {k: (v + 1 if v.dtype == torch.float32 and v.numel() else v) for k, v in tensors.items()}
     save_file(changed, path, metadata={"format": "pt"})
@@ -252,7 +252,7 @@ def test_check_unchanged_same_size_rewrite(single_dir):
 
 def test_check_unchanged_when_file_vanishes(single_dir):
     root, _ = single_dir
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     (root / "model.safetensors").unlink()
     with pytest.raises(SourceChanged, match="vanished"):
         ckpt.check_unchanged()
@@ -261,7 +261,7 @@ def test_check_unchanged_when_file_vanishes(single_dir):
 def test_read_of_truncated_file_is_source_changed(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.arange(64, dtype=torch.float32)}, path)
-    ckpt = open_checkpoint(path)
+    ckpt = open_source(path)
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size - 10)
@@ -278,7 +278,7 @@ def test_read_of_truncated_file_is_source_changed(tmp_path):
 def byte_file(tmp_path: Path) -> tuple[Checkpoint, bytes]:
     path = tmp_path / "bytes.safetensors"
     save_file({"data": torch.arange(256, dtype=torch.uint8)}, path)
-    ckpt = open_checkpoint(path)
+    ckpt = open_source(path)
     yield ckpt, path.read_bytes()
     ckpt.close()
 
@@ -344,7 +344,7 @@ def test_read_ranges_counts_accumulate(byte_file):
 
 def test_read_ranges_across_shards(sharded_dir):
     root, shards = sharded_dir
-    ckpt = open_checkpoint(root)
+    ckpt = open_source(root)
     f1, f2 = sorted(shards)
     a = ckpt.tensors["a.embed.weight"]
     b = ckpt.tensors["b.embed.weight"]
@@ -379,7 +379,7 @@ def test_pickle_dir_refused(tmp_path):
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SourceError) as info:
-        open_checkpoint(tmp_path)
+        open_source(tmp_path)
     assert "safetensors" in str(info.value)
     assert "pytorch_model.bin" in str(info.value)
 
@@ -389,7 +389,7 @@ def test_bare_pickle_path_refused(tmp_path, name):
     path = tmp_path / name
     torch.save({"w": torch.zeros(2)}, path)
     with pytest.raises(SourceError) as info:
-        open_checkpoint(path)
+        open_source(path)
     assert "safetensors" in str(info.value)
     assert name in str(info.value)
 
@@ -398,7 +398,7 @@ def test_bare_non_safetensors_file_refused(tmp_path):
     path = tmp_path / "weights.npz"
     path.write_bytes(b"PK")
     with pytest.raises(SourceError, match="not a .safetensors"):
-        open_checkpoint(path)
+        open_source(path)
 
 
 def _rewrite_index(root: Path, edit) -> None:
@@ -412,7 +412,7 @@ def test_index_names_missing_file(tmp_path):
     write_sharded(root)
     _rewrite_index(root, lambda wm: wm.update({"a.embed.weight": "model-00003-of-00002.safetensors"}))
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     assert type(info.value) is SourceError
     assert "model-00003-of-00002.safetensors" in str(info.value)
     assert INDEX_NAME in str(info.value)
@@ -423,7 +423,7 @@ def test_index_names_missing_tensor(tmp_path):
     write_sharded(root)
     _rewrite_index(root, lambda wm: wm.update({"ghost.weight": "model-00001-of-00002.safetensors"}))
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     msg = str(info.value)
     assert "ghost.weight" in msg and "model-00001-of-00002.safetensors" in msg
     assert INDEX_NAME in msg
@@ -434,7 +434,7 @@ def test_index_maps_tensor_to_wrong_shard(tmp_path):
     write_sharded(root)
     _rewrite_index(root, lambda wm: wm.update({"a.embed.weight": "model-00002-of-00002.safetensors"}))
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     msg = str(info.value)
     assert "a.embed.weight" in msg and "model-00001-of-00002.safetensors" in msg
 
@@ -444,7 +444,7 @@ def test_tensor_not_in_weight_map(tmp_path):
     write_sharded(root)
     _rewrite_index(root, lambda wm: wm.pop("b.scalar"))
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     msg = str(info.value)
     assert "b.scalar" in msg and INDEX_NAME in msg
 
@@ -456,7 +456,7 @@ def test_index_path_escaping_the_directory(tmp_path):
     save_file({"a.embed.weight": torch.zeros(1)}, tmp_path / "x.safetensors")
     _rewrite_index(root, lambda wm: wm.update({"a.embed.weight": "../x.safetensors"}))
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     assert "../x.safetensors" in str(info.value)
     assert "escapes" in str(info.value)
 
@@ -468,7 +468,7 @@ def test_index_absolute_path_refused(tmp_path):
     save_file({"a.embed.weight": torch.zeros(1)}, target)
     _rewrite_index(root, lambda wm: wm.update({"a.embed.weight": str(target)}))
     with pytest.raises(SourceError, match="escapes"):
-        open_checkpoint(root)
+        open_source(root)
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps({"weight_map": {"a": 1}}), "[]"])
@@ -477,7 +477,7 @@ def test_malformed_index(tmp_path, content):
     write_sharded(root)
     (root / INDEX_NAME).write_text(content)
     with pytest.raises(SourceError) as info:
-        open_checkpoint(root)
+        open_source(root)
     assert INDEX_NAME in str(info.value)
 
 
@@ -488,12 +488,12 @@ def test_tensor_in_two_shards(tmp_path):
     save_file({"w": torch.ones(2)}, root / "s2.safetensors")
     (root / INDEX_NAME).write_text(json.dumps({"weight_map": {"w": "s1.safetensors"}}))
     # s2 is not named by the index, so it is not a weight file at all.
-    assert open_checkpoint(root).files == ("s1.safetensors",)
+    assert open_source(root).files == ("s1.safetensors",)
     (root / INDEX_NAME).write_text(
         json.dumps({"weight_map": {"w": "s1.safetensors", "w2": "s2.safetensors"}})
     )
     with pytest.raises(SourceError, match="also appears"):
-        open_checkpoint(root)
+        open_source(root)
 
 
 def _truncation_points(blob: bytes) -> dict[str, tuple[int, type]]:
@@ -516,7 +516,7 @@ def test_truncated_safetensors_is_format_error_naming_the_path(tmp_path, where, 
     cut, expected = _truncation_points(blob)[where]
     path.write_bytes(blob[:cut])
     with pytest.raises(fmt.FormatError) as info:
-        open_checkpoint(root if layout == "dir" else path)
+        open_source(root if layout == "dir" else path)
     assert type(info.value) is expected
     assert str(path) in str(info.value)
 
@@ -528,7 +528,7 @@ def test_shard_with_bad_header_names_the_shard(tmp_path):
     blob = bad.read_bytes()
     bad.write_bytes(blob + b"\x00")  # a trailing byte past the buffer
     with pytest.raises(fmt.BufferSizeMismatch) as info:
-        open_checkpoint(root)
+        open_source(root)
     assert str(bad) in str(info.value)
 
 

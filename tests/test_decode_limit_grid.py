@@ -11,7 +11,7 @@ from mergefs.deltas import publish as compress
 from mergefs.engine.merger import Session, open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.levels import DecodeCost, choose, decode_seconds
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 WEIGHTS = [0.5, -0.3, 0.8]
 

@@ -20,7 +20,7 @@ from mergefs.deltas import codec as deltas
 from mergefs.methods import kernels
 from mergefs.engine.merger import Session, open_family
 from mergefs.index.blocks import load_or_build
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 BLOCK = 512
 

@@ -23,7 +23,7 @@ from mergefs.deltas import codec as deltas
 from mergefs.engine.merger import open_family
 from mergefs.core.errors import SourceChanged
 from mergefs.index.blocks import load_or_build
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 BLOCK = 512
 
@@ -417,7 +417,7 @@ def test_remote_sidecar_spans_take_gaps_from_the_allowance(tmp_path: Path) -> No
     taken from its allowance (the merge's, shared with the exact reads): no limit joins them
     all, an empty allowance fetches each span alone, a partial one joins until it is spent;
     the bytes are the same in every case."""
-    from mergefs.sources.checkpoint import GapAllowance
+    from mergefs.sources.base import GapAllowance
 
     fam = make_family(tmp_path / "fam", seed=4)
     _, base, experts, index = _open(fam, tmp_path)

@@ -39,7 +39,7 @@ from mergefs.engine.merger import Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 BLOCK = 512  # rows of 48 fp32 = 192 B: two rows a block, tensors span up to ~100 blocks
 WEIGHTS = [0.5, -0.3, 0.8]

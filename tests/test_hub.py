@@ -19,7 +19,7 @@ from families import Family, make_family, write_spec
 from mergefs.cli import main as cli
 from mergefs.spec import refs as hub
 from mergefs.core.errors import SpecError
-from mergefs.spec.spec import parse_spec
+from mergefs.spec.load import parse_spec
 
 COMMIT_A = "a" * 8 + "1" * 32
 COMMIT_B = "b" * 8 + "2" * 32
@@ -283,11 +283,11 @@ def test_lora_ids_resolve_from_the_cache(fam: Family, cache: Path, tmp_path: Pat
                                          offline: hub.HubConfig) -> None:
     from safetensors.numpy import save_file
 
-    from mergefs.sources.checkpoint import open_checkpoint
-    from mergefs.sources.lora import open_source
+    from mergefs.sources import open_source
+    from mergefs.sources import open_source
 
     name = "model.layers.0.self_attn.q_proj.weight"
-    out_dim, in_dim = open_checkpoint(fam.base).tensors[name].shape
+    out_dim, in_dim = open_source(fam.base).tensors[name].shape
     rng = np.random.default_rng(0)
     a = rng.normal(0, 0.1, (2, in_dim)).astype(np.float32)
     b = rng.normal(0, 0.1, (out_dim, 2)).astype(np.float32)
@@ -310,7 +310,7 @@ def test_lora_ids_resolve_from_the_cache(fam: Family, cache: Path, tmp_path: Pat
     assert spec.raw["models"][0]["model"] == {
         "model": {"path": "org/base", "revision": COMMIT_A},
         "lora": {"path": "org/lora", "revision": COMMIT_C}, "resolved": path}
-    base = open_checkpoint(spec.base)
+    base = open_source(spec.base)
     src = open_source(path, None, base)
     want = np.frombuffer(base.read_tensor(name), np.float32).reshape(out_dim, in_dim) + 2 * (
         b @ a)

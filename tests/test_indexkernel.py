@@ -163,20 +163,20 @@ def test_numba_blocked_builds_the_same_index(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['numba'] = None\n"
             "import numpy as np\n"
             "from mergefs import kernels\n"
-            "from mergefs.sources.checkpoint import open_checkpoint\n"
+            "from mergefs.sources import open_source\n"
             "from mergefs.index.blocks import load_or_build\n"
-            "base = open_checkpoint(sys.argv[1]); ex = [open_checkpoint(p) for p in sys.argv[3:]]\n"
+            "base = open_source(sys.argv[1]); ex = [open_source(p) for p in sys.argv[3:]]\n"
             "index, built = load_or_build(base, ex, 4096, sys.argv[2])\n"
             "assert built and kernels.index_kernels() is None\n")
     res = subprocess.run([sys.executable, "-c", code, str(fam.base), str(tmp_path / "np"),
                           *map(str, fam.experts)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("numba is not installed") == 1
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
     from mergefs.index.blocks import load_or_build
 
-    base = open_checkpoint(fam.base)
-    ex = [open_checkpoint(p) for p in fam.experts]
+    base = open_source(fam.base)
+    ex = [open_source(p) for p in fam.experts]
     assert kernels.index_kernels() is not None
     with_kernel, _ = load_or_build(base, ex, 4096, tmp_path / "nb")
     without, built = load_or_build(base, ex, 4096, tmp_path / "np")  # the numpy-built pieces
@@ -198,7 +198,7 @@ def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
     """Sources evicted from the page cache are read with O_DIRECT (aligned reads into the
     reader's buffers): the index equals one built from cached files, bytes counted alike."""
     from mergefs.index import read as indexread
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
     from mergefs.index.build import BuildReport
     from mergefs.index.blocks import load_or_build
 
@@ -206,8 +206,8 @@ def test_cold_reads_bypass_the_page_cache_with_the_same_bits(tmp_path: Path,
     files = [p for d in [fam.base, *fam.experts] for p in d.glob("*.safetensors")]
 
     def build(where: str) -> tuple[object, BuildReport]:
-        base = open_checkpoint(fam.base)
-        ex = [open_checkpoint(p) for p in fam.experts]
+        base = open_source(fam.base)
+        ex = [open_source(p) for p in fam.experts]
         report = BuildReport()
         try:
             index, _ = load_or_build(base, ex, 4096, tmp_path / where, report=report)

@@ -30,7 +30,7 @@ from mergefs.engine.merger import Session
 from mergefs.methods.base import Fused
 from mergefs.methods import get
 from mergefs.methods.base import Unit
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.UNAVAILABLE_REASON)
 

@@ -30,7 +30,7 @@ from mergefs.plan.levels import (
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.replay import replay
 from mergefs.core.errors import SpecError
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 BLOCK = 512
 WEIGHTS = [0.5, -0.3, 0.8]
@@ -233,7 +233,7 @@ def test_plan_table_rows_show_each_experts_sidecar_bytes(
     """Each "reads of" row once showed only exact bytes: with sidecars the rows did not add up
     to the planned expert reads."""
     from mergefs.cli import main as cli
-    from mergefs.spec.spec import human_bytes
+    from mergefs.core.sizes import human_bytes
 
     _, spec_path = published
     monkeypatch.setenv("COLUMNS", "200")  # one line per row

@@ -21,7 +21,7 @@ from test_mount import Mounts, merge, run_cli
 from viewcases import write_case_spec
 
 from mergefs.engine.merger import Session
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 pytestmark = [
     pytest.mark.mount,

@@ -18,9 +18,10 @@ from reference import read_tensor, tensor_names
 from mergefs.cli import main as cli
 from mergefs.spec import refs as hub
 from mergefs.core.errors import SourceError, SpecError
-from mergefs.sources.checkpoint import ReadRange, open_checkpoint
-from mergefs.sources.lora import open_source
-from mergefs.spec.spec import parse_spec
+from mergefs.sources.base import ReadRange
+from mergefs.sources import open_source
+from mergefs.sources import open_source
+from mergefs.spec.load import parse_spec
 
 TARGETS = ["q_proj", "v_proj", "down_proj", "embed_tokens"]
 
@@ -79,7 +80,7 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
 
 def test_lora_source_reads_as_the_peft_merged_model(fam: Family, adapter: Path,
                                                     merged: Path) -> None:
-    base = open_checkpoint(fam.base)
+    base = open_source(fam.base)
     src = open_source(hub.join_lora(str(fam.base), str(adapter)), None, base)
     assert sorted(src.tensors) == tensor_names(merged)
     adapted = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
@@ -137,7 +138,7 @@ def test_merge_with_a_lora_expert(fam: Family, adapter: Path, merged: Path,
         close(read_tensor(lora, name), read_tensor(full, name))
     totals = json.loads((tmp_path / "lora.manifest.jsonl").read_text().splitlines()[-1])
     # the LoRA expert cost its adapter's bytes: only lm_head (saved in full) was read from it
-    lm_head = open_checkpoint(merged).tensors["lm_head.weight"].size_bytes
+    lm_head = open_source(merged).tensors["lm_head.weight"].size_bytes
     assert expert_read(totals) == lm_head
     full_totals = json.loads((tmp_path / "full.manifest.jsonl").read_text().splitlines()[-1])
     assert expert_read(full_totals) >= 4 * lm_head  # its changed blocks
@@ -182,7 +183,7 @@ def test_rslora_and_fan_in_fan_out_scales(fam: Family, tmp_path: Path) -> None:
     adapter = make_adapter(fam.base, tmp_path / "rs", seed=2, use_rslora=True,
                            target_modules=["o_proj", "up_proj"], r=8, lora_alpha=4)
     merged = peft_merged(fam.base, adapter, tmp_path / "rs-merged")
-    src = open_source(str(adapter), None, open_checkpoint(fam.base))
+    src = open_source(str(adapter), None, open_source(fam.base))
     for name in src.factors:
         got = np.frombuffer(src.read_tensor(name), np.float32).reshape(src.tensors[name].shape)
         close(got, read_tensor(merged, name))
@@ -204,7 +205,7 @@ def test_unsupported_adapters_are_refused(fam: Family, adapter: Path, tmp_path: 
     cfg = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(SourceError, match=needle):
-        open_source(str(bad), None, open_checkpoint(fam.base))
+        open_source(str(bad), None, open_source(fam.base))
 
 
 def test_spec_forms_and_errors(fam: Family, adapter: Path, tmp_path: Path) -> None:
@@ -234,7 +235,7 @@ def test_bf16_model_is_bit_equal_to_peft(tmp_path: Path) -> None:
     adapter = make_adapter(bf.base, tmp_path / "ad", seed=3)
     model = LlamaForCausalLM.from_pretrained(bf.base, dtype=torch.bfloat16)
     PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(tmp_path / "m")
-    src = open_source(str(adapter), None, open_checkpoint(bf.base))
+    src = open_source(str(adapter), None, open_source(bf.base))
     assert src.factors
     for name in tensor_names(tmp_path / "m"):
         assert bytes(src.read_tensor(name)) == read_tensor(tmp_path / "m", name).tobytes(), name
@@ -243,7 +244,7 @@ def test_bf16_model_is_bit_equal_to_peft(tmp_path: Path) -> None:
 def test_adapter_on_another_model_reads_and_counts_that_model(fam: Family, adapter: Path,
                                                               tmp_path: Path) -> None:
     merged = peft_merged(fam.experts[0], adapter, tmp_path / "on-expert")
-    base = open_checkpoint(fam.base)
+    base = open_source(fam.base)
     src = open_source(hub.join_lora(str(fam.experts[0]), str(adapter)), None, base)
     assert src.own_model and src.read_itemsize("model.layers.0.self_attn.q_proj.weight") == 4
     for name in tensor_names(merged):

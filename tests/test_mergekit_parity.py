@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from mergefs.engine.merger import Session
 from mergefs.methods import prng
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

@@ -22,7 +22,7 @@ from mergefs.engine.merger import Session
 from mergefs.methods import METHODS, describe_methods, get
 from mergefs.methods.base import REQUIRED, Scope
 from mergefs.methods.docs import render
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 mergekit = pytest.importorskip("mergekit")
 

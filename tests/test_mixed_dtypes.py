@@ -17,9 +17,9 @@ from reference import read_tensor, reference_merge_dir, tensor_dtype, tensor_nam
 from safetensors.numpy import load_file, save_file
 
 from mergefs.cli import main as cli
-from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
-from mergefs.spec.spec import check_coordinates
+from mergefs.spec.load import check_coordinates
 
 CASTS = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32}
 
@@ -55,8 +55,8 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Family:
 
 
 def test_coordinates_accept_float_dtypes_only(fam: Family) -> None:
-    base = open_checkpoint(fam.base)
-    experts = [open_checkpoint(e) for e in fam.experts]
+    base = open_source(fam.base)
+    experts = [open_source(e) for e in fam.experts]
     assert {experts[0].tensors[n].dtype for n in fam.tensor_names} >= {"F16"}
     check_coordinates(base, experts)  # F16 and BF16 experts beside an F32 base: fine
 
@@ -68,7 +68,7 @@ def test_non_float_dtype_differences_are_still_refused(fam: Family, tmp_path: Pa
     t["buffers.position_ids"] = t["buffers.position_ids"].astype(np.int32)
     save_file(t, str(f))
     with pytest.raises(SpecError, match=r"buffers\.position_ids: I32\[.*vs base I64"):
-        check_coordinates(open_checkpoint(fam.base), [open_checkpoint(bad)])
+        check_coordinates(open_source(fam.base), [open_source(bad)])
 
 
 @pytest.mark.parametrize("which", ["fam", "sharded"])
@@ -111,7 +111,7 @@ def test_budget_charges_each_experts_own_bytes(sharded: Family, tmp_path: Path,
                              "index_dir": str(tmp_path / "idx")})
     assert cli.main(["plan", str(spec), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    float_bytes = [sum(loc.size_bytes for loc in open_checkpoint(e).tensors.values()
+    float_bytes = [sum(loc.size_bytes for loc in open_source(e).tensors.values()
                        if loc.dtype != "I64") for e in sharded.experts]
     assert rep["total_expert_bytes"] == sum(float_bytes)
     assert 0 < rep["planned_expert_bytes"] <= rep["budget_bytes"]

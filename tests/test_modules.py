@@ -172,7 +172,7 @@ def test_unknown_module_is_named(fam: dict[str, Path], tmp_path: Path) -> None:
 
 def test_modules_with_slices_and_models_both_refused(fam: dict[str, Path],
                                                      tmp_path: Path) -> None:
-    from mergefs.spec.spec import parse_spec
+    from mergefs.spec.load import parse_spec
 
     cfg = {"merge_method": "linear", "models": [{"model": str(fam["e1"])}],
            "modules": {"vision_tower": {"models": [{"model": str(fam["e1"])}]}}}
@@ -247,7 +247,7 @@ def test_a_module_without_a_layer_count_leaves_config_alone(fam: dict[str, Path]
 
 def test_modules_with_different_models_are_refused_naming_the_module(
         fam: dict[str, Path], tmp_path: Path) -> None:
-    from mergefs.spec.spec import parse_spec
+    from mergefs.spec.load import parse_spec
 
     cfg = {"merge_method": "task_arithmetic", "base_model": str(fam["base"]),
            "modules": {"text_decoder": {"models": [{"model": str(fam["e1"])},
@@ -293,7 +293,7 @@ def load_file_f32(model: Path) -> dict[str, Any]:
 
 def test_tokenizer_merge_of_a_modules_spec_is_refused(fam: dict[str, Path],
                                                       tmp_path: Path) -> None:
-    from mergefs.spec.spec import parse_spec
+    from mergefs.spec.load import parse_spec
 
     cfg = {**task_arithmetic(fam), "tokenizer_source": "union"}
     with pytest.raises(SpecError, match="tokenizer_source: a tokenizer merge of a modules: "
@@ -328,7 +328,7 @@ def test_output_refused_inside_any_model_of_a_role(fam: dict[str, Path], tmp_pat
     """A frankenmerge role spans two models: an output inside the second is refused too."""
     from mergefs.engine.merger import open_family
     from mergefs.engine.output import UnsafePath, check_source_files
-    from mergefs.spec.spec import parse_spec
+    from mergefs.spec.load import parse_spec
 
     cfg = {"merge_method": "passthrough", "modules": {"text_decoder": {"slices": [
         {"sources": [{"model": str(fam["e1"]), "layer_range": [0, 1]}]},

@@ -29,7 +29,7 @@ from viewcases import CASES, tree, write_case_spec
 from mergefs.cli import main as cli
 from mergefs.engine.merger import Session
 from mergefs.engine.manifest import read_manifest
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 pytestmark = [
     pytest.mark.mount,

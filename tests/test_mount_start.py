@@ -27,7 +27,7 @@ from mergefs.mount import lifecycle as mount
 from mergefs.methods import kernels
 from mergefs.mount import sweepsession
 from mergefs.methods.base import Fused
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from viewcases import materialise, write_case_spec
 from mergefs.core.cache import UnitCache
 from mergefs.engine.merger import Session
 from mergefs.mount.pages import PAGE
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 from mergefs.mount.files import Stream
 from mergefs.mount.view import View
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from families import Family, make_family, write_spec
 
-from mergefs.sources.checkpoint import Checkpoint, open_checkpoint
+from mergefs.sources.local import Checkpoint
+from mergefs.sources import open_source
 from mergefs.engine.merger import Session
 from mergefs.core.format import FLOAT_DTYPES
 from mergefs.index.blocks import BlockIndex, build_index, build_layout, load_or_build
 from mergefs.index.build import BuildReport
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 BLOCK = 1024
 
@@ -30,7 +31,7 @@ def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
 
 
 def opened(fam: Family, which: list[int]) -> tuple[Checkpoint, list[Checkpoint]]:
-    return open_checkpoint(fam.base), [open_checkpoint(fam.experts[i]) for i in which]
+    return open_source(fam.base), [open_source(fam.experts[i]) for i in which]
 
 
 def index_of(fam: Family, which: list[int], idx: Path, **kw: object
@@ -46,7 +47,7 @@ def index_of(fam: Family, which: list[int], idx: Path, **kw: object
 
 
 def float_bytes(model: Path) -> int:
-    return sum(t.size_bytes for t in open_checkpoint(model).tensors.values()
+    return sum(t.size_bytes for t in open_source(model).tensors.values()
                if t.dtype in FLOAT_DTYPES)
 
 
@@ -126,7 +127,7 @@ def test_changed_expert_rebuilds_only_it(tmp_path: Path, caplog: pytest.LogCaptu
     assert f"{fam.experts[1]} changed since the last index" in caplog.text
 
     data = bytearray(path.read_bytes())  # now new bytes, same size
-    loc = open_checkpoint(fam.experts[1]).tensors["lm_head.weight"]
+    loc = open_source(fam.experts[1]).tensors["lm_head.weight"]
     data[(loc.start + loc.end) // 2] ^= 0x40
     path.write_bytes(bytes(data))
     caplog.clear()
@@ -181,7 +182,7 @@ def test_base_rewritten_in_place_makes_every_expert_piece_stale(tmp_path: Path,
     index_of(fam, [1], idx)
     path = fam.base / "model.safetensors"
     st = path.stat()
-    loc = open_checkpoint(fam.base).tensors["lm_head.weight"]
+    loc = open_source(fam.base).tensors["lm_head.weight"]
     data = bytearray(path.read_bytes())
     data[(loc.start + loc.end) // 2] ^= 0x40
     path.write_bytes(bytes(data))
@@ -233,8 +234,8 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
     copies = [tmp_path / f"e{i}" for i in range(2)]
     for i, c in enumerate(copies):
         shutil.copytree(fam.experts[i], c)
-    base = open_checkpoint(fam.base)
-    experts = [open_checkpoint(f"file://{c}") for c in copies]
+    base = open_source(fam.base)
+    experts = [open_source(f"file://{c}") for c in copies]
     try:
         full, _ = load_or_build(base, experts, BLOCK, tmp_path / "pub", sidecars=False)
         publish(base, experts, full)
@@ -286,8 +287,8 @@ def test_an_expert_relabelled_to_another_dtype_gets_new_pairs(fam: Family,
     f.write_bytes(data[:8] + h + b" " * (n - len(h)) + data[8 + n:])
     idx = tmp_path / "idx"
     index_of(fam, [0, 1], idx)  # the bf16 expert and its pair with expert 1, stored
-    base = open_checkpoint(fam.base)
-    experts = [open_checkpoint(relabelled), open_checkpoint(fam.experts[1])]
+    base = open_source(fam.base)
+    experts = [open_source(relabelled), open_source(fam.experts[1])]
     try:
         got, _ = load_or_build(base, experts, BLOCK, idx)
         want = build_index(base, experts, build_layout(base, BLOCK))

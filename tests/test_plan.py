@@ -17,7 +17,7 @@ from mergefs.engine.merger import Session
 from mergefs.core.errors import BudgetError
 from mergefs.index.blocks import BlockIndex, BlockLayout
 from mergefs.plan.planner import make_plan, selected_from_runs, selected_runs
-from mergefs.spec.spec import load_spec, parse_spec
+from mergefs.spec.load import load_spec, parse_spec
 
 README_KEYS = {
     "budget_bytes", "planned_expert_bytes", "total_expert_bytes", "nonzero_expert_bytes",
@@ -342,7 +342,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
 
     from mergefs.engine.merger import open_family
     from mergefs.index.blocks import load_or_build
-    from mergefs.spec.spec import load_spec
+    from mergefs.spec.load import load_spec
 
     spec = load_spec(write_spec(tmp_path / "s.yaml", family_f32, extra={
         "block_size": "512B", "index_dir": str(tmp_path / "idx")}))

@@ -36,7 +36,7 @@ from mergefs.engine.merger import Session
 from mergefs.core.errors import SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.remote]
 

@@ -25,7 +25,7 @@ from mergefs.engine.merger import Session
 from mergefs.plan.planner import rounding_terms
 from mergefs.recipe.outputs import build_recipe
 from mergefs.spec.settings import evaluate
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 N_LAYERS = 5
 T_TEMPLATE = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
@@ -215,9 +215,9 @@ def test_recipe_units_and_positions(fam: Family, tmp_path: Path) -> None:
     spec_path.write_text(yaml.safe_dump(common(fam, "passthrough", slices=[
         {"sources": [all_layers(fam.base, 3)]}, {"sources": [all_layers(fam.base, 3)]}])))
     spec = load_spec(spec_path)
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
 
-    base = open_checkpoint(spec.base)
+    base = open_source(spec.base)
     recipe = build_recipe(spec, {spec.base: list(base.tensors)})
     base.close()
     assert recipe.layers is not None and len(recipe.layers) == 6

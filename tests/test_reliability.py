@@ -17,7 +17,7 @@ from mergefs.engine.merger import Session
 from mergefs.core.errors import ManifestError, MergefsError, SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 
 @pytest.fixture()

@@ -33,7 +33,7 @@ from mergefs.engine.output import MARKER
 from mergefs.engine.merger import Session
 from mergefs.core.errors import MergefsError, SourceChanged, SourceError, SpecError
 from mergefs.sources.remote import HEADER_PROBE_BYTES
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 
 pytestmark = pytest.mark.remote
 
@@ -491,10 +491,10 @@ def test_s3_403_404_and_replaced_object(tmp_path: Path, fam: Family,
 
 # -- published index sidecars -------------------------------------------------------------------
 def float_bytes(model: Path) -> int:
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
     from mergefs.core.format import FLOAT_DTYPES
 
-    return sum(t.size_bytes for t in open_checkpoint(model).tensors.values()
+    return sum(t.size_bytes for t in open_source(model).tensors.values()
                if t.dtype in FLOAT_DTYPES)
 
 
@@ -573,9 +573,9 @@ def test_file_url_sidecar_for_another_base_is_ignored(tmp_path: Path, fam: Famil
 
 
 def opened_files(model_dir: str) -> tuple[str, ...]:
-    from mergefs.sources.checkpoint import open_checkpoint
+    from mergefs.sources import open_source
 
-    return open_checkpoint(model_dir).files
+    return open_source(model_dir).files
 
 
 def test_publish_to_http_is_refused(tmp_path: Path, fam: Family, http: RangeHTTPServer,

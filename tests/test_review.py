@@ -26,7 +26,8 @@ from mergefs.engine.merger import Session
 from mergefs.core.errors import ManifestError
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay
-from mergefs.spec.spec import human_bytes, load_spec
+from mergefs.core.sizes import human_bytes
+from mergefs.spec.load import load_spec
 from mergefs.mount.view import View
 
 # -- zero-size tensors --------------------------------------------------------------------------

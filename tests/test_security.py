@@ -17,7 +17,7 @@ from families import Family, make_family, write_spec
 from test_mount import Mounts, run_cli
 
 from mergefs.core import format as fmt
-from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.sources import open_source
 from mergefs.cli.main import main as cli_main
 
 needs_fuse = pytest.mark.skipif(
@@ -100,7 +100,7 @@ def test_header_length_capped_before_allocation(tmp_path: Path, declared: int,
     tracemalloc.start()
     try:
         with pytest.raises(fmt.HeaderTooLarge) as exc:
-            open_checkpoint(path)
+            open_source(path)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -131,7 +131,7 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
     from mergefs.index.blocks import load_or_build
     from mergefs.engine.manifest import ManifestWriter
     from mergefs.engine.replay import replay
-    from mergefs.spec.spec import load_spec
+    from mergefs.spec.load import load_spec
 
     fam = _mixed_family(tmp_path / "fam", seed, ODD_SHAPES if odd else None)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[0.7, -0.4],
@@ -245,7 +245,7 @@ def test_publish_in_a_worker_thread_is_byte_identical_to_publish_in_the_main_thr
     from mergefs.deltas import publish as compress
     from mergefs.engine.merger import open_family
     from mergefs.index.blocks import load_or_build
-    from mergefs.spec.spec import load_spec
+    from mergefs.spec.load import load_spec
 
     if max(_blas_threads() or [1]) < 2:
         pytest.skip("BLAS is single-threaded here")
@@ -288,7 +288,7 @@ def test_a_level_of_unknown_kind_is_refused(tmp_path) -> None:
     from mergefs.deltas import publish as compress
     from mergefs.engine.merger import open_family
     from mergefs.index.blocks import load_or_build
-    from mergefs.spec.spec import load_spec
+    from mergefs.spec.load import load_spec
 
     fam = make_family(tmp_path / "fam", seed=51, n_experts=1)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=[1.0],

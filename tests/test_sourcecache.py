@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from mergefs.sources.checkpoint import ReadRange
+from mergefs.sources.base import ReadRange
 from mergefs.sources.blockcache import SourceBlockCache
 
 BLOB = bytes(range(256)) * 4  # 1024 bytes

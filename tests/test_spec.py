@@ -13,10 +13,12 @@ import yaml
 from families import Family, make_family, write_spec
 from safetensors.numpy import load_file, save_file
 
-from mergefs.sources.checkpoint import open_checkpoint
+from mergefs.sources import open_source
 from mergefs.engine.merger import open_family
 from mergefs.core.errors import BudgetError, SpecError
-from mergefs.spec.spec import Budget, check_coordinates, load_spec, parse_budget, parse_size
+from mergefs.spec.budget import Budget, parse_budget
+from mergefs.spec.load import check_coordinates, load_spec
+from mergefs.core.sizes import parse_size
 
 
 def write(path: Path, text: str) -> Path:
@@ -178,7 +180,7 @@ def test_paths_resolve_relative_to_the_spec_file(tmp_path: Path,
 
 
 def test_raw_is_a_valid_spec_again(tmp_path: Path) -> None:
-    from mergefs.spec.spec import parse_spec
+    from mergefs.spec.load import parse_spec
 
     path = tmp_path / "s.yaml"
     doc = good_doc(merge_method="linear", parameters={"normalize": False}, budget="25%",
@@ -386,8 +388,8 @@ def small_family(tmp_path_factory: pytest.TempPathFactory) -> Family:
 
 
 def test_check_coordinates_accepts_the_family(small_family: Family) -> None:
-    base = open_checkpoint(small_family.base)
-    experts = [open_checkpoint(p) for p in small_family.experts]
+    base = open_source(small_family.base)
+    experts = [open_source(p) for p in small_family.experts]
     check_coordinates(base, experts)  # no error
 
 
@@ -401,8 +403,8 @@ def test_check_coordinates_lists_differences(small_family: Family, tmp_path: Pat
         return t
 
     bad = _mangle(small_family.experts[1], tmp_path / "bad-expert", mangle)
-    base = open_checkpoint(small_family.base)
-    experts = [open_checkpoint(small_family.experts[0]), open_checkpoint(bad)]
+    base = open_source(small_family.base)
+    experts = [open_source(small_family.experts[0]), open_source(bad)]
     with pytest.raises(SpecError) as exc:
         check_coordinates(base, experts)
     msg = str(exc.value)
@@ -420,7 +422,7 @@ def test_check_coordinates_truncates_long_lists(small_family: Family, tmp_path: 
     bad = _mangle(small_family.experts[0], tmp_path / "renamed",
                   lambda t: {f"x.{k}": v for k, v in t.items()})
     with pytest.raises(SpecError, match=r"and \d+ more"):
-        check_coordinates(open_checkpoint(small_family.base), [open_checkpoint(bad)])
+        check_coordinates(open_source(small_family.base), [open_source(bad)])
 
 
 def test_open_family_checks_coordinates(small_family: Family, tmp_path: Path) -> None:

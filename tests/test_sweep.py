@@ -11,7 +11,7 @@ import pytest
 from families import Family, make_family, write_spec
 
 from mergefs.cli import main as cli
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.sources.local import Checkpoint
 from mergefs.plan.report import run_sweep
 
 

@@ -30,7 +30,7 @@ from mergefs.core.cache import UnitCache
 from mergefs.engine.merger import Session
 from mergefs.core.errors import SourceChanged
 from mergefs.engine.manifest import ManifestWriter
-from mergefs.spec.spec import load_spec
+from mergefs.spec.load import load_spec
 from mergefs.mount.view import View
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"  # 96 x 48 fp32: 36 blocks of 512 bytes

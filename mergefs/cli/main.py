@@ -19,10 +19,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 from mergefs.core.errors import MergefsError
 from mergefs.core.progress import byte_progress
-from mergefs.spec.spec import Spec, human_bytes, load_spec, parse_budget
+from mergefs.spec.model import Spec
+from mergefs.core.sizes import human_bytes
+from mergefs.spec.load import load_spec
+from mergefs.spec.budget import parse_budget
 
 log = logging.getLogger("mergefs")
 

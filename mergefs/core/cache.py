@@ -41,7 +41,7 @@ from typing import Any
 
 import xxhash
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 
 log = logging.getLogger(__name__)
 

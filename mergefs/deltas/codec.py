@@ -81,7 +81,7 @@ import numpy as np
 import xxhash
 
 from mergefs.core import format as fmt
-from mergefs.sources.checkpoint import GapAllowance
+from mergefs.sources.base import GapAllowance
 from mergefs.core.errors import MergefsError, SourceChanged
 
 log = logging.getLogger(__name__)
@@ -667,7 +667,7 @@ class DeltaSidecar:
     #: sidecar: its source's ``coalesce_gap``); local sidecars read each span by one pread
     coalesce_gap_bytes: int = 0
     #: where :meth:`read_spans` takes the gaps it fetches from (the engine's, shared with the
-    #: experts' exact reads: :class:`mergefs.sources.checkpoint.GapAllowance`); None: no limit
+    #: experts' exact reads: :class:`mergefs.sources.base.GapAllowance`); None: no limit
     gap_allowance: GapAllowance | None = None
     #: called as ``recorder(tensor, start, end, buf)`` for every span read (absolute file
     #: offsets), after its checksums: the engine's manifest hook. A fetch that coalesced

@@ -44,7 +44,7 @@ from safetensors.numpy import save
 from mergefs.deltas import decode
 from mergefs.deltas import codec as dl
 from mergefs.index import published as sidecar
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.sources.local import Checkpoint
 from mergefs.core.dtypes import decode_f32
 from mergefs.core.errors import SourceError
 from mergefs.index.blocks import BlockIndex

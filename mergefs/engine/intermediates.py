@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.output import MARKER
-from mergefs.spec.spec import Spec
+from mergefs.spec.model import Spec
 
 log = logging.getLogger(__name__)
 

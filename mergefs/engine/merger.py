@@ -32,24 +32,26 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 from mergefs.methods import kernels
 from mergefs.core import memory
 from mergefs.spec import tokenizer as tokenizers
-from mergefs.sources.checkpoint import (
-    INDEX_NAME, SINGLE_NAME, Checkpoint, GapAllowance, ReadRange, open_checkpoint, read_many,
-)
+from mergefs.sources.base import INDEX_NAME, SINGLE_NAME, GapAllowance, ReadRange
+from mergefs.sources.local import read_many
+from mergefs.sources.local import Checkpoint
+from mergefs.sources import open_source
 from mergefs.core.dtypes import decode_f32, encode
 from mergefs.core.errors import MergefsError, SourceChanged, SpecError
 from mergefs.core.format import DTYPES, FLOAT_DTYPES, build_header
 from mergefs.index.blocks import BlockIndex, load_or_build
-from mergefs.sources.lora import open_source
+from mergefs.sources import open_source
 from mergefs.engine.manifest import SCHEMA_VERSION, ManifestWriter
 from mergefs.methods.base import Fused, Unit
 from mergefs.engine.output import Staging
 from mergefs.plan.planner import Plan, make_plan, selected_runs
 from mergefs.recipe.outputs import PRE_WEIGHT, Recipe, RoleSource, build_recipe, rewrite_config
-from mergefs.spec.spec import OUT_DTYPE_NAMES, REFERENCE, Spec, check_coordinates
+from mergefs.spec.model import OUT_DTYPE_NAMES, REFERENCE, Spec
+from mergefs.spec.load import check_coordinates
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +242,7 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
         from mergefs.engine.intermediates import ensure_intermediates
 
         ensure_intermediates(spec)
-    base = open_checkpoint(spec.base, spec.source_options(spec.base))
+    base = open_source(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]
     if spec.sliced or spec.tokenizer is not None:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 from mergefs.core.errors import MergefsError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergefs import __version__
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.core.version import __version__
+from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import MergefsError, SourceError
 from mergefs.engine.ray_merge import (
     TASK_OPTIONS, completed, connect, identities, open_checked, placements, refuse_unsupported,

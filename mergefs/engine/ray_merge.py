@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mergefs import __version__
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.core.version import __version__
+from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import MergefsError, SourceChanged
 
 T = TypeVar("T")
@@ -247,7 +247,7 @@ class ShardDone:
 
 def merge_shard(job: MergeJob, file: str) -> ShardDone:
     """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
-    from mergefs.sources.checkpoint import GapAllowance
+    from mergefs.sources.base import GapAllowance
     from mergefs.engine.merger import Engine, _find_deltas, recipe_of
     from mergefs.engine.manifest import ManifestWriter
 

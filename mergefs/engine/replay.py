@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.sources.local import Checkpoint
 from mergefs.engine.merger import Engine, expert_labels, open_family
 from mergefs.core.errors import ManifestError, SourceChanged
 from mergefs.index.blocks import BlockIndex, build_layout
@@ -28,7 +28,7 @@ from mergefs.engine.manifest import (
 )
 from mergefs.engine.output import check_writes
 from mergefs.plan.planner import Plan, selected_from_runs
-from mergefs.spec.spec import parse_spec
+from mergefs.spec.load import parse_spec
 
 log = logging.getLogger(__name__)
 

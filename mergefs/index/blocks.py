@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from mergefs.index import published as sidecar
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.sources.local import Checkpoint
 from mergefs.core.format import DTYPES, FLOAT_DTYPES
 from mergefs.index.build import BuildReport, ChunkRunner, Pass
 from mergefs.index.store import (

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mergefs.index.stats import BASE, block_views, gram_terms, hash_blocks, zero_blocks
-from mergefs.sources.checkpoint import Checkpoint, ReadRange, read_many
+from mergefs.sources.local import Checkpoint
+from mergefs.sources.base import ReadRange
+from mergefs.sources.local import read_many
 from mergefs.core.format import DTYPES
 from mergefs.index.read import Reader
 from mergefs.core.memory import keep_freed_memory

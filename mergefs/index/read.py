@@ -14,7 +14,8 @@ import os
 import threading
 from typing import Any
 
-from mergefs.sources.checkpoint import Checkpoint, ReadRange
+from mergefs.sources.local import Checkpoint
+from mergefs.sources.base import ReadRange
 from mergefs.core.errors import SourceChanged, SourceError
 
 MIN_BUFFER_BYTES = 4 << 20  # least size of a read buffer (an index chunk of one source)

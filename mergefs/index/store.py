@@ -38,7 +38,7 @@ from safetensors.numpy import load, save
 
 from mergefs.core import format as fmt
 from mergefs.index.stats import ORDER_VERSION
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import SourceError
 from mergefs.index.published import layout_hash, write_beside
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from mergefs.core.errors import MergefsError
 from mergefs.mount.lifecycle import _server_pid, read_stats
-from mergefs.spec.spec import human_bytes
+from mergefs.core.sizes import human_bytes
 
 
 def sweep_stats_table(args: argparse.Namespace, data: dict[str, Any]) -> Any:

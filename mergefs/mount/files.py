@@ -34,7 +34,7 @@ from typing import Any
 import xxhash
 
 from mergefs.core.cache import UnitCache
-from mergefs.sources.checkpoint import ReadRange
+from mergefs.sources.base import ReadRange
 from mergefs.engine.merger import Engine, OutFile, Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.mount.pages import PagePusher

@@ -45,11 +45,12 @@ from mergefs.index.blocks import BlockIndex, build_layout, index_bytes_total, lo
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.output import check_writes, pid_alive
 from mergefs.core.progress import byte_progress
-from mergefs.spec.spec import Spec, human_bytes, parse_size
+from mergefs.spec.model import Spec
+from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
 
 if TYPE_CHECKING:
-    from mergefs.sources.checkpoint import Checkpoint
+    from mergefs.sources.local import Checkpoint
     from mergefs.spec.variants import Variant
 
 log = logging.getLogger(__name__)

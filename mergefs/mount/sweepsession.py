@@ -39,15 +39,15 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from mergefs import __version__
-from mergefs.sources.checkpoint import Checkpoint
+from mergefs.core.version import __version__
+from mergefs.sources.local import Checkpoint
 from mergefs.engine.merger import Session, open_family
 from mergefs.core.errors import MergefsError, SpecError
 from mergefs.core.format import DTYPES
 from mergefs.index.blocks import BlockIndex, load_or_build
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.sources.blockcache import SourceBlockCache
-from mergefs.spec.spec import Spec
+from mergefs.spec.model import Spec
 from mergefs.spec.variants import Variant, load_variants
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 from mergefs.core.cache import UnitCache
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.mount.pages import StoreFn

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from mergefs import __version__
+from mergefs.core.version import __version__
 from mergefs.core.cache import UnitCache
-from mergefs.sources.checkpoint import INDEX_NAME
+from mergefs.sources.base import INDEX_NAME
 from mergefs.engine.merger import Engine, Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.mount.pages import StoreFn

@@ -56,7 +56,7 @@ import xxhash
 from mergefs.core.errors import BudgetError
 from mergefs.index.blocks import BlockIndex
 from mergefs.methods.base import BasePolicy
-from mergefs.spec.spec import Spec
+from mergefs.spec.model import Spec
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from mergefs.core.errors import MergefsError, SpecError
-from mergefs.spec.spec import Spec, parse_budget, parse_spec
+from mergefs.spec.model import Spec
+from mergefs.spec.budget import parse_budget
+from mergefs.spec.load import parse_spec
 
 
 @dataclass(frozen=True)

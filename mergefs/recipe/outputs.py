@@ -28,9 +28,11 @@ import numpy as np
 import xxhash
 
 from mergefs.spec import settings
-from mergefs.sources.checkpoint import Checkpoint, Counters, GapAllowance, ReadRange, TensorLoc
+from mergefs.sources.local import Checkpoint
+from mergefs.sources.base import Counters
+from mergefs.sources.base import GapAllowance, ReadRange, TensorLoc
 from mergefs.core.errors import SpecError
-from mergefs.spec.spec import REFERENCE, SliceDef, SliceSource, Spec
+from mergefs.spec.model import REFERENCE, SliceDef, SliceSource, Spec
 
 LAYER = re.compile(r"\.(\d+)\.")
 #: Non-layer tensors that mergekit's architectures put before the layers (pre weights)
@@ -52,7 +54,7 @@ class OutputTensor:
     #: read whole, not indexed
     vocab: bool = False
     #: the reference's tensor cast to the output dtype (a base-alone module slice,
-    #: :attr:`mergefs.spec.spec.SliceDef.ref_only`): no expert is read, no method runs
+    #: :attr:`mergefs.spec.model.SliceDef.ref_only`): no expert is read, no method runs
     ref_only: bool = False
 
 

@@ -73,7 +73,7 @@ class SourceBlockCache:
         return out
 
     def _read_one(self, src: Any, r: Any) -> memoryview:
-        from mergefs.sources.checkpoint import ReadRange
+        from mergefs.sources.base import ReadRange
 
         source = src.name
         pieces = self._pieces(source, r.file, r.start, r.end)

@@ -37,16 +37,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from mergefs.sources.checkpoint import (
-    Checkpoint, GapAllowance, ReadRange, TensorLoc, open_checkpoint,
-)
+from mergefs.sources.local import Checkpoint
+from mergefs.sources.base import GapAllowance, ReadRange, TensorLoc
 from mergefs.core.dtypes import decode_f32, encode
 from mergefs.core.errors import SourceChanged, SourceError
 from mergefs.core.format import DTYPES, FLOAT_DTYPES
 from mergefs.spec.refs import split_lora
+from mergefs.sources.local import open_local
 
 if TYPE_CHECKING:
-    from mergefs.sources.remote import RemoteOptions
+    from mergefs.spec.options import RemoteOptions
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,10 @@ def is_adapter_dir(path: str) -> bool:
         p / "model.safetensors.index.json").exists()
 
 
-def open_source(path: str, options: RemoteOptions | None, base: Checkpoint | None
-                ) -> Checkpoint:
-    """Open a merge source: ``model+lora`` or a bare adapter directory (applied to ``base``)
-    as a :class:`LoraCheckpoint`, anything else as :func:`open_checkpoint` does."""
+def open_lora_ref(path: str, options: RemoteOptions | None, base: Checkpoint | None
+                  ) -> LoraCheckpoint | None:
+    """A ``model+lora`` reference, or a bare adapter directory (applied to ``base``), as a
+    :class:`LoraCheckpoint`; None when ``path`` names no adapter."""
     parts = split_lora(path)
     if parts is not None:
         model_path, adapter = parts
@@ -103,13 +103,13 @@ def open_source(path: str, options: RemoteOptions | None, base: Checkpoint | Non
                               "(the model must be local or cached)")
         if base is not None and model_path == str(base.root):
             return open_lora(base, adapter, own_model=False, name=path)
-        return open_lora(open_checkpoint(model_path, options), adapter, own_model=True, name=path)
+        return open_lora(open_local(model_path), adapter, own_model=True, name=path)
     if "://" not in path and is_adapter_dir(path):
         if base is None or base.is_remote:
             raise SourceError(f"{path}: a bare LoRA adapter needs a local base model to apply "
                               "to (a remote base is not supported yet)")
         return open_lora(base, path, own_model=False, name=path)
-    return open_checkpoint(path, options)
+    return None
 
 
 def open_lora(model: Checkpoint, adapter_dir: str, *, own_model: bool, name: str
@@ -122,7 +122,7 @@ def open_lora(model: Checkpoint, adapter_dir: str, *, own_model: bool, name: str
                               "(mergefs reads safetensors only); save it with "
                               "safe_serialization=True")
         raise SourceError(f"{root}: no {ADAPTER_WEIGHTS} found")
-    adapter = open_checkpoint(root / ADAPTER_WEIGHTS)
+    adapter = open_local(root / ADAPTER_WEIGHTS)
     factors, replaced = _map_tensors(root, config, adapter, model)
     return LoraCheckpoint(name, model, adapter, root, factors, replaced, own_model,
                           xxhash.xxh3_64_hexdigest((root / ADAPTER_CONFIG).read_bytes()))

@@ -1,10 +1,10 @@
 """Remote sources: checkpoints behind fsspec URLs (``s3://``, ``https://``, ``file://``, ...).
 
 :func:`open_remote` parses a remote model directory or ``.safetensors`` object into a
-:class:`RemoteCheckpoint`, which has the interface of :class:`mergefs.sources.checkpoint.Checkpoint`:
+:class:`RemoteCheckpoint`, which has the interface of :class:`mergefs.sources.local.Checkpoint`:
 ``read_ranges`` coalesces the requested ranges of a file into runs (ranges at most
 ``gap_bytes`` apart share one request while the merge's gap allowance lasts,
-:class:`mergefs.sources.checkpoint.GapAllowance`; the gap bytes are fetched, counted and dropped), and
+:class:`mergefs.sources.base.GapAllowance`; the gap bytes are fetched, counted and dropped), and
 fetches the runs concurrently with ranged GETs. Transient failures (5xx, 429, connection resets,
 timeouts) are retried with exponential backoff; permanent ones (403, 404, ...) raise a
 ``SourceError`` naming the URL. A file's identity is its size, its ETag when the store sends one
@@ -27,29 +27,27 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from mergefs.core import format as fmt
-from mergefs.sources.checkpoint import (
-    INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_RE, SINGLE_NAME, Checkpoint, FileIdentity, GapAllowance,
-    ReadRange, TensorLoc, coalesce, slice_runs,
+from mergefs.sources.base import (
+    INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_RE, SINGLE_NAME, FileIdentity, GapAllowance, ReadRange,
+    TensorLoc, coalesce, slice_runs,
 )
+from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import SourceChanged, SourceError
 from mergefs.sources.stores import (
     ObjectInfo, RemoteCounters, RemoteDenied, RemoteNotFound, Store, make_store, retrying, run,
 )
+from mergefs.spec.options import RemoteOptions
 
 __all__ = ["RemoteCheckpoint", "RemoteCounters", "RemoteDenied", "RemoteNotFound",
            "RemoteOptions", "open_remote", "read_concurrently"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GAP_BYTES = 1 << 20
-DEFAULT_CONCURRENCY = 16
-DEFAULT_RETRIES = 5
 PART_BYTES = 16 << 20  # a longer run is fetched as concurrent parts of at most this size
 HEADER_PROBE_BYTES = 64 << 10  # first GET of a file: most safetensors headers fit
 #: Non-weight files probed on stores that cannot list (HTTP), as Hugging Face repos name them.
@@ -59,23 +57,6 @@ HTTP_EXTRA_NAMES = (
     "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "preprocessor_config.json",
 )
-
-
-@dataclass(frozen=True)
-class RemoteOptions:
-    """How to reach and read one remote source. ``storage_options`` go to fsspec as they are.
-
-    ``gap_bytes``: ranges of a file at most this far apart share one request (while the
-    merge's gap allowance lasts).
-    ``concurrency``: requests in flight per source. ``retries``: attempts after the first one
-    on a transient error, waiting ``backoff_seconds * 2**attempt`` (jittered, at most 10 s).
-    """
-
-    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    gap_bytes: int = DEFAULT_GAP_BYTES
-    concurrency: int = DEFAULT_CONCURRENCY
-    retries: int = DEFAULT_RETRIES
-    backoff_seconds: float = 0.2
 
 
 # -- the checkpoint ---------------------------------------------------------------------------

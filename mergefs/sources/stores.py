@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Protocol, TypeVar
 
-from mergefs.sources.checkpoint import Counters
+from mergefs.sources.base import Counters
 from mergefs.core.errors import SourceChanged, SourceError
 
 log = logging.getLogger(__name__)

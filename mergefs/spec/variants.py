@@ -35,7 +35,8 @@ from typing import Any
 import yaml
 
 from mergefs.core.errors import MergefsError, SpecError
-from mergefs.spec.spec import Spec, parse_spec
+from mergefs.spec.model import Spec
+from mergefs.spec.load import parse_spec
 from mergefs.plan.report import set_key, short_key
 
 SWEEP_KEY = "sweep"

@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -25,11 +23,18 @@ from mergefs import methods as registry
 from mergefs.core.errors import BudgetError, SpecError
 from mergefs.core.format import FLOAT_DTYPES
 from mergefs.methods.base import BasePolicy, Method, ParamDef, Scope
-from mergefs.sources.remote import (
-    DEFAULT_CONCURRENCY, DEFAULT_GAP_BYTES, DEFAULT_RETRIES, RemoteOptions,
-)
+from mergefs.spec.options import RemoteOptions
 from mergefs.spec.tokenizer import TokenizerSpec, TokenRule
 from mergefs.spec.tokenizer import to_json as tokenizer_json
+from mergefs.core.sizes import parse_size
+from mergefs.spec.budget import parse_budget
+from mergefs.spec.model import (
+    DTYPE_NAMES, ModelEntry, OUT_DTYPE_NAMES, REFERENCE, SliceDef, SliceSource, Spec,
+)
+from mergefs.spec.options import (
+    check_url, options_for, remote_settings, storage_options, redact_options,
+)
+from mergefs.spec.model import DEFAULT_DECODE_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -37,294 +42,9 @@ _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict", "sweep", "variants", "decode_limit")
-#: ``decode_limit`` when a spec gives none: plans by bytes alone (docs/benchmarks.md, issue 14:
-#: on a local disk, a limit that makes decoding cheaper than the reads costs most of the
-#: layers' energy; remote sidecars are never limited)
-DEFAULT_DECODE_LIMIT: float | None = None
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
-
-DTYPE_NAMES = {
-    "float32": "F32",
-    "fp32": "F32",
-    "float": "F32",
-    "float16": "F16",
-    "fp16": "F16",
-    "half": "F16",
-    "bfloat16": "BF16",
-    "bf16": "BF16",
-    "float64": "F64",
-}
-
-OUT_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def human_bytes(n: float | None) -> str:
-    """``1536`` -> ``'1.50 KiB'`` (binary units); ``None`` -> ``'-'``."""
-    if n is None:
-        return "-"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return str(x)
-
-
-def parse_size(value: object, what: str = "size") -> int:
-    """Parse ``1048576``, ``'1MiB'``, ``'2GB'``, ``'512 KiB'`` into bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a size like 1MiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what}: must not be negative, got {value}")
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    raise ValueError(f"{what}: expected a size like 1MiB or 2GB, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Budget:
-    """An expert-read budget: a fraction of all expert bytes, a byte count, or everything."""
-
-    kind: str  # "full" | "fraction" | "bytes"
-    value: float = 1.0
-
-    def resolve(self, total_expert_bytes: int) -> int:
-        if self.kind == "full":
-            return total_expert_bytes
-        if self.kind == "fraction":
-            return min(total_expert_bytes, math.floor(self.value * total_expert_bytes))
-        return min(total_expert_bytes, int(self.value))
-
-    @property
-    def is_full(self) -> bool:
-        return self.kind == "full" or (self.kind == "fraction" and self.value >= 1.0)
-
-    def to_spec(self) -> str:
-        """The budget as a spec value that parses back to exactly this budget."""
-        if self.kind == "full":
-            return "full"
-        if self.kind == "fraction":
-            return repr(float(self.value))
-        return f"{int(self.value)}B"
-
-    def describe(self) -> str:
-        if self.kind == "full":
-            return "full"
-        if self.kind == "fraction":
-            return f"{self.value * 100:g}%"
-        return f"{int(self.value)} bytes"
-
-
-def parse_budget(value: object, what: str = "budget") -> Budget:
-    """``full``, a fraction ``0.1`` (``1`` is full), ``10%``, or a size with a unit: ``2GiB``,
-    ``1500000B``. A bare number above 1 has no unit and is refused as ambiguous (it was once read
-    as bytes, which silently read nothing: ``budget: 10`` meant ten bytes, not 10%).
-    ``what`` names the value in errors (``--budget`` on the command line)."""
-    err = (
-        f"{what}: expected 'full', a fraction in [0, 1] like 0.1, a percentage like 10%, "
-        f"or a size like 2GiB; got {value!r}"
-    )
-    if isinstance(value, bool) or value is None:
-        raise BudgetError(err)
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise BudgetError(err)
-        if value < 0:
-            raise BudgetError(f"{what}: must not be negative, got {value!r}")
-        if value > 1:
-            raise BudgetError(f"{what}: {value!r} is ambiguous: write {value:g}% for a share of "
-                              f"the expert bytes, or {value:g}B / {value:g}MiB for a size")
-        return Budget("full") if value == 1 else Budget("fraction", float(value))
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("full", "all", "100%"):
-            return Budget("full")
-        if text.startswith("-"):
-            raise BudgetError(f"{what}: must not be negative, got {value!r}")
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
-        if m:
-            pct = float(m.group(1))
-            if pct > 100:
-                raise BudgetError(f"{what}: {value!r} is more than 100% of the expert bytes")
-            return Budget("full") if pct == 100 else Budget("fraction", pct / 100)
-        try:
-            as_float = float(text)
-        except ValueError:
-            if re.fullmatch(r"\d+(?:\.\d+)?\s*[a-z]+", text):  # a size: the unit is required
-                try:
-                    return Budget("bytes", float(parse_size(text, what)))
-                except ValueError:
-                    pass
-            raise BudgetError(err) from None
-        if not math.isfinite(as_float):
-            raise BudgetError(err)
-        if as_float > 1:
-            raise BudgetError(f"{what}: {value.strip()} is ambiguous: write {value.strip()}% "
-                              f"for a share of the expert bytes, or {value.strip()}B / "
-                              f"{value.strip()}MiB for a size")
-        return parse_budget(as_float, what)
-    raise BudgetError(err)
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """An expert: its resolved path and its validated parameters (settings: scalars, or
-    gradients and filtered values resolved per tensor by the recipe)."""
-
-    path: str
-    parameters: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class SliceSource:
-    """One input of an output slice: a model, its layers ``[lo, hi)`` (None: all of them) and
-    the parameter settings given on it (only those given: the recipe resolves precedence)."""
-
-    path: str
-    layer_range: tuple[int, int] | None
-    settings: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class SliceDef:
-    """An output slice by role: ``ref`` plays the reference (``Spec.base``'s role), ``experts``
-    the roles of ``Spec.experts`` in order; ``settings`` are the slice's own parameters."""
-
-    ref: SliceSource
-    experts: tuple[SliceSource, ...]
-    settings: Mapping[str, Any]
-    #: the architecture module of a ``modules:`` spec this slice belongs to (mergefs.recipe.modules)
-    module: str | None = None
-    #: the module's own parameters (precedence below the slice's, above the global ones)
-    module_settings: Mapping[str, Any] = field(default_factory=dict)
-    #: a module slice of the base alone, for a method whose output is the base when it has
-    #: no other input (mergekit's task-arithmetic family returns the base tensor): its expert
-    #: roles are the base itself (nothing to read), its output the base cast to the output
-    #: dtype
-    ref_only: bool = False
-
-
-#: ``Spec.input_order`` value for the reference model (``Spec.base``) as an input.
-REFERENCE = -1
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A validated merge spec. ``raw`` is the resolved spec as plain JSON-able data.
-
-    ``base`` is the reference model: the coordinate system deltas are taken against and omitted
-    blocks fall back to (``base_model``; for methods that may run without one and a spec that
-    gives none, the first model). ``experts`` are the other models. ``input_order`` lists the
-    method's inputs in mergekit's order (:data:`REFERENCE` or an expert index), the base
-    excluded when ``has_base`` (it then plays mergekit's base role); ``base_parameters`` are the
-    reference's own per-model parameters when it is an input.
-    """
-
-    source: str  # the spec file, or "<inline>"
-    method: str
-    base: str
-    experts: tuple[ModelEntry, ...]
-    base_weight: float | None
-    parameters: Mapping[str, Any]
-    out_dtype: str | None  # safetensors dtype name, or None for "each tensor's own"
-    budget: Budget
-    block_size: int
-    index_dir: str
-    cache_memory_bytes: int | None
-    cache_dir: str | None
-    manifest: str
-    raw: Mapping[str, Any] = field(repr=False)
-    # URL of each remote source -> how to reach it (holds credentials: never log or write it)
-    remote_sources: Mapping[str, RemoteOptions] = field(default_factory=dict, repr=False)
-    has_base: bool = True
-    input_order: tuple[int, ...] = ()
-    base_parameters: Mapping[str, Any] | None = None
-    warnings: tuple[str, ...] = ()
-    #: the output by slices (a ``models:`` spec is one slice over all layers, as in mergekit)
-    slices: tuple[SliceDef, ...] = ()
-    #: the spec was written with ``slices`` (output layers renumbered, config rewritten)
-    sliced: bool = False
-    #: the global ``parameters`` as given (settings), for per-tensor resolution
-    settings: Mapping[str, Any] = field(default_factory=dict)
-    #: tokenizer_source / tokenizer / chat_template (None: the base's tokenizer files as they are)
-    tokenizer: TokenizerSpec | None = None
-    #: a multi-document spec's named merges, in dependency order: (name, spec, output dir)
-    intermediates: tuple[tuple[str, Spec, str], ...] = ()
-    #: delta sidecars on local disks: a plan decodes for at most this many times the modelled
-    #: read time of the exact bytes it replaces (:class:`mergefs.plan.levels.DecodeCost`);
-    #: None: no limit
-    decode_limit: float | None = DEFAULT_DECODE_LIMIT
-
-    @property
-    def method_def(self) -> Method:
-        m = registry.get(self.method)
-        assert m is not None
-        return m
-
-    @property
-    def is_additive(self) -> bool:
-        return self.method_def.caps.additive
-
-    def input_parameters(self) -> list[Mapping[str, Any]]:
-        """Per-model parameters of the method's inputs, in ``input_order``."""
-        return [self.base_parameters or {} if k == REFERENCE else self.experts[k].parameters
-                for k in self.input_order]
-
-    def expert_coefficients(self) -> list[float]:
-        """Per expert, the method's coefficient ``c_i`` (ranking reads; the bound if additive)."""
-        per_input = self.method_def.coefficients(self.parameters, self.input_parameters())
-        out = [0.0] * len(self.experts)
-        for k, c in zip(self.input_order, per_input):
-            if k != REFERENCE:
-                out[k] = float(c)
-        return out
-
-    def with_budget(self, budget: Budget) -> Spec:
-        raw = dict(self.raw)
-        raw["budget"] = budget.to_spec()
-        return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
-
-    @property
-    def model_paths(self) -> list[str]:
-        """Every model the spec reads: base, experts, every slice's models, tokenizer sources
-        and the models its named merges read (outputs must never land in one)."""
-        out = [self.base, *(e.path for e in self.experts)]
-        for sl in self.slices:
-            out += [r.path for r in (sl.ref, *sl.experts)]
-        tok = self.tokenizer
-        if tok is not None:
-            out += [p for p in (tok.source, *(r.model for r in tok.tokens.values()))
-                    if p is not None and p not in ("base", "union")]
-        for _, sub, _ in self.intermediates:
-            out += sub.model_paths
-        return list(dict.fromkeys(out))
-
-    def source_options(self, path: str) -> RemoteOptions | None:
-        """Options to open the source at ``path``: None for a local path."""
-        return self.remote_sources.get(path)
 
 
 def _err(source: str, key: str, message: str) -> SpecError:
@@ -338,7 +58,7 @@ def _resolve_path(base_dir: Path, value: Any, source: str, key: str,
     if "://" in value:
         if not allow_url:
             raise _err(source, key, f"must be a local path, got the URL {value}")
-        return _check_url(value, source, key)
+        return check_url(value, source, key)
     p = Path(value).expanduser()
     p = p if p.is_absolute() else base_dir / p
     return str(p.resolve() if follow else p.parent.resolve() / p.name)
@@ -500,7 +220,7 @@ def _models(data: dict[str, Any], base_dir: Path, source: str, hub_config: hub.H
                                hub_records)
         options = None
         if "storage_options" in entry:
-            options = _storage_options(entry["storage_options"], source, f"{key}.storage_options")
+            options = storage_options(entry["storage_options"], source, f"{key}.storage_options")
         params_raw = entry.get("parameters") or {}
         if not isinstance(params_raw, dict):
             raise _err(source, f"{key}.parameters", "expected a mapping")
@@ -945,7 +665,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     if data.get("base_model") is not None:
         base_given = _resolve_model(base_dir, data["base_model"], source, "base_model",
                                     hub_config, hub_records)
-    top_options = _storage_options(data.get("storage_options"), source, "storage_options")
+    top_options = storage_options(data.get("storage_options"), source, "storage_options")
     given = [k for k in ("models", "slices", "modules") if data.get(k) is not None]
     if len(given) > 1:
         raise _err(source, given[1], f"give only one of models, slices or modules, not both "
@@ -1049,9 +769,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
         entry_raw["model"] = hub_records.get(entry_raw["model"], entry_raw["model"])
-    remote_settings = _remote_settings(data.get("remote"), source)
+    remote_settings = remote_settings(data.get("remote"), source)
     remote_sources = {
-        p: RemoteOptions(_options_for(p, top_options, model_options.get(p, {})),
+        p: RemoteOptions(options_for(p, top_options, model_options.get(p, {})),
                          **remote_settings)
         for p in dict.fromkeys([base, *(e.path for e in experts),
                                 *(r.path for sl in slice_defs for r in (sl.ref, *sl.experts))])
@@ -1108,117 +828,12 @@ def _decode_limit(value: Any, source: str) -> float | None:
     return float(value)
 
 
-# -- remote sources -----------------------------------------------------------------------------
-REDACTED = "<redacted>"
-#: storage_options keys whose values are kept in ``Spec.raw`` (everything else is redacted).
-_PUBLIC_OPTIONS = frozenset({
-    "endpoint_url", "region_name", "anon", "use_ssl", "requester_pays", "version_aware",
-    "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions",
-    "max_concurrency", "client_kwargs", "config_kwargs", "s3", "addressing_style",
-    "signature_version", "block_size", "simple_links", "same_scheme", "size_policy", "encoded",
-    "retries", "connect_timeout", "read_timeout", "auto_mkdir",
-})
-#: Top-level storage_options keys that scope a mapping to one protocol (http also covers https).
-_PROTOCOL_KEYS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https",
-                            "file", "hf", "memory"})
-
-
-def _check_url(value: str, source: str, key: str) -> str:
-    parts = urlsplit(value)
-    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme or "") or not (
-            parts.netloc or parts.path.strip("/")):
-        raise _err(source, key, f"not a valid URL: {value}")
-    if "@" in parts.netloc:  # never echo the URL: it holds credentials
-        raise _err(source, key, "credentials in a URL are refused (they would be recorded); "
-                   "give them in storage_options or the environment")
-    if parts.query or parts.fragment:
-        raise _err(source, key, "a source URL may not have a query string or fragment "
-                   "(signed URLs are not supported; give credentials in storage_options)")
-    if parts.scheme == "file" and (parts.netloc not in ("", "localhost")
-                                   or not parts.path.startswith("/")):
-        raise _err(source, key, f"a file:// URL needs an absolute path (file:///...): {value}")
-    return value.rstrip("/")
-
-
-def _storage_options(value: Any, source: str, key: str) -> dict[str, Any]:
-    """Validate a storage_options mapping (values are not echoed: they may be secrets)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise _err(source, key, "expected a mapping of fsspec storage options")
-    return _drop_redacted(value)
-
-
-def _drop_redacted(value: dict[str, Any]) -> dict[str, Any]:
-    """A recorded (redacted) spec re-parsed: redacted values come from the environment again."""
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        if isinstance(v, dict):
-            v = _drop_redacted(v)
-        if v != REDACTED:
-            out[k] = v
-    return out
-
-
-def redact_options(value: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy safe to record: only known non-secret keys keep their values (deny by default)."""
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        if isinstance(v, Mapping) and (k in _PUBLIC_OPTIONS or k in _PROTOCOL_KEYS):
-            out[k] = redact_options(v)
-        elif k in _PUBLIC_OPTIONS and not isinstance(v, Mapping):
-            out[k] = _redact_userinfo(v) if isinstance(v, str) else v
-        else:
-            out[k] = REDACTED
-    return out
-
-
-def _redact_userinfo(text: str) -> str:
-    parts = urlsplit(text) if "://" in text else None
-    if parts is None or "@" not in parts.netloc:
-        return text
-    return parts._replace(netloc=f"{REDACTED}@{parts.netloc.rsplit('@', 1)[1]}").geturl()
-
-
-def _options_for(url: str, top: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
-    """Options of one source: top-level ones, then its protocol's, then the model's own."""
-    protocol = url.split("://", 1)[0]
-    scopes = {protocol, "http"} if protocol == "https" else {protocol}
-    out = {k: v for k, v in top.items() if not (k in _PROTOCOL_KEYS and isinstance(v, dict))}
-    for k in sorted(scopes):
-        if isinstance(top.get(k), dict):
-            out.update(top[k])
-    out.update(model)
-    return out
-
-
-def _remote_settings(value: Any, source: str) -> dict[str, Any]:
-    """The ``remote`` key: coalesce_gap (a size), concurrency (>= 1), retries (>= 0)."""
-    if value is None:
-        value = {}
-    if not isinstance(value, dict) or set(value) - {"coalesce_gap", "concurrency", "retries"}:
-        raise _err(source, "remote", "expected a mapping with coalesce_gap (a size like 1MiB), "
-                   "concurrency and/or retries")
-    try:
-        gap = parse_size(value.get("coalesce_gap", DEFAULT_GAP_BYTES), "remote.coalesce_gap")
-    except ValueError as exc:
-        raise SpecError(f"{source}: {exc}") from None
-    out = {"gap_bytes": gap}
-    for name, default, lo in (("concurrency", DEFAULT_CONCURRENCY, 1),
-                              ("retries", DEFAULT_RETRIES, 0)):
-        v = value.get(name, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise _err(source, f"remote.{name}", f"expected an integer >= {lo}, got {v!r}")
-        out[name] = v
-    return out
-
-
 def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
     """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
     dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
     promotes mixed inputs).
 
-    ``base`` and ``experts`` are :class:`mergefs.sources.checkpoint.Checkpoint`. Lists the first few
+    ``base`` and ``experts`` are :class:`mergefs.sources.local.Checkpoint`. Lists the first few
     differences per expert.
     """
     for ex in experts:

@@ -1,6 +1,6 @@
-"""Checkpoint sources: Hugging Face model directories or bare .safetensors files.
+"""Local sources: Hugging Face model directories or bare .safetensors files.
 
-``open_checkpoint(path)`` parses every header once and yields the tensor map (name -> file,
+``open_local(path)`` parses every header once and yields the tensor map (name -> file,
 absolute byte range, dtype, shape), the directory's non-weight files and each file's identity.
 All reads of tensor bytes go through :meth:`Checkpoint.read_ranges`, which coalesces adjacent
 ranges, uses ``os.pread`` and counts physical bytes per source. A source given as a URL
@@ -14,232 +14,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
 from mergefs.core import format as fmt
 from mergefs.core.errors import SourceChanged, SourceError
-
-if TYPE_CHECKING:
-    from mergefs.sources.remote import RemoteOptions
+from mergefs.sources.base import (
+    Counters, FileIdentity, GapAllowance, INDEX_NAME, PICKLE_SUFFIXES, ReadRange, SIDECAR_RE,
+    SINGLE_NAME, TensorLoc, coalesce, slice_runs,
+)
 
 log = logging.getLogger(__name__)
-
-
-class RangeCache(Protocol):
-    def read(self, src: Checkpoint, ranges: Sequence[ReadRange]) -> list[memoryview]: ...
-
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-MAX_PREFIX_READ = 8 + fmt.HEADER_SIZE_CAP
-#: Published index sidecars (mergefs.index.published) live beside weights; they are never weights.
-SIDECAR_RE = re.compile(r"(^|.*\.)mergefs-index\.[0-9a-f]+\.\d+\.safetensors$")
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What a file was when we parsed it: a change in any field means the file changed.
-
-    ``etag`` is the store's entity tag of a remote object (None for local files and for stores
-    that send none); it is left out of the JSON when None, so local identities are unchanged.
-    """
-
-    path: str
-    size_bytes: int
-    mtime_ns: int
-    header_xxh3: str
-    etag: str | None = None
-
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "path": self.path,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "header_xxh3": self.header_xxh3,
-        }
-        if self.etag is not None:
-            out["etag"] = self.etag
-        return out
-
-
-@dataclass(frozen=True)
-class TensorLoc:
-    """Where one tensor's bytes live: ``[start, end)`` are absolute offsets in ``file``."""
-
-    name: str
-    file: str
-    start: int
-    end: int
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def size_bytes(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class ReadRange:
-    """A half-open byte range ``[start, end)`` of one file of a source."""
-
-    file: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Run:
-    """One physical read ``[start, end)`` of ``file`` serving the requested ranges ``members``.
-
-    ``covered_bytes`` is how many of its bytes some requested range asked for; the rest are gap
-    bytes read only to save a request (remote sources with a gap threshold).
-    """
-
-    file: str
-    start: int
-    end: int
-    members: tuple[int, ...]
-    covered_bytes: int
-
-
-class GapAllowance:
-    """Gap bytes that coalesced remote reads may still fetch, shared by every read of a merge.
-
-    A budgeted plan leaves ``budget - planned`` bytes of its budget unread: the bytes between
-    coalesced ranges (fetched and dropped) are taken from that slack, so planned plus gap bytes
-    stay within the budget (issue 14). ``limit_bytes`` None: no limit (a full budget: coalescing
-    as the ``coalesce_gap`` threshold alone decides). ``spent_bytes`` counts every gap byte
-    taken. Thread-safe: :meth:`take` is atomic, so concurrent readers never overspend.
-    """
-
-    def __init__(self, limit_bytes: int | None) -> None:
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(f"limit_bytes must not be negative, got {limit_bytes}")
-        self.limit_bytes = limit_bytes
-        self.spent_bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> bool:
-        """Spend ``nbytes`` gap bytes if that many remain (True), else spend nothing (False)."""
-        with self._lock:
-            if self.limit_bytes is not None and self.spent_bytes + nbytes > self.limit_bytes:
-                return False
-            self.spent_bytes += nbytes
-            return True
-
-    def absorb(self, spent_bytes: int) -> None:
-        """Count gap bytes spent elsewhere from a share of this allowance (a Ray task's)."""
-        with self._lock:
-            self.spent_bytes += spent_bytes
-
-
-def coalesce(ranges: Sequence[ReadRange], gap_bytes: int = 0,
-             allowance: GapAllowance | None = None) -> list[Run]:
-    """Group ranges of one file that overlap, touch, or lie at most ``gap_bytes`` apart.
-
-    Runs come in (file, start) order; ``members`` index into ``ranges``. With an
-    ``allowance``, a gap joins two ranges only if it can be taken from the allowance; once it
-    is spent, ranges further apart than touching start runs of their own.
-    """
-    order = sorted(range(len(ranges)), key=lambda k: (ranges[k].file, ranges[k].start))
-    runs: list[Run] = []
-    members: list[int] = []
-    start = end = covered = 0
-    for k in order:
-        r = ranges[k]
-        if members and (r.file != ranges[members[0]].file or r.start > end + gap_bytes
-                        or (r.start > end and allowance is not None
-                            and not allowance.take(r.start - end))):
-            runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
-            members = []
-        if not members:
-            start, end, covered = r.start, r.start, 0
-        covered += max(0, r.end - max(r.start, end))  # new bytes beyond the run's end so far
-        end = max(end, r.end)
-        members.append(k)
-    if members:
-        runs.append(Run(ranges[members[0]].file, start, end, tuple(members), covered))
-    return runs
-
-
-def slice_runs(ranges: Sequence[ReadRange], runs: Sequence[Run],
-               bufs: Sequence[memoryview]) -> list[memoryview]:
-    """One zero-copy view per requested range, in request order, cut from its run's buffer."""
-    out: list[memoryview | None] = [None] * len(ranges)
-    for run, buf in zip(runs, bufs):
-        for k in run.members:
-            r = ranges[k]
-            out[k] = buf[r.start - run.start : r.end - run.start]
-    return [m for m in out if m is not None]
-
-
-def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
-              allowances: Sequence[GapAllowance | None] | None = None
-              ) -> list[list[memoryview]]:
-    """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
-
-    Local sources are read in the calling thread, in request order, exactly as
-    ``src.read_ranges(ranges)`` would. ``allowances``: per request, the
-    :class:`GapAllowance` its coalesced gaps are taken from (None: no limit).
-    """
-    gaps = list(allowances) if allowances is not None else [None] * len(requests)
-    out: list[list[memoryview] | None] = [None] * len(requests)
-    # sources with an async reader of their own (a recipe's role over remote models reads
-    # through its members, one after another)
-    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
-              and hasattr(src, "read_ranges_async")]
-    if len(remote) > 1:
-        from mergefs.sources.remote import read_concurrently
-
-        for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
-                                                      [gaps[k] for k in remote])):
-            out[k] = views
-    for k, (src, ranges) in enumerate(requests):
-        if out[k] is None:
-            out[k] = src.read_ranges(ranges, gap_allowance=gaps[k])
-    return [v for v in out if v is not None]
-
-
-class Counters:
-    """Physical read counters of one source; ``bytes_read`` counts bytes returned by pread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        self.reads = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes_read = 0
-            self.reads = 0
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_read += nbytes
-            self.reads += 1
-
-    #: every counter, by attribute name (what :meth:`snapshot` and :meth:`absorb` carry)
-    FIELDS: tuple[str, ...] = ("bytes_read", "reads")
-
-    def snapshot(self) -> dict[str, int]:
-        """Every counter's value now (e.g. to send a worker's counts to the driver)."""
-        with self._lock:
-            return {k: getattr(self, k) for k in self.FIELDS}
-
-    def absorb(self, counts: dict[str, int]) -> None:
-        """Add another copy's :meth:`snapshot` (reads the same source made elsewhere)."""
-        with self._lock:
-            for k in self.FIELDS:
-                setattr(self, k, getattr(self, k) + int(counts.get(k, 0)))
 
 
 def _read_header(path: Path) -> tuple[fmt.Header, FileIdentity]:
@@ -268,6 +58,10 @@ def _refuse_pickle(path: Path) -> None:
         f"{path}: pickle checkpoints are not read (mergefs reads safetensors only); convert it "
         "with transformers' save_pretrained(..., safe_serialization=True)"
     )
+
+
+class RangeCache(Protocol):
+    def read(self, src: Checkpoint, ranges: Sequence[ReadRange]) -> list[memoryview]: ...
 
 
 class Checkpoint:
@@ -455,16 +249,12 @@ def _weights_of_dir(root: Path) -> tuple[list[str], dict | None]:
     raise SourceError(f"{root}: no model.safetensors or {INDEX_NAME} found")
 
 
-def open_checkpoint(path: str | os.PathLike[str], remote: RemoteOptions | None = None
-                    ) -> Checkpoint:
-    """Open a model directory or a bare .safetensors file and parse every header.
+def open_local(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a local model directory or a bare .safetensors file and parse every header.
 
-    A URL (``scheme://...``) opens a remote source through fsspec with ``remote``'s options.
+    Any source reference (URLs, Hub ids, LoRA adapters) opens through
+    :func:`mergefs.sources.open_source`, which calls this for local paths.
     """
-    if isinstance(path, str) and "://" in path:
-        from mergefs.sources.remote import RemoteOptions, open_remote
-
-        return open_remote(path, remote or RemoteOptions())
     root = Path(path).absolute()
     if root.suffix in PICKLE_SUFFIXES:
         _refuse_pickle(root)
@@ -516,3 +306,30 @@ def open_checkpoint(path: str | os.PathLike[str], remote: RemoteOptions | None =
                 f"{root / INDEX_NAME}: tensor {unlisted[0]!r} is in a shard but not in weight_map"
             )
     return Checkpoint(root, files, tensors, headers, identities, extra, index)
+
+
+def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
+              allowances: Sequence[GapAllowance | None] | None = None
+              ) -> list[list[memoryview]]:
+    """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
+
+    Local sources are read in the calling thread, in request order, exactly as
+    ``src.read_ranges(ranges)`` would. ``allowances``: per request, the
+    :class:`GapAllowance` its coalesced gaps are taken from (None: no limit).
+    """
+    gaps = list(allowances) if allowances is not None else [None] * len(requests)
+    out: list[list[memoryview] | None] = [None] * len(requests)
+    # sources with an async reader of their own (a recipe's role over remote models reads
+    # through its members, one after another)
+    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
+              and hasattr(src, "read_ranges_async")]
+    if len(remote) > 1:
+        from mergefs.sources.remote import read_concurrently
+
+        for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
+                                                      [gaps[k] for k in remote])):
+            out[k] = views
+    for k, (src, ranges) in enumerate(requests):
+        if out[k] is None:
+            out[k] = src.read_ranges(ranges, gap_allowance=gaps[k])
+    return [v for v in out if v is not None]
