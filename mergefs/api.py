@@ -70,11 +70,11 @@ class Merge:
 
     def index(self, rebuild: bool = False) -> Any:
         """Build (or reuse) the block index; returns the :class:`mergefs.index.blocks.BlockIndex`."""
-        from mergefs.engine.merger import open_family
+        from mergefs.engine.session import prepare_family
         from mergefs.index.blocks import load_or_build
 
         self._check_writes(index_dir=self.spec.index_dir)
-        base, experts = open_family(self.spec)
+        base, experts = prepare_family(self.spec)
         try:
             index, _ = load_or_build(base, experts, self.spec.block_size, self.spec.index_dir,
                                      None, rebuild=rebuild)
@@ -86,7 +86,7 @@ class Merge:
     def plan(self, budget: str | float | Budget | None = None) -> Any:
         """The :class:`mergefs.plan.planner.Plan` for ``budget`` (default: the spec's): which expert
         blocks are read, planned bytes, bounds; ``.report()`` gives the CLI's JSON."""
-        from mergefs.engine.merger import Session
+        from mergefs.engine.session import Session
 
         self._check_writes(index_dir=self.spec.index_dir)
         session = Session(self._spec(budget))
@@ -102,7 +102,8 @@ class Merge:
         merge output as a whole). ``manifest``: an exact path that must not exist; default a
         new timestamped manifest beside the spec's ``manifest`` path."""
         from mergefs.methods import kernels
-        from mergefs.engine.merger import Session, may_use_kernels, open_family
+        from mergefs.engine.session import Session, prepare_family
+        from mergefs.engine.merger import may_use_kernels
         from mergefs.engine.manifest import ManifestWriter
         from mergefs.engine.output import check_outdir, check_outside, check_source_files
 
@@ -116,7 +117,7 @@ class Merge:
         check_outdir(out, force)
         if may_use_kernels(spec):  # numba and the kernel module load while the family opens
             kernels.start_warm_up(full=False)
-        family = open_family(spec)
+        family = prepare_family(spec)
         try:
             check_source_files(out, [family[0], *family[1]])
             writer = ManifestWriter(manifest) if manifest else \
@@ -173,7 +174,7 @@ class Mounted:
 
     def stats(self) -> dict[str, Any]:
         """The live ``.mergefs/stats.json`` (bytes served and read, cache, errors)."""
-        from mergefs.mount.lifecycle import read_stats
+        from mergefs.mount.control import read_stats
 
         return read_stats(self.path)
 

@@ -39,7 +39,7 @@ import torch  # noqa: F401 (imported, as by any merge that uses torch: the int8 
 from mergefs.deltas import decode as deltadecode
 from mergefs.deltas import codec as deltas
 from mergefs.core.dtypes import decode_f32
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

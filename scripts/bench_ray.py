@@ -46,7 +46,8 @@ from raycluster import LocalRayCluster
 from servers import CountingMotoServer, upload_tree
 
 from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.spec.load import load_spec

@@ -54,7 +54,8 @@ import yaml
 from safetensors.numpy import load_file
 
 from mergefs.deltas.publish import publish
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.planner import make_plan
 from mergefs.spec.load import load_spec

@@ -23,7 +23,7 @@ from typing import Any
 t_start = time.perf_counter()
 from mergefs.index import build as indexbuild
 from mergefs.methods import kernels
-from mergefs.engine.merger import open_family
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.spec.load import load_spec
 

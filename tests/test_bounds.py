@@ -25,7 +25,7 @@ from mergefs.cli import main as cli
 from mergefs.index import build as indexbuild, read as indexread
 from mergefs.sources.base import Counters
 from mergefs.sources.base import ReadRange
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
 
 

@@ -8,7 +8,8 @@ import numpy as np
 from families import make_family, write_spec
 
 from mergefs.deltas import publish as compress
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.levels import DecodeCost, choose, decode_seconds
 from mergefs.spec.load import load_spec

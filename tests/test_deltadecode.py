@@ -18,7 +18,8 @@ from safetensors.numpy import load_file, save_file
 from mergefs.deltas import publish as compress, decode as deltadecode
 from mergefs.deltas import codec as deltas
 from mergefs.methods import kernels
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.spec.load import load_spec
 

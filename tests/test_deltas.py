@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 from mergefs.deltas import publish as compress
 from mergefs.deltas import codec as deltas
-from mergefs.engine.merger import open_family
+from mergefs.recipe.family import open_family
 from mergefs.core.errors import SourceChanged
 from mergefs.index.blocks import load_or_build
 from mergefs.spec.load import load_spec

@@ -26,7 +26,7 @@ from families import make_family, write_spec
 
 from mergefs.methods import kernels
 from mergefs.core.dtypes import NUMPY_DTYPES, decode_f32, encode
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.methods.base import Fused
 from mergefs.methods import get
 from mergefs.methods.base import Unit

@@ -22,7 +22,8 @@ from reference import reference_merge_dir
 from safetensors.numpy import load_file
 
 from mergefs.deltas import publish as compress
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session
+from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.levels import (
     DecodeCost, _hulls, _segments, choose, decode_seconds, level_runs, levels_from_runs,
@@ -416,7 +417,8 @@ def test_spec_decode_limit_reaches_the_plan(published: tuple[Family, Path],
 def _two_block_index(norms: list[float]) -> Any:
     """One float32 tensor of two row blocks (128 and 256 elements: 512 and 1024 bytes), one
     expert with these block norms."""
-    from mergefs.index.blocks import BlockIndex, BlockLayout
+    from mergefs.index.blocks import BlockIndex
+    from mergefs.index.layout import BlockLayout
     lay = BlockLayout(512, ("w",), (4,), np.zeros(2, np.int32), np.array([0, 128], np.int64),
                       np.array([128, 384], np.int64), np.array([0, 2], np.int64))
     return BlockIndex("k", lay, np.zeros(2, np.uint64), np.zeros((1, 2), np.uint64),

@@ -20,7 +20,7 @@ from families import INT_TENSOR_NAME, Family, make_family
 from test_mount import Mounts, merge, run_cli
 from viewcases import write_case_spec
 
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
 
 pytestmark = [

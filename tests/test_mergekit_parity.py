@@ -32,7 +32,7 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.methods import prng
 from mergefs.spec.load import load_spec
 

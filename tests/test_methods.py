@@ -18,7 +18,7 @@ from test_engine import assert_matches, plan_omit_masks
 from test_mergekit_parity import CASES, config
 
 from mergefs.cli import main as cli
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.methods import METHODS, describe_methods, get
 from mergefs.methods.base import REQUIRED, Scope
 from mergefs.methods.docs import render

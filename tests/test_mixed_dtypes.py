@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from mergefs.cli import main as cli
 from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
-from mergefs.spec.load import check_coordinates
+from mergefs.recipe.family import check_coordinates
 
 CASTS = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32}
 

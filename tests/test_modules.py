@@ -326,7 +326,7 @@ def test_a_missing_tied_weight_is_loaded_as_the_one_it_is_tied_to(
 
 def test_output_refused_inside_any_model_of_a_role(fam: dict[str, Path], tmp_path: Path) -> None:
     """A frankenmerge role spans two models: an output inside the second is refused too."""
-    from mergefs.engine.merger import open_family
+    from mergefs.recipe.family import open_family
     from mergefs.engine.output import UnsafePath, check_source_files
     from mergefs.spec.load import parse_spec
 

@@ -27,7 +27,7 @@ from families import Family
 from viewcases import CASES, tree, write_case_spec
 
 from mergefs.cli import main as cli
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.engine.manifest import read_manifest
 from mergefs.spec.load import load_spec
 

@@ -13,7 +13,7 @@ from families import Family
 from viewcases import materialise, write_case_spec
 
 from mergefs.core.cache import UnitCache
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.mount.pages import PAGE
 from mergefs.spec.load import load_spec
 from mergefs.mount.files import Stream

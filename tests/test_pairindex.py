@@ -15,9 +15,10 @@ from families import Family, make_family, write_spec
 
 from mergefs.sources.local import Checkpoint
 from mergefs.sources import open_source
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.format import FLOAT_DTYPES
-from mergefs.index.blocks import BlockIndex, build_index, build_layout, load_or_build
+from mergefs.index.blocks import BlockIndex, build_index, load_or_build
+from mergefs.index.layout import build_layout
 from mergefs.index.build import BuildReport
 from mergefs.spec.load import load_spec
 

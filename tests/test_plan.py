@@ -13,9 +13,10 @@ from families import Family, make_family, write_spec
 from reference import read_tensor, tensor_dtype, tensor_names
 
 from mergefs.cli import main as cli
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import BudgetError
-from mergefs.index.blocks import BlockIndex, BlockLayout
+from mergefs.index.blocks import BlockIndex
+from mergefs.index.layout import BlockLayout
 from mergefs.plan.planner import make_plan, selected_from_runs, selected_runs
 from mergefs.spec.load import load_spec, parse_spec
 
@@ -340,7 +341,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
     from families import write_spec
     from reference import read_tensor
 
-    from mergefs.engine.merger import open_family
+    from mergefs.recipe.family import open_family
     from mergefs.index.blocks import load_or_build
     from mergefs.spec.load import load_spec
 

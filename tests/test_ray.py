@@ -32,7 +32,7 @@ from raycluster import LocalRayCluster, ray_command
 import mergefs
 from mergefs.cli import main as cli
 from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay

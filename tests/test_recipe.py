@@ -21,7 +21,7 @@ pytest.importorskip("mergekit")
 
 from test_mergekit_parity import assert_identical, run_mergefs, run_mergekit
 
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.plan.planner import rounding_terms
 from mergefs.recipe.outputs import build_recipe
 from mergefs.spec.settings import evaluate

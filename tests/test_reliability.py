@@ -13,7 +13,7 @@ import pytest
 
 from families import forget_ctimes, make_family, write_spec
 from mergefs.cli.main import main as cli_main
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import ManifestError, MergefsError, SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay

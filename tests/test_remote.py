@@ -30,7 +30,7 @@ pytest.importorskip("moto")
 
 from mergefs.cli import main as cli
 from mergefs.engine.output import MARKER
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged, SourceError, SpecError
 from mergefs.sources.remote import HEADER_PROBE_BYTES
 from mergefs.spec.load import load_spec

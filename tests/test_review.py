@@ -22,7 +22,7 @@ from viewcases import materialise, write_case_spec
 from mergefs.cli import main as cli
 from mergefs.engine import merger as engine_mod
 from mergefs.core.cache import UnitCache
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import ManifestError
 from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay

@@ -127,7 +127,8 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
     from safetensors.numpy import load_file
 
     from mergefs.deltas import publish as compress
-    from mergefs.engine.merger import Session, open_family
+    from mergefs.engine.session import Session
+    from mergefs.recipe.family import open_family
     from mergefs.index.blocks import load_or_build
     from mergefs.engine.manifest import ManifestWriter
     from mergefs.engine.replay import replay
@@ -243,7 +244,7 @@ def test_publish_in_a_worker_thread_is_byte_identical_to_publish_in_the_main_thr
     from families import make_family, write_spec
 
     from mergefs.deltas import publish as compress
-    from mergefs.engine.merger import open_family
+    from mergefs.recipe.family import open_family
     from mergefs.index.blocks import load_or_build
     from mergefs.spec.load import load_spec
 
@@ -286,7 +287,7 @@ def test_a_level_of_unknown_kind_is_refused(tmp_path) -> None:
     from safetensors.numpy import load_file, save_file
 
     from mergefs.deltas import publish as compress
-    from mergefs.engine.merger import open_family
+    from mergefs.recipe.family import open_family
     from mergefs.index.blocks import load_or_build
     from mergefs.spec.load import load_spec
 

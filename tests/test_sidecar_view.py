@@ -11,7 +11,7 @@ from test_deltadecode import _setup
 
 from mergefs.engine import merger as engine_mod
 from mergefs.core.cache import UnitCache
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.mount.view import View
 
 

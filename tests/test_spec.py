@@ -14,10 +14,11 @@ from families import Family, make_family, write_spec
 from safetensors.numpy import load_file, save_file
 
 from mergefs.sources import open_source
-from mergefs.engine.merger import open_family
+from mergefs.recipe.family import open_family
 from mergefs.core.errors import BudgetError, SpecError
 from mergefs.spec.budget import Budget, parse_budget
-from mergefs.spec.load import check_coordinates, load_spec
+from mergefs.recipe.family import check_coordinates
+from mergefs.spec.load import load_spec
 from mergefs.core.sizes import parse_size
 
 

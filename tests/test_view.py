@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from viewcases import CASES, materialise, tree, write_case_spec
 
 from mergefs.core.cache import UnitCache
-from mergefs.engine.merger import Session
+from mergefs.engine.session import Session
 from mergefs.core.errors import SourceChanged
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.spec.load import load_spec

@@ -63,7 +63,7 @@ def tree(root: Path, skip_hidden: bool = True) -> dict[str, Path]:
 
 def materialise(spec_path: Path, out: Path) -> Path:
     """Write the merge of ``spec_path`` to ``out`` with ``Engine.materialise``; returns ``out``."""
-    from mergefs.engine.merger import Session
+    from mergefs.engine.session import Session
     from mergefs.spec.load import load_spec
 
     session = Session(load_spec(spec_path))

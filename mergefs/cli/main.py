@@ -83,10 +83,11 @@ def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
 
 def _session(spec: Spec, manifest: Any = None, quiet: bool = False,
              family: Any = None, ray: str | None = None) -> Any:
-    from mergefs.engine.merger import Session, open_family
-    from mergefs.index.blocks import build_layout, index_bytes_total
+    from mergefs.engine.session import Session, prepare_family
+    from mergefs.index.layout import build_layout
+    from mergefs.index.blocks import index_bytes_total
 
-    base, experts = family if family is not None else open_family(spec)
+    base, experts = family if family is not None else prepare_family(spec)
     runner = _ray_runner(ray, spec, base, experts)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total, enabled=not quiet) as tick:
@@ -116,7 +117,8 @@ def _indexed(spec: Spec, base: Any, experts: Any, ray: str | None = None,
              **options: Any) -> tuple[Any, bool]:
     """Build or reuse the block index with a progress bar (``options``: load_or_build's);
     ``ray``: build it on the Ray cluster at that address ("" for the default one)."""
-    from mergefs.index.blocks import build_layout, index_bytes_total, load_or_build
+    from mergefs.index.layout import build_layout
+    from mergefs.index.blocks import index_bytes_total, load_or_build
 
     runner = _ray_runner(ray, spec, base, experts)
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
@@ -130,11 +132,11 @@ def _indexed(spec: Spec, base: Any, experts: Any, ray: str | None = None,
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from mergefs.engine.merger import open_family
+    from mergefs.engine.session import prepare_family
 
     _require_ray(args)
     spec = _load(args, any_variant=True)
-    base, experts = open_family(spec)
+    base, experts = prepare_family(spec)
     # --rebuild and --publish read every source: sidecars are never built from sidecars.
     index, built = _indexed(spec, base, experts, args.ray, rebuild=args.rebuild,
                             sidecars=not (args.rebuild or args.publish))
@@ -155,11 +157,11 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_compress(args: argparse.Namespace) -> int:
     """Publish delta sidecars (issue 14): refinement levels of every expert's delta."""
     from mergefs.deltas.publish import publish
-    from mergefs.engine.merger import open_family
+    from mergefs.engine.session import prepare_family
 
     _require_ray(args)
     spec = _load(args)
-    base, experts = open_family(spec)
+    base, experts = prepare_family(spec)
     index, _ = _indexed(spec, base, experts, args.ray, sidecars=False)
     if args.ray is not None:
         from mergefs.engine.ray_index import publish_deltas
@@ -321,7 +323,7 @@ def _open_manifest(spec: Spec, explicit: str | None) -> Any:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mergefs.engine.merger import open_family
+    from mergefs.engine.session import prepare_family
     from mergefs.engine.output import check_outdir, check_outside, check_source_files, check_writes
 
     _require_ray(args)  # before anything is opened or written
@@ -338,7 +340,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
         if may_use_kernels(spec):
             kernels.start_warm_up(full=False)
-    family = open_family(spec)
+    family = prepare_family(spec)
     check_source_files(out, [family[0], *family[1]])
     manifest = _open_manifest(spec, args.manifest)
     session = _session(spec, manifest, family=family, ray=args.ray)

@@ -267,3 +267,30 @@ def _fsync_dir(p: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_error(exc: OSError, outdir: str | Path) -> MergefsError:
+    """The error of a failed write of the merged model (e.g. ENOSPC), naming where."""
+    where = exc.filename or outdir
+    return MergefsError(f"{where}: cannot write the merged model: {exc.strerror}")
+
+
+def _clear_temp(tmp: Path) -> None:
+    """Remove whatever sits at a temporary name (a crash's leftover, or a symlink planted
+    there) without following it. Weight files and the shard index are then created with
+    O_EXCL ("xb"), which never writes through a symlink made in between."""
+    tmp.unlink(missing_ok=True)
+
+
+def _atomic_write(path: Path, chunks: list[bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        _clear_temp(tmp)
+        with open(tmp, "xb") as fh:
+            fh.writelines(chunks)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

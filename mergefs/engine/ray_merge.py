@@ -173,7 +173,7 @@ def open_checked(spec: Any, expected: list[dict[str, object]]
     A family this process opened before for the same run is reused after a fresh check of its
     local files (size and mtime; remote reads carry the opened ETag in every request).
     """
-    from mergefs.engine.merger import open_family
+    from mergefs.engine.session import prepare_family
 
     key = json.dumps([spec.source, expected], sort_keys=True, default=str)
     got = _OPENED.get(key)
@@ -182,7 +182,7 @@ def open_checked(spec: Any, expected: list[dict[str, object]]
             if not c.is_remote:
                 c.check_unchanged()
         return got
-    base, experts = open_family(spec)
+    base, experts = prepare_family(spec)
     try:
         check_same_sources(expected, base, experts)
     except BaseException:
@@ -248,7 +248,9 @@ class ShardDone:
 def merge_shard(job: MergeJob, file: str) -> ShardDone:
     """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
     from mergefs.sources.base import GapAllowance
-    from mergefs.engine.merger import Engine, _find_deltas, recipe_of
+    from mergefs.engine.merger import Engine
+    from mergefs.engine.session import find_deltas
+    from mergefs.recipe.family import recipe_of
     from mergefs.engine.manifest import ManifestWriter
 
     same_version(job.version)
@@ -256,7 +258,7 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
     deltas: dict[int, Any] = {}
     try:
         if job.plan.levels is not None:
-            deltas = _find_deltas(base, experts, job.index)
+            deltas = find_deltas(base, experts, job.index)
         for c in [base, *experts]:  # count the merge's reads only, as the local session does
             c.counters.reset()  # (after looking for sidecars, as it does)
         records = ManifestWriter(None, keep_lines=True)
@@ -311,7 +313,7 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
     Returns {tensor: xxh3}; the session's counters, the engine's block counts and the manifest
     end up as the local run leaves them, so ``session.finish()`` writes the same totals.
     """
-    from mergefs.engine.merger import write_error
+    from mergefs.engine.output import write_error
     from mergefs.engine.output import Staging
 
     refuse_unsupported(session.spec)

@@ -20,9 +20,12 @@ from typing import Any
 import numpy as np
 
 from mergefs.sources.local import Checkpoint
-from mergefs.engine.merger import Engine, expert_labels, open_family
+from mergefs.engine.merger import Engine
+from mergefs.recipe.family import expert_labels
+from mergefs.engine.session import prepare_family
 from mergefs.core.errors import ManifestError, SourceChanged
-from mergefs.index.blocks import BlockIndex, build_layout
+from mergefs.index.blocks import BlockIndex
+from mergefs.index.layout import build_layout
 from mergefs.engine.manifest import (
     SWEEP_SCHEMA_VERSION, ManifestContents, manifest_schema, read_manifest, read_sweep_manifest,
 )
@@ -268,7 +271,7 @@ def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Pa
                       source=f"{manifest_path} (recorded spec)")
     if out is not None:
         check_writes(spec.model_paths, outdir=out)
-    base, experts = open_family(spec)
+    base, experts = prepare_family(spec)
     try:
         recorded = h["sources"]
         labels = expert_labels([e.path for e in spec.experts])

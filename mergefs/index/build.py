@@ -24,13 +24,13 @@ import numpy as np
 from mergefs.index.stats import BASE, block_views, gram_terms, hash_blocks, zero_blocks
 from mergefs.sources.local import Checkpoint
 from mergefs.sources.base import ReadRange
-from mergefs.sources.local import read_many
+from mergefs.sources import read_many
 from mergefs.core.format import DTYPES
 from mergefs.index.read import Reader
 from mergefs.core.memory import keep_freed_memory
 
 if TYPE_CHECKING:
-    from mergefs.index.blocks import BlockLayout
+    from mergefs.index.layout import BlockLayout
 
 CHUNK_BYTES = 4 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute

@@ -43,7 +43,7 @@ from mergefs.core.errors import SourceError
 from mergefs.index.published import layout_hash, write_beside
 
 if TYPE_CHECKING:
-    from mergefs.index.blocks import BlockLayout
+    from mergefs.index.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,8 @@ Runs in the CLI's main thread; talks to the mount's server only through the moun
 
 from __future__ import annotations
 
+import errno
+import json
 import argparse
 import os
 import signal
@@ -14,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mergefs.core.errors import MergefsError
-from mergefs.mount.lifecycle import _server_pid, read_stats
 from mergefs.core.sizes import human_bytes
+from mergefs.mount.view import STATE_DIR, STATS_NAME
 
 
 def sweep_stats_table(args: argparse.Namespace, data: dict[str, Any]) -> Any:
@@ -60,7 +62,7 @@ def run_reload(args: argparse.Namespace) -> int:
     if data.get("kind") != "sweep":
         raise MergefsError(f"{mnt}: not a sweep mount (mount a spec with `sweep:` or `variants:` "
                            "to add variants while mounted)")
-    pid = _server_pid(mnt)
+    pid = server_pid(mnt)
     if pid is None:
         raise MergefsError(f"{mnt}: cannot find the mount's server process")
     generation = int(data["reload"]["generation"])
@@ -81,3 +83,33 @@ def run_reload(args: argparse.Namespace) -> int:
         time.sleep(0.1)
     raise MergefsError(f"{mnt}: no answer to the reload after {RELOAD_WAIT_SECONDS:.0f}s (see "
                        "the mount's log)")
+
+
+# -- umount --------------------------------------------------------------------------------
+def server_pid(mountpoint: Path) -> int | None:
+    try:
+        pid = int(json.loads((mountpoint / STATE_DIR / STATS_NAME).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if b"mergefs" in cmdline and pid != os.getpid() else None
+
+
+# -- stats ---------------------------------------------------------------------------------
+def read_stats(mountpoint: str | Path) -> dict[str, Any]:
+    p = Path(mountpoint) / STATE_DIR / STATS_NAME
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MergefsError(f"{mountpoint}: not a mergefs mount (no {STATE_DIR}/{STATS_NAME})"
+                           ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MergefsError(f"{mountpoint}: the mount's process died; run `mergefs umount "
+                               f"{mountpoint}`") from None
+        raise MergefsError(f"{p}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MergefsError(f"{p}: not valid JSON: {exc}") from None

@@ -35,7 +35,9 @@ import xxhash
 
 from mergefs.core.cache import UnitCache
 from mergefs.sources.base import ReadRange
-from mergefs.engine.merger import Engine, OutFile, Session
+from mergefs.engine.merger import Engine
+from mergefs.engine.layout import OutFile
+from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.mount.pages import PagePusher
 

@@ -38,16 +38,19 @@ import xxhash
 
 from mergefs.methods import kernels
 from mergefs.core.cache import UnitCache
-from mergefs.engine.merger import Session, may_use_kernels, open_family
+from mergefs.engine.session import Session, prepare_family
+from mergefs.engine.merger import may_use_kernels
 from mergefs.core.errors import MergefsError
 from mergefs.mount.fuse import Operations, mount_options, notify_store
-from mergefs.index.blocks import BlockIndex, build_layout, index_bytes_total, load_or_build
+from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
+from mergefs.index.layout import build_layout
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.output import check_writes, pid_alive
 from mergefs.core.progress import byte_progress
 from mergefs.spec.model import Spec
 from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
+from mergefs.mount.control import read_stats, server_pid
 
 if TYPE_CHECKING:
     from mergefs.sources.local import Checkpoint
@@ -188,7 +191,7 @@ def ensure_index(spec: Spec, progress: bool = True) -> Opened:
     """Open the family and load its block index, building it now if needed (with a progress
     bar, before the mount returns), so the session opens fast and its counters only count the
     mount's own reads. The caller closes what it gets, or hands it to :func:`serve`."""
-    base, experts = open_family(spec)
+    base, experts = prepare_family(spec)
     try:
         total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
@@ -485,19 +488,6 @@ def _abort_connection(mountpoint: Path) -> None:
         log.warning("cannot abort the FUSE connection of %s: %s", mountpoint, exc)
 
 
-# -- umount --------------------------------------------------------------------------------
-def _server_pid(mountpoint: Path) -> int | None:
-    try:
-        pid = int(json.loads((mountpoint / STATE_DIR / STATS_NAME).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return pid if b"mergefs" in cmdline and pid != os.getpid() else None
-
-
 def holders(mountpoint: Path) -> list[tuple[int, str]]:
     """Processes using files under ``mountpoint`` (open, mapped, or as cwd/root), as umount(8)
     would find them: ``(pid, command)`` from /proc, sorted by pid. Unreadable processes (not
@@ -560,7 +550,7 @@ def run_umount(args: argparse.Namespace) -> int:
     mnt = Path(os.path.realpath(args.mountpoint))
     if not is_mounted(mnt):
         raise MergefsError(f"{mnt}: not mounted")
-    pid = _server_pid(mnt)
+    pid = server_pid(mnt)
     lazy_wanted = bool(getattr(args, "lazy", False))
     first = _fusermount(["-u", str(mnt)])
     if first.returncode != 0:
@@ -605,23 +595,6 @@ def _fusermount(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 def _alive(pid: int) -> bool:
     return pid_alive(pid)
-
-
-# -- stats ---------------------------------------------------------------------------------
-def read_stats(mountpoint: str | Path) -> dict[str, Any]:
-    p = Path(mountpoint) / STATE_DIR / STATS_NAME
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise MergefsError(f"{mountpoint}: not a mergefs mount (no {STATE_DIR}/{STATS_NAME})"
-                           ) from None
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise MergefsError(f"{mountpoint}: the mount's process died; run `mergefs umount "
-                               f"{mountpoint}`") from None
-        raise MergefsError(f"{p}: cannot read: {exc.strerror}") from None
-    except ValueError as exc:
-        raise MergefsError(f"{p}: not valid JSON: {exc}") from None
 
 
 def _pct(a: float, b: float) -> str:

@@ -35,16 +35,36 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mergefs.mount.files import UnitReader, WeightFile
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 QUEUE_UNITS = 256  # pushes queued for the store thread (references only: units stay cached)
 StoreFn = Callable[[int, int, "bytes | memoryview"], None]  # (inode, offset, data)
+
+
+class WeightFile(Protocol):
+    """What a pusher reads of a :class:`mergefs.mount.files.WeightFile` (which imports this
+    module: the pusher is part of its reader)."""
+
+    out: Any
+    segments: Any
+    size_bytes: int
+
+
+class UnitReader(Protocol):
+    """What a pusher uses of its :class:`mergefs.mount.files.UnitReader`."""
+
+    cache: Any
+    frontier: Any
+    readahead_threads: int
+    segment_bytes: int
+    _pool: Any
+
+    def _assemble(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _prefetch(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _ceil_page(n: int) -> int:

@@ -41,7 +41,7 @@ import xxhash
 
 from mergefs.core.version import __version__
 from mergefs.sources.local import Checkpoint
-from mergefs.engine.merger import Session, open_family
+from mergefs.engine.session import Session, prepare_family
 from mergefs.core.errors import MergefsError, SpecError
 from mergefs.core.format import DTYPES
 from mergefs.index.blocks import BlockIndex, load_or_build
@@ -207,7 +207,7 @@ class SweepSession:
         first = found[0][1]
         self.first = first
         self.manifest = manifest
-        self.base, self.experts = family if family is not None else open_family(first)
+        self.base, self.experts = family if family is not None else prepare_family(first)
         try:
             if index is not None:
                 self.index, self.index_built = index, False
@@ -249,7 +249,7 @@ class SweepSession:
 
     @property
     def labels(self) -> list[str]:
-        from mergefs.engine.merger import expert_labels
+        from mergefs.recipe.family import expert_labels
 
         return expert_labels([e.path for e in self.first.experts])
 

@@ -42,7 +42,8 @@ from typing import Any, Literal
 from mergefs.core.version import __version__
 from mergefs.core.cache import UnitCache
 from mergefs.sources.base import INDEX_NAME
-from mergefs.engine.merger import Engine, Session
+from mergefs.engine.merger import Engine
+from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.mount.pages import StoreFn
 from mergefs.mount.files import Stream, UnitReader, WeightFile, weight_file

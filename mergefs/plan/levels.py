@@ -459,21 +459,6 @@ def _outcome(index: BlockIndex, state: np.ndarray, opts: dict, shared_bytes: dic
                        tuple(sidecar))
 
 
-def bounds(coeffs: np.ndarray, resid: np.ndarray, rounding: np.ndarray | None = None
-           ) -> tuple[float, float, float | None, float | None]:
-    """(tight, loose, output tight, output loose) bounds on ``||E||`` from per-pair residual
-    norms: before output rounding, then with ``rounding`` (B,), each block's output-rounding
-    term (:func:`mergefs.plan.planner.rounding_terms`), added to the block's residual term before the
-    blocks combine (None: no output bounds)."""
-    from mergefs.plan.planner import combine
-
-    per_block = (np.abs(coeffs)[:, None] * resid).sum(axis=0)
-    tight, loose = combine(per_block)
-    if rounding is None:
-        return tight, loose, None, None
-    return (tight, loose, *combine(per_block + rounding))
-
-
 def level_runs(levels: np.ndarray) -> list[list[list[int]]]:
     """Per expert, runs ``[b0, b1, k]`` of equal non-zero level counts (manifest form)."""
     out = []

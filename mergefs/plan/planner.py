@@ -57,6 +57,7 @@ from mergefs.core.errors import BudgetError
 from mergefs.index.blocks import BlockIndex
 from mergefs.methods.base import BasePolicy
 from mergefs.spec.model import Spec
+from mergefs.plan.bounds import combine
 
 log = logging.getLogger(__name__)
 
@@ -269,11 +270,6 @@ Bounds = tuple[float | None, float | None, float | None, float | None, float | N
                float | None]  # tight, loose, exact, update, output tight, output loose
 
 
-def combine(per_block: np.ndarray) -> tuple[float, float]:
-    """(tight, loose): the blocks' terms combined, ``sqrt(sum t_b^2)`` and ``sum t_b``."""
-    return float(np.sqrt((per_block ** 2).sum())), float(per_block.sum())
-
-
 def _bounds(index: BlockIndex, coeffs: np.ndarray, omitted: np.ndarray,
             rounding: np.ndarray | None = None) -> Bounds:
     """(tight, loose, exact error, update norm, output tight, output loose) for an additive
@@ -382,7 +378,8 @@ def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planne
 def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: np.ndarray,
                       sidecars: Any, total: int, nonzero_bytes: int) -> Plan:
     """A plan mixing skip / sidecar levels / exact per pair (:mod:`mergefs.plan.levels`)."""
-    from mergefs.plan.levels import DecodeCost, bounds, choose, decode_seconds
+    from mergefs.plan.levels import DecodeCost, choose, decode_seconds
+    from mergefs.plan.bounds import bounds
 
     limit = getattr(spec, "decode_limit", None)
     got = choose(index, coeffs, budget_bytes, sidecars,

@@ -25,6 +25,7 @@ from mergefs.core.errors import MergefsError, SpecError
 from mergefs.spec.model import Spec
 from mergefs.spec.budget import parse_budget
 from mergefs.spec.load import parse_spec
+from mergefs.spec.variants import set_key, short_key
 
 
 @dataclass(frozen=True)
@@ -60,35 +61,6 @@ def parse_grid(items: Sequence[str]) -> list[tuple[str, list[Any]]]:
     return out
 
 
-def set_key(doc: Any, key: str, value: Any, where: str) -> None:
-    parts = key.split(".")
-    node = doc
-    for k, part in enumerate(parts):
-        last = k == len(parts) - 1
-        if isinstance(node, list):
-            try:
-                idx = int(part)
-                node[idx]
-            except (ValueError, IndexError):
-                raise MergefsError(f"--grid {key}: {where} has no list item {part!r}") from None
-            if last:
-                node[idx] = value
-            else:
-                node = node[idx]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-        else:
-            raise MergefsError(f"--grid {key}: {'.'.join(parts[:k])} is not a mapping or list")
-
-
-def short_key(key: str) -> str:
-    """``models.0.parameters.weight`` -> ``models.0.weight``; ``parameters.lambda`` -> ``lambda``."""
-    return ".".join(p for p in key.split(".") if p != "parameters")
-
-
 def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -> SweepRow:
     from mergefs.plan.planner import make_plan
 
@@ -116,8 +88,9 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Seq
     A sweep spec (``sweep:``/``variants:``, :mod:`mergefs.spec.variants`) without ``methods`` or
     ``grid`` plans each of its variants, at ``budgets`` or, when None, at its own budget.
     ``budgets`` None elsewhere: :data:`DEFAULT_BUDGETS`."""
-    from mergefs.engine.merger import open_family
-    from mergefs.index.blocks import build_layout, index_bytes_total, load_or_build
+    from mergefs.recipe.family import open_family
+    from mergefs.index.layout import build_layout
+    from mergefs.index.blocks import index_bytes_total, load_or_build
     from mergefs.core.progress import byte_progress
     from mergefs.spec.variants import is_sweep
 
@@ -145,7 +118,7 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Seq
 def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, index: Any,
                 budgets: Sequence[str], methods: Sequence[str],
                 grid: Sequence[tuple[str, list[Any]]], strict: bool) -> list[SweepRow]:
-    from mergefs.engine.merger import recipe_of
+    from mergefs.recipe.family import recipe_of
 
     rows: list[SweepRow] = []
     keys = [k for k, _ in grid]
@@ -171,7 +144,7 @@ def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, in
 def _variant_rows(doc: Any, base_dir: Path, path: Path, base: Any, index: Any,
                   budgets: Sequence[str] | None, strict: bool) -> list[SweepRow]:
     """A sweep spec's variants, each named as its directory in a sweep mount."""
-    from mergefs.engine.merger import recipe_of
+    from mergefs.recipe.family import recipe_of
     from mergefs.spec.variants import parse_variants
 
     rows: list[SweepRow] = []

@@ -195,3 +195,6 @@ class Counters:
         with self._lock:
             for k in self.FIELDS:
                 setattr(self, k, getattr(self, k) + int(counts.get(k, 0)))
+
+
+CONFIG_NAME = "config.json"

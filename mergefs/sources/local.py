@@ -308,28 +308,3 @@ def open_local(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(root, files, tensors, headers, identities, extra, index)
 
 
-def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
-              allowances: Sequence[GapAllowance | None] | None = None
-              ) -> list[list[memoryview]]:
-    """``read_ranges`` of several sources; remote sources are fetched together, concurrently.
-
-    Local sources are read in the calling thread, in request order, exactly as
-    ``src.read_ranges(ranges)`` would. ``allowances``: per request, the
-    :class:`GapAllowance` its coalesced gaps are taken from (None: no limit).
-    """
-    gaps = list(allowances) if allowances is not None else [None] * len(requests)
-    out: list[list[memoryview] | None] = [None] * len(requests)
-    # sources with an async reader of their own (a recipe's role over remote models reads
-    # through its members, one after another)
-    remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
-              and hasattr(src, "read_ranges_async")]
-    if len(remote) > 1:
-        from mergefs.sources.remote import read_concurrently
-
-        for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
-                                                      [gaps[k] for k in remote])):
-            out[k] = views
-    for k, (src, ranges) in enumerate(requests):
-        if out[k] is None:
-            out[k] = src.read_ranges(ranges, gap_allowance=gaps[k])
-    return [v for v in out if v is not None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ import yaml
 from mergefs.spec import refs as hub, settings
 from mergefs import methods as registry
 from mergefs.core.errors import BudgetError, SpecError
-from mergefs.core.format import FLOAT_DTYPES
 from mergefs.methods.base import BasePolicy, Method, ParamDef, Scope
 from mergefs.spec.options import RemoteOptions
 from mergefs.spec.tokenizer import TokenizerSpec, TokenRule
@@ -769,10 +768,10 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
         if entry_raw["model"] in model_options:
             entry_raw["storage_options"] = redact_options(model_options[entry_raw["model"]])
         entry_raw["model"] = hub_records.get(entry_raw["model"], entry_raw["model"])
-    remote_settings = remote_settings(data.get("remote"), source)
+    remote_config = remote_settings(data.get("remote"), source)
     remote_sources = {
         p: RemoteOptions(options_for(p, top_options, model_options.get(p, {})),
-                         **remote_settings)
+                         **remote_config)
         for p in dict.fromkeys([base, *(e.path for e in experts),
                                 *(r.path for sl in slice_defs for r in (sl.ref, *sl.experts))])
         if "://" in p
@@ -806,9 +805,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     if "decode_limit" in data:
         raw["decode_limit"] = decode_limit if decode_limit is not None else "none"
     if "remote" in data:
-        raw["remote"] = {"coalesce_gap": remote_settings["gap_bytes"],
-                         "concurrency": remote_settings["concurrency"],
-                         "retries": remote_settings["retries"]}
+        raw["remote"] = {"coalesce_gap": remote_config["gap_bytes"],
+                         "concurrency": remote_config["concurrency"],
+                         "retries": remote_config["retries"]}
     return Spec(source, mdef.name, base, tuple(experts), base_weight, glob, out_dtype, budget,
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
@@ -828,30 +827,3 @@ def _decode_limit(value: Any, source: str) -> float | None:
     return float(value)
 
 
-def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
-    """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
-    dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
-    promotes mixed inputs).
-
-    ``base`` and ``experts`` are :class:`mergefs.sources.local.Checkpoint`. Lists the first few
-    differences per expert.
-    """
-    for ex in experts:
-        diffs: list[str] = []
-        for name, loc in base.tensors.items():
-            other = ex.tensors.get(name)
-            if other is None:
-                diffs.append(f"{name}: missing")
-            elif other.shape != loc.shape or (other.dtype != loc.dtype and not
-                                               {other.dtype, loc.dtype} <= FLOAT_DTYPES):
-                diffs.append(f"{name}: {other.dtype}{list(other.shape)} vs base "
-                             f"{loc.dtype}{list(loc.shape)}")
-        for name in ex.tensors:
-            if name not in base.tensors:
-                diffs.append(f"{name}: not in base")
-        if diffs:
-            more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
-            raise SpecError(
-                f"{ex.root}: does not share the base's coordinate system ({base.root}): "
-                + "; ".join(diffs[:limit]) + more
-            )

@@ -37,7 +37,6 @@ import yaml
 from mergefs.core.errors import MergefsError, SpecError
 from mergefs.spec.model import Spec
 from mergefs.spec.load import parse_spec
-from mergefs.plan.report import set_key, short_key
 
 SWEEP_KEY = "sweep"
 VARIANTS_KEY = "variants"
@@ -205,3 +204,32 @@ def load_variant(path: str | Path, name: str, strict: bool = False) -> Spec:
 
 def names_of(found: Sequence[tuple[Variant, Spec]]) -> list[str]:
     return [v.name for v, _ in found]
+
+
+def set_key(doc: Any, key: str, value: Any, where: str) -> None:
+    parts = key.split(".")
+    node = doc
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        if isinstance(node, list):
+            try:
+                idx = int(part)
+                node[idx]
+            except (ValueError, IndexError):
+                raise MergefsError(f"--grid {key}: {where} has no list item {part!r}") from None
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise MergefsError(f"--grid {key}: {'.'.join(parts[:k])} is not a mapping or list")
+
+
+def short_key(key: str) -> str:
+    """``models.0.parameters.weight`` -> ``models.0.weight``; ``parameters.lambda`` -> ``lambda``."""
+    return ".".join(p for p in key.split(".") if p != "parameters")

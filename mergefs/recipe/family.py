@@ -1,0 +1,187 @@
+"""The family a spec merges: its sources opened (base, experts; for a sliced spec the recipe's roles), checked to share one coordinate system, labelled; the output tokenizer built. Blocking I/O (headers); never on the trio thread."""
+
+from __future__ import annotations
+import json
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from mergefs.spec import tokenizer as tokenizers
+from mergefs.sources.local import Checkpoint
+from mergefs.sources import open_source
+from mergefs.core.errors import SpecError
+from mergefs.core.format import FLOAT_DTYPES
+from mergefs.recipe.outputs import PRE_WEIGHT, Recipe, RoleSource, build_recipe
+from mergefs.spec.model import Spec
+from mergefs.sources.base import CONFIG_NAME
+
+
+def recipe_of(spec: Spec, base: Checkpoint) -> Recipe:
+    """The spec's recipe: carried by the sources of a sliced spec, else built over the base."""
+    if isinstance(base, RoleSource):
+        return base.recipe
+    return build_recipe(spec, {spec.base: list(base.tensors)})
+
+
+_HUB_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def _label_parts(path: str) -> list[str]:
+    """Path components a label is made of: a Hub snapshot or ``hf://`` URL as ``org/name``."""
+    m = _HUB_SNAPSHOT.search(path)
+    if m:
+        return [f"{m.group(1)}/{m.group(2)}"]
+    body = path.split("://", 1)[-1].rstrip("/")
+    if path.startswith("hf://"):
+        return [body.split("@", 1)[0]]
+    return [q for q in body.split("/") if q] or [path]
+
+
+def expert_labels(paths: Sequence[str]) -> list[str]:
+    """Short unique names of experts for plans, stats and manifests: the shortest trailing
+    path components that tell them apart (``math-7b``, ``a/ckpt`` vs ``b/ckpt``), never
+    ``base``; a URL's scheme is dropped."""
+    parts = [_label_parts(p) for p in paths]
+    labels: list[str] = [""] * len(paths)
+    for i, comps in enumerate(parts):
+        for k in range(1, len(comps) + 1):
+            cand = "/".join(comps[-k:])
+            clash = any("/".join(o[-k:]) == cand for j, o in enumerate(parts) if j != i)
+            if not clash and cand != "base":
+                labels[i] = cand
+                break
+    for i, lab in enumerate(labels):
+        if not lab:  # only "base" left, or the same path twice: name it by its position
+            labels[i] = f"{parts[i][-1]}#{i}"
+    for i, lab in enumerate(labels):
+        if labels.count(lab) > 1:
+            labels[i] = f"{lab}#{i}"
+    return labels
+
+
+def _configs(spec: Spec, opened: dict[str, Checkpoint]) -> dict[str, dict[str, Any]]:
+    """Each model's config.json, for a ``modules:`` spec (its architecture says which tensors
+    belong to which module); {} otherwise."""
+    if not spec.slices or spec.slices[0].module is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for path, c in opened.items():
+        if CONFIG_NAME in c.extra_files:
+            try:
+                cfg = json.loads(c.read_extra(CONFIG_NAME))
+            except ValueError as exc:
+                raise SpecError(f"{path}/{CONFIG_NAME}: not valid JSON ({exc})") from None
+            if isinstance(cfg, dict):
+                out[path] = cfg
+    return out
+
+
+def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
+    every model the slices name, keyed by the output's units. A multi-document spec's
+    named merges must exist already: :func:`mergefs.engine.session.prepare_family` makes them."""
+    base = open_source(spec.base, spec.source_options(spec.base))
+    experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
+               for e in spec.experts]
+    if spec.sliced or spec.tokenizer is not None:
+        opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
+        try:
+            for sl in spec.slices:
+                for r in (sl.ref, *sl.experts):
+                    if r.path not in opened:
+                        opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+            built, vocab = _tokenizer(spec, opened)
+            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
+                                  _configs(spec, opened))
+            # a base-alone module slice names the base in the expert roles too: those roles
+            # get their own handle on it, so their counters count their own reads only
+            aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
+            roles = [RoleSource(recipe, 0, opened)]
+            for k in range(1, 1 + len(experts)):
+                own = dict(opened)
+                for p in aliased:
+                    own[p] = opened[f"\0{k}:{p}"] = open_source(p, spec.source_options(p),
+                                                                 base)
+                roles.append(RoleSource(recipe, k, own))
+        except BaseException:
+            for c in opened.values():
+                c.close()
+            raise
+        for role in roles:
+            role.tokenizer = built
+        base, experts = roles[0], roles[1:]  # type: ignore[assignment]
+    check_coordinates(base, experts)
+    return base, experts
+
+
+#: Vocabulary tensors (rows are tokens) of a tokenizer merge: embeddings and LM heads whose
+#: first dimension is the model's vocab_size
+_VOCAB_NAME = re.compile(r"lm_head|embed_out|(^|\.)output\.weight$")
+
+
+def _config_of(c: Checkpoint) -> dict[str, Any] | None:
+    if CONFIG_NAME not in c.extra_files:
+        return None
+    try:
+        doc = json.loads(c.read_extra(CONFIG_NAME))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
+               ) -> tuple[tokenizers.BuiltTokenizer | None, frozenset[str]]:
+    """The output tokenizer of a spec that merges one, and the vocabulary tensors of its
+    reference model (empty when only a chat template is set: no rows change)."""
+    if spec.tokenizer is None:
+        return None, frozenset()
+    configs = {p: _config_of(c) for p, c in opened.items()}
+    with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
+        dirs: dict[str, str] = {}
+        for k, (path, c) in enumerate(opened.items()):
+            if c.is_remote:  # its tokenizer files, fetched for transformers to load
+                d = Path(tmp) / str(k)
+                for rel in c.extra_files:  # top level only: what transformers reads
+                    if "/" not in rel and rel in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:
+                        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (d / rel).write_bytes(c.read_extra(rel))
+                dirs[path] = str(d)
+        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs)
+    if spec.tokenizer.source is None:
+        return built, frozenset()
+    ref = opened[spec.slices[0].ref.path]
+    size = tokenizers.vocab_size_of(configs[spec.slices[0].ref.path], -1)
+    vocab = frozenset(n for n, loc in ref.tensors.items()
+                      if loc.shape and loc.shape[0] == size and loc.dtype in FLOAT_DTYPES
+                      and (PRE_WEIGHT.search(n) or _VOCAB_NAME.search(n)))
+    return built, vocab
+
+
+def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
+    """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
+    dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
+    promotes mixed inputs).
+
+    ``base`` and ``experts`` are :class:`mergefs.sources.local.Checkpoint`. Lists the first few
+    differences per expert.
+    """
+    for ex in experts:
+        diffs: list[str] = []
+        for name, loc in base.tensors.items():
+            other = ex.tensors.get(name)
+            if other is None:
+                diffs.append(f"{name}: missing")
+            elif other.shape != loc.shape or (other.dtype != loc.dtype and not
+                                               {other.dtype, loc.dtype} <= FLOAT_DTYPES):
+                diffs.append(f"{name}: {other.dtype}{list(other.shape)} vs base "
+                             f"{loc.dtype}{list(loc.shape)}")
+        for name in ex.tensors:
+            if name not in base.tensors:
+                diffs.append(f"{name}: not in base")
+        if diffs:
+            more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
+            raise SpecError(
+                f"{ex.root}: does not share the base's coordinate system ({base.root}): "
+                + "; ".join(diffs[:limit]) + more
+            )
