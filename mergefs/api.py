@@ -18,6 +18,7 @@ from ordinary threads (never from a trio or asyncio event loop thread).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -26,22 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergefs import ops
 from mergefs.core.errors import MergefsError
+from mergefs.index.blocks import BlockIndex
+from mergefs.mount.control import read_stats
+from mergefs.mount.lifecycle import is_mounted, run_umount
+from mergefs.ops import MergeResult
+from mergefs.plan.planner import Plan
+from mergefs.spec.load import parse_spec
 from mergefs.spec.budget import Budget, parse_budget
 from mergefs.spec.model import Spec
 from mergefs.spec.load import load_spec
 
 __all__ = ["Merge", "MergeResult", "Mounted", "open", "replay"]
-
-
-@dataclass(frozen=True)
-class MergeResult:
-    """What ``Merge.merge`` wrote: the output directory, its manifest and the run's totals
-    (the manifest's ``totals`` record: bytes read per source, bounds, wall time)."""
-
-    outdir: Path
-    manifest: Path
-    totals: dict[str, Any]
 
 
 def _budget(value: str | float | Budget | None) -> Budget | None:
@@ -63,33 +61,16 @@ class Merge:
         b = _budget(budget)
         return self.spec if b is None else self.spec.with_budget(b)
 
-    def _check_writes(self, **paths: Any) -> None:
-        from mergefs.engine.output import check_writes
-
-        check_writes(self.spec.model_paths, **paths)
-
-    def index(self, rebuild: bool = False) -> Any:
+    def index(self, rebuild: bool = False) -> BlockIndex:
         """Build (or reuse) the block index; returns the :class:`mergefs.index.blocks.BlockIndex`."""
-        from mergefs.engine.session import prepare_family
-        from mergefs.index.blocks import load_or_build
+        ops.check_index_dir(self.spec)
+        return ops.index(self.spec, rebuild=rebuild, progress=False).index
 
-        self._check_writes(index_dir=self.spec.index_dir)
-        base, experts = prepare_family(self.spec)
-        try:
-            index, _ = load_or_build(base, experts, self.spec.block_size, self.spec.index_dir,
-                                     None, rebuild=rebuild)
-            return index
-        finally:
-            for c in [base, *experts]:
-                c.close()
-
-    def plan(self, budget: str | float | Budget | None = None) -> Any:
+    def plan(self, budget: str | float | Budget | None = None) -> Plan:
         """The :class:`mergefs.plan.planner.Plan` for ``budget`` (default: the spec's): which expert
         blocks are read, planned bytes, bounds; ``.report()`` gives the CLI's JSON."""
-        from mergefs.engine.session import Session
-
-        self._check_writes(index_dir=self.spec.index_dir)
-        session = Session(self._spec(budget))
+        ops.check_index_dir(self.spec)
+        session = ops.open_session(self._spec(budget), progress=False)
         try:
             return session.plan
         finally:
@@ -101,42 +82,8 @@ class Merge:
         """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier
         merge output as a whole). ``manifest``: an exact path that must not exist; default a
         new timestamped manifest beside the spec's ``manifest`` path."""
-        from mergefs.methods import kernels
-        from mergefs.engine.session import Session, prepare_family
-        from mergefs.engine.merger import may_use_kernels
-        from mergefs.engine.manifest import ManifestWriter
-        from mergefs.engine.output import check_outdir, check_outside, check_source_files
-
-        spec = self._spec(budget)
-        out = Path(outdir)
-        manifest = Path(manifest) if manifest else None
-        self._check_writes(outdir=out, index_dir=spec.index_dir,
-                           manifest=manifest or spec.manifest)
-        check_outside(out, spec=spec.source, manifest=manifest or spec.manifest,
-                      index_dir=spec.index_dir, cache_dir=spec.cache_dir)
-        check_outdir(out, force)
-        if may_use_kernels(spec):  # numba and the kernel module load while the family opens
-            kernels.start_warm_up(full=False)
-        family = prepare_family(spec)
-        try:
-            check_source_files(out, [family[0], *family[1]])
-            writer = ManifestWriter(manifest) if manifest else \
-                ManifestWriter.for_run(spec.manifest)
-        except BaseException:
-            for c in [family[0], *family[1]]:
-                c.close()
-            raise
-        try:
-            session = Session(spec, manifest=writer, family=family)
-            try:
-                session.engine.materialise(out, threads=threads, overwrite=force)
-                totals = session.finish()
-            finally:
-                session.close()
-        finally:
-            writer.close()
-        assert writer.path is not None
-        return MergeResult(out, writer.path, totals)
+        return ops.merge(self._spec(budget), outdir, force=force, manifest=manifest,
+                         threads=threads, progress=False)
 
     def mount(self, mountpoint: str | os.PathLike[str], budget: str | float | Budget | None = None,
               *, cache_size: str | None = None, cache_dir: str | None = None,
@@ -174,16 +121,10 @@ class Mounted:
 
     def stats(self) -> dict[str, Any]:
         """The live ``.mergefs/stats.json`` (bytes served and read, cache, errors)."""
-        from mergefs.mount.control import read_stats
-
         return read_stats(self.path)
 
     def unmount(self, lazy: bool = False) -> None:
         """Unmount (refused while a process still uses it, unless ``lazy``)."""
-        import argparse
-
-        from mergefs.mount.lifecycle import is_mounted, run_umount
-
         if is_mounted(self.path):
             run_umount(argparse.Namespace(mountpoint=str(self.path), lazy=lazy))
 
@@ -198,8 +139,6 @@ def open(spec: str | os.PathLike[str] | dict[str, Any],  # noqa: A001 - mergefs.
          base_dir: str | os.PathLike[str] | None = None) -> Merge:
     """Open a spec file (or a spec already loaded as a dict, paths relative to ``base_dir``)."""
     if isinstance(spec, dict):
-        from mergefs.spec.load import parse_spec
-
         return Merge(parse_spec(json.loads(json.dumps(spec)), Path(base_dir or ".").resolve()))
     return Merge(load_spec(Path(spec)))
 
@@ -208,6 +147,4 @@ def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None 
            force: bool = False) -> Any:
     """Re-execute a manifest and verify every byte; returns
     :class:`mergefs.engine.replay.ReplayResult`, raises on any difference."""
-    from mergefs.engine.replay import replay as _replay
-
-    return _replay(Path(manifest), Path(out) if out is not None else None, overwrite=force)
+    return ops.replay(manifest, out, force=force)

@@ -162,7 +162,7 @@ def test_numba_blocked_builds_the_same_index(tmp_path: Path) -> None:
     fam = make_family(tmp_path / "fam", n_experts=3, dtype="bfloat16", seed=11)
     code = ("import sys; sys.modules['numba'] = None\n"
             "import numpy as np\n"
-            "from mergefs import kernels\n"
+            "from mergefs.methods import kernels\n"
             "from mergefs.sources import open_source\n"
             "from mergefs.index.blocks import load_or_build\n"
             "base = open_source(sys.argv[1]); ex = [open_source(p) for p in sys.argv[3:]]\n"

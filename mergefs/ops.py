@@ -1,0 +1,236 @@
+"""The operations: load, index, plan, merge, compress, mount and replay, each step written once.
+
+The CLI (:mod:`mergefs.cli`) and the Python API (:mod:`mergefs.api`) are thin faces over these
+functions: the guards (outputs never inside a source, manifests never overwritten, an output
+directory only when complete), the index build with its progress bar, the manifest and the
+staging exist here and nowhere else. Progress bars go to stderr and only when ``progress`` is
+true and stderr is a terminal (:func:`mergefs.core.progress.byte_progress`).
+
+Blocking: call from an ordinary thread, never from a trio or asyncio event loop thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergefs.core.errors import MergefsError
+from mergefs.core.progress import byte_progress
+from mergefs.deltas.publish import publish as publish_deltas
+from mergefs.engine import ray_index, ray_merge
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.merger import may_use_kernels
+from mergefs.engine.output import check_outdir, check_outside, check_source_files, check_writes
+from mergefs.engine.replay import ReplayResult
+from mergefs.engine.replay import replay as replay_manifest
+from mergefs.engine.session import Session, prepare_family
+from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
+from mergefs.index.published import publish as publish_index
+from mergefs.index.layout import build_layout
+from mergefs.methods import kernels
+from mergefs.mount.lifecycle import run_mount
+from mergefs.sources.local import Checkpoint
+from mergefs.spec.budget import Budget
+from mergefs.spec.load import load_spec
+from mergefs.spec.model import Spec
+from mergefs.spec.variants import Variant, is_sweep, load_variant, load_variants, read_doc
+
+Family = tuple[Checkpoint, list[Checkpoint]]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge wrote: the output directory, its manifest and the run's totals (the
+    manifest's ``totals`` record: bytes read per source, bounds, wall time)."""
+
+    outdir: Path
+    manifest: Path
+    totals: dict[str, Any]
+
+
+def load(path: str | os.PathLike[str], *, strict: bool = False, variant: str | None = None,
+         any_variant: bool = False, budget: Budget | None = None) -> Spec:
+    """The spec at ``path``; of a sweep spec, the ``variant`` named (or, with ``any_variant``,
+    the first: every variant has the same family and index). Refuses an index directory inside a
+    source; ``budget`` overrides the spec's."""
+    if is_sweep(read_doc(path)):
+        if variant is not None:
+            spec = load_variant(path, variant, strict)
+        elif any_variant:
+            spec = load_variants(path, strict)[0][1]
+        else:
+            names = [v.name for v, _ in load_variants(path, strict)]
+            raise MergefsError(f"{path} is a sweep of {len(names)} variants: choose one with "
+                               f"--variant NAME ({', '.join(names[:6])}"
+                               f"{', ...' if len(names) > 6 else ''}), or mount them all")
+    elif variant is not None:
+        raise MergefsError(f"--variant: {path} has no sweep or variants")
+    else:
+        spec = load_spec(path, strict=strict)
+    check_index_dir(spec)
+    return spec if budget is None else spec.with_budget(budget)
+
+
+def check_index_dir(spec: Spec) -> None:
+    """Refuse an index directory that is, contains or lies inside a source of the spec."""
+    check_writes(spec.model_paths, index_dir=spec.index_dir)
+
+
+def close_family(family: Family) -> None:
+    for c in [family[0], *family[1]]:
+        c.close()
+
+
+def chunk_runner(ray: str | None, spec: Spec, family: Family) -> ray_index.RayChunkRunner | None:
+    """Where an index build computes its chunks: None (local threads), or the Ray cluster at
+    ``ray`` ("" for the default one)."""
+    return None if ray is None else ray_index.RayChunkRunner(spec, family[0], family[1], ray or None)
+
+
+def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress: bool = True,
+                **options: Any) -> tuple[BlockIndex, bool]:
+    """Build or reuse the family's block index (``options``: :func:`load_or_build`'s), with a
+    progress bar; returns (index, built)."""
+    base, experts = family
+    runner = chunk_runner(ray, spec, family)
+    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
+    with byte_progress("indexing", total, enabled=progress) as tick:
+        got = load_or_build(base, experts, spec.block_size, spec.index_dir, tick, runner=runner,
+                            **options)
+    if runner is not None and runner.parts and progress:
+        nodes = {p["worker"]["node"] for p in runner.parts}
+        print(f"indexed on Ray: {len(runner.parts)} tasks on {len(nodes)} node(s)")
+    return got
+
+
+def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress: bool = True,
+                 family: Family | None = None, ray: str | None = None) -> Session:
+    """A :class:`Session` (family, index, plan, engine), the index built with a progress bar if
+    it must be. ``family``: opened already by the caller (the session owns it from here)."""
+    family = family if family is not None else prepare_family(spec)
+    try:
+        runner = chunk_runner(ray, spec, family)
+        total = index_bytes_total(family[0], family[1], build_layout(family[0], spec.block_size))
+    except BaseException:
+        close_family(family)
+        raise
+    with byte_progress("indexing", total, enabled=progress) as tick:
+        return Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
+                       index_runner=runner)
+
+
+def require_ray(ray: str | None) -> None:
+    """With ``--ray``, fail first (one line saying how to install it) if Ray is missing."""
+    if ray is not None:
+        ray_merge.require_ray()
+        ray_merge.check_reachable(ray or None)
+
+
+def open_manifest(spec: Spec, explicit: str | os.PathLike[str] | None) -> ManifestWriter:
+    """The run's manifest writer: ``explicit`` exactly (refused if it exists), else a new
+    timestamped file beside the spec's ``manifest`` path, which then points at it."""
+    return ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
+
+
+def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
+          manifest: str | os.PathLike[str] | None = None, ray: str | None = None,
+          threads: int = 2, progress: bool = True) -> MergeResult:
+    """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier merge
+    output as a whole). Everything is validated before the manifest or any output exists."""
+    require_ray(ray)
+    out = Path(outdir)
+    manifest_path = manifest or spec.manifest
+    check_writes(spec.model_paths, outdir=out, index_dir=spec.index_dir, manifest=manifest_path)
+    check_outside(out, spec=spec.source, manifest=manifest_path, index_dir=spec.index_dir,
+                  cache_dir=spec.cache_dir)
+    check_outdir(out, force)
+    if ray is None and may_use_kernels(spec):  # numba loads while the family opens
+        kernels.start_warm_up(full=False)
+    family = prepare_family(spec)
+    try:
+        check_source_files(out, [family[0], *family[1]])
+        writer = open_manifest(spec, manifest)
+    except BaseException:
+        close_family(family)
+        raise
+    try:
+        session = open_session(spec, manifest=writer, family=family, ray=ray, progress=progress)
+        try:
+            out_bytes = sum(f.size_bytes for f in session.engine.out_files)
+            with byte_progress("merging", out_bytes, enabled=progress) as tick:
+                if ray is not None:
+                    ray_merge.materialise(session, out, ray or None, on_bytes=tick,
+                                          overwrite=force)
+                else:
+                    session.engine.materialise(out, on_bytes=tick, threads=threads,
+                                               overwrite=force)
+            totals = session.finish()
+        finally:
+            session.close()
+    finally:
+        writer.close()
+    assert writer.path is not None
+    return MergeResult(out, Path(writer.path), totals)
+
+
+@dataclass(frozen=True)
+class IndexResult:
+    index: BlockIndex
+    built: bool  # False: reused
+    experts: int
+    published: list[Any]  # index sidecars written beside the experts (``publish``)
+
+
+def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str | None = None,
+          progress: bool = True) -> IndexResult:
+    """Build or reuse the block index; ``publish`` also writes each expert's index sidecar
+    beside it. ``rebuild`` and ``publish`` read every source (sidecars are never built from
+    sidecars)."""
+    require_ray(ray)
+    family = prepare_family(spec)
+    try:
+        got, built = build_index(spec, family, ray=ray, progress=progress, rebuild=rebuild,
+                                 sidecars=not (rebuild or publish))
+        published = publish_index(family[0], family[1], got) if publish else []
+    finally:
+        close_family(family)
+    return IndexResult(got, built, len(family[1]), published)
+
+
+def compress(spec: Spec, *, ray: str | None = None, progress: bool = True) -> list[Any]:
+    """Publish delta sidecars of every expert; returns where each was written."""
+    require_ray(ray)
+    family = prepare_family(spec)
+    try:
+        got, _ = build_index(spec, family, ray=ray, progress=progress, sidecars=False)
+        if ray is not None:
+            return ray_index.publish_deltas(spec, family[0], family[1], got, ray or None)
+        return publish_deltas(family[0], family[1], got)
+    finally:
+        close_family(family)
+
+
+def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
+          budget: Budget | None = None) -> int:
+    """Mount a spec, or every variant of a sweep spec (``args``: the mount's options, as the
+    CLI's ``mount`` command takes them)."""
+    if not is_sweep(read_doc(spec_path)):
+        return run_mount(args, load(spec_path, strict=strict, budget=budget))
+    if budget is not None:
+        raise MergefsError("--budget: a sweep spec sets its budgets (sweep: budget: [...]); "
+                           "mount it without --budget")
+    found: Sequence[tuple[Variant, Spec]] = load_variants(os.path.abspath(spec_path),
+                                                          strict=strict)
+    check_writes(found[0][1].model_paths, index_dir=found[0][1].index_dir)
+    return run_mount(args, found[0][1], variants=found)
+
+
+def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+           force: bool = False) -> ReplayResult:
+    """Re-execute a manifest and verify every byte; raises on any difference."""
+    return replay_manifest(Path(manifest), Path(out) if out is not None else None,
+                           overwrite=force)
