@@ -6,6 +6,7 @@ The Python API (``mergefs.open(spec).plan("10%")``, ``.merge(outdir)``, ``.mount
 
 __version__ = "0.2.0"
 
-from mergefs.api import Merge, MergeResult, Mounted, open, replay  # noqa: E402
+from mergefs.api import Merge, Mounted, open, replay
+from mergefs.ops import MergeResult
 
 __all__ = ["Merge", "MergeResult", "Mounted", "__version__", "open", "replay"]

@@ -92,7 +92,7 @@ class Merge:
         process, returning once it answers. Use as a context manager, or call ``unmount()``.
         The spec file is read again by the server, so ``budget`` is passed to it as an
         override."""
-        argv = [sys.executable, "-m", "mergefs.cli.main", "mount", self.spec.source, str(mountpoint)]
+        argv = [sys.executable, "-m", "mergefs.cli", "mount", self.spec.source, str(mountpoint)]
         if self.spec.source == "<inline>":
             raise MergefsError("mount needs a spec file (the server process reads it)")
         b = _budget(budget)

@@ -21,7 +21,7 @@ from families import Family, _write_model, make_family, write_spec
 from reference import read_tensor
 from safetensors.numpy import load, save
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.index import build as indexbuild, read as indexread
 from mergefs.sources.base import Counters
 from mergefs.sources.base import ReadRange

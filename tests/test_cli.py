@@ -14,7 +14,7 @@ import yaml
 from families import Family, make_family, write_spec
 from reference import read_tensor, reference_merge_dir, tensor_names
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.core.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def mergefs_argv() -> list[str]:
     exe = REPO / ".venv" / "bin" / "mergefs"
     if exe.exists():
         return [str(exe)]
-    return [sys.executable, "-c", "import sys; from mergefs.cli.main import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from mergefs.cli import main; sys.exit(main())"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

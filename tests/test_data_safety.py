@@ -282,7 +282,7 @@ def test_interrupted_merge_leaves_no_partial_output(tmp_path: Path) -> None:
         if attempt == "force":
             assert run_cli("merge", str(spec), str(out), "--budget", "0%").returncode == 0
             old = tree_digest(out)
-        argv = [sys.executable, "-m", "mergefs.cli.main", "merge", str(spec), str(out),
+        argv = [sys.executable, "-m", "mergefs.cli", "merge", str(spec), str(out),
                 "--manifest", str(tmp_path / f"{attempt}.jsonl")]
         proc = subprocess.Popen(argv + (["--force"] if attempt == "force" else []),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -374,7 +374,7 @@ def test_merge_into_the_current_directory_is_refused(tmp_path: Path, fam: Family
     spec = spec_for(tmp_path, fam)
     here = tmp_path / "here"
     here.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "mergefs.cli.main", "merge", str(spec), "."],
+    proc = subprocess.run([sys.executable, "-m", "mergefs.cli", "merge", str(spec), "."],
                           cwd=here, capture_output=True, text=True, timeout=120, check=False)
     one_line_error(proc, "holds the current directory")
 

@@ -8,7 +8,6 @@ import json
 import shutil
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from families import make_family, write_spec
@@ -16,7 +15,13 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mergefs.deltas import publish as compress, decode as deltadecode
-from mergefs.deltas import codec as deltas
+from mergefs.deltas.codes import (
+    DELTA_VERSION, DeltaError, Level, META_KEY, dequant, lowrank_block_size, pack_bits,
+    packed_size,
+)
+from mergefs.deltas.match import find
+from mergefs.deltas.reconstruct import reconstruct, shared_value
+from mergefs.deltas import reconstruct as reconstruct_mod
 from mergefs.methods import kernels
 from mergefs.engine.session import Session
 from mergefs.recipe.family import open_family
@@ -27,30 +32,30 @@ BLOCK = 512
 
 
 def _random_level(rng: np.random.Generator, kind: str, cols: int
-                  ) -> tuple[deltas.Level, bytes | None]:
+                  ) -> tuple[Level, bytes | None]:
     """A level of ``kind`` with random parameters, and its shared range (or None)."""
     if kind == "lowrank":
         bits, k = int(rng.choice([2, 3, 4, 8, 16])), int(rng.integers(1, 7))
         scales = rng.uniform(0.01, 1, 2 * k).astype("<f4").tobytes()
         body = (rng.normal(0, 1, k * cols).astype("<f2").tobytes() if bits == 16
-                else rng.bytes(deltas.packed_size(k * cols, bits)))
-        return deltas.Level("lowrank", bits, k), scales + body
+                else rng.bytes(packed_size(k * cols, bits)))
+        return Level("lowrank", bits, k), scales + body
     if kind == "vq":
-        return deltas.Level("vq", 1, 8), rng.normal(0, 1, 256 * 8).astype("<f2").tobytes()
+        return Level("vq", 1, 8), rng.normal(0, 1, 256 * 8).astype("<f2").tobytes()
     bits = int(rng.integers(1, 5))
-    return deltas.Level(kind, bits, 1 if kind == "ulp" else 0), None
+    return Level(kind, bits, 1 if kind == "ulp" else 0), None
 
 
-def _random_block(rng: np.random.Generator, lv: deltas.Level, rows_b: int, cols: int) -> bytes:
+def _random_block(rng: np.random.Generator, lv: Level, rows_b: int, cols: int) -> bytes:
     """A well-formed random block range of level ``lv`` for a block of ``rows_b`` rows."""
     n = rows_b * cols
     steps = rng.uniform(1e-4, 1e-2, rows_b).astype("<f4").tobytes()
     if lv.kind == "lowrank":
         if lv.bits == 16:
             return rng.normal(0, 1, rows_b * lv.k).astype("<f2").tobytes()
-        return rng.bytes(deltas.lowrank_block_size(rows_b, lv.k, lv.bits))
+        return rng.bytes(lowrank_block_size(rows_b, lv.k, lv.bits))
     if lv.kind == "quant":
-        return steps + rng.bytes(deltas.packed_size(n, lv.bits))
+        return steps + rng.bytes(packed_size(n, lv.bits))
     if lv.kind == "vq":
         return steps + rng.bytes(n // lv.k)
     if lv.kind == "rows":
@@ -58,12 +63,12 @@ def _random_block(rng: np.random.Generator, lv: deltas.Level, rows_b: int, cols:
             return b""  # no changed row
         mask = rng.random(rows_b) < 0.5
         ch = int(mask.sum())
-        return (deltas.pack_bits(mask, 1) + steps[:4 * ch]
-                + rng.bytes(deltas.packed_size(ch * cols, lv.bits)))
+        return (pack_bits(mask, 1) + steps[:4 * ch]
+                + rng.bytes(packed_size(ch * cols, lv.bits)))
     if lv.kind == "ulp":
         mask = rng.random(n) < 0.3
         codes = rng.integers(0, 1 << lv.bits, int(mask.sum()))
-        return deltas.pack_bits(mask, 1) + deltas.pack_bits(codes, lv.bits)
+        return pack_bits(mask, 1) + pack_bits(codes, lv.bits)
     idx = rng.choice(n, int(rng.integers(0, 12)), replace=False).astype("<u4")
     return idx.tobytes() + rng.normal(0, 1, idx.size).astype("<f4").tobytes()
 
@@ -78,7 +83,7 @@ def _random_case(seed: int) -> tuple:
               if k != "vq" or cols % 8 == 0]  # vq: cols a multiple of its dimension
     levels, shared_raw = zip(*[_random_level(rng, k, cols) for k in kinds])
     levels = tuple(levels)
-    shared = [deltas.shared_value(lv, s, cols) if s is not None else None
+    shared = [shared_value(lv, s, cols) if s is not None else None
               for lv, s in zip(levels, shared_raw)]
     n_rows = rng.integers(1, 9, 7)
     depths = rng.integers(1, len(levels) + 1, n_rows.size)
@@ -99,14 +104,14 @@ def test_compiled_loop_equals_numpy_decoder_bit_for_bit(seed: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Random well-formed levels of every kind (low-rank at 2/3/4/8/16 bits, quant and rows at
     1-4 bits, vq, bf16 ulp, sparse), blocks of different heights and depths: one compiled call
-    writes the same bits as :func:`deltas.reconstruct` block by block, and nothing else."""
+    writes the same bits as :func:`reconstruct` block by block, and nothing else."""
     levels, shared, cols, starts, n_rows, depths, payloads, w0 = _random_case(seed)
     assert deltadecode._compiled() is not None, "numba is a dependency of these tests"
     fast = np.full_like(w0, np.nan)
     deltadecode.decode_into(fast, w0, levels, cols, starts, n_rows, depths, payloads, shared)
     monkeypatch.setattr(deltadecode, "_decode_nb", None)
-    monkeypatch.setattr(deltas, "_quant_add_nb", None)
-    monkeypatch.setattr(deltas, "_ulp_bf16_nb", None)
+    monkeypatch.setattr(reconstruct_mod, "_quant_add_nb", None)
+    monkeypatch.setattr(reconstruct_mod, "_ulp_bf16_nb", None)
     slow = np.full_like(w0, np.nan)
     deltadecode.decode_into(slow, w0, levels, cols, starts, n_rows, depths, payloads, shared)
     assert np.array_equal(fast.view(np.uint32), slow.view(np.uint32))
@@ -123,7 +128,7 @@ def test_compiled_loop_refuses_a_range_of_the_wrong_size() -> None:
     short = payloads.size.copy()
     short[0, j] -= 1
     bad = deltadecode.Payloads(payloads.data, payloads.off, short)
-    with pytest.raises(deltas.DeltaError, match="sizes"):
+    with pytest.raises(DeltaError, match="sizes"):
         deltadecode.decode_into(np.zeros_like(w0), w0, levels, cols, starts, n_rows, depths,
                                 bad, shared)
 
@@ -205,12 +210,12 @@ def _block_errors(sc, tl, index, i: int, w0: np.ndarray, wi: np.ndarray, depth: 
 
 def test_stored_residuals_are_the_errors_of_the_batched_decode(tmp_path: Path) -> None:
     fam, _, base, experts, index, paths = _setup(tmp_path, seed=32)
-    found = deltas.find(base, experts, index)
+    found = find(base, experts, index)
     assert sorted(found) == [0, 1]
     w0s = load_file(str(fam.base / "model.safetensors"))
     checked = 0
     for i, sc in found.items():
-        assert sc.meta["version"] == deltas.DELTA_VERSION == "5"
+        assert sc.meta["version"] == DELTA_VERSION == "5"
         wis = load_file(str(fam.experts[i] / "model.safetensors"))
         for tl in sc.tensors.values():
             w0 = w0s[tl.name].astype(np.float32).reshape(-1)
@@ -230,7 +235,7 @@ def _blas_decode(w0b, levels, bufs, shared, rows_b: int, cols: int) -> np.ndarra
     for lv, buf, sh in zip(levels, bufs, shared):
         if lv.kind == "lowrank":
             u = np.frombuffer(bytes(buf), np.uint8)
-            us.append(deltas.dequant(u, lv.bits, rows_b * lv.k).reshape(rows_b, lv.k)
+            us.append(dequant(u, lv.bits, rows_b * lv.k).reshape(rows_b, lv.k)
                       * sh[0][None, :])
             vs.append(sh[1])
     acc = np.hstack(us) @ np.vstack(vs)
@@ -249,10 +254,10 @@ def relabelled_lowrank_tensors(tmp_path: Path, seed: int, version: str):
     fam, _, base, experts, index, paths = _setup(tmp_path, seed=seed)
     loaded = load_file(paths[0])
     with safe_open(paths[0], "np") as f:
-        meta = json.loads(f.metadata()[deltas.META_KEY])
+        meta = json.loads(f.metadata()[META_KEY])
     meta["version"] = version
-    save_file(loaded, paths[0], metadata={deltas.META_KEY: json.dumps(meta)})
-    sc = deltas.find(base, experts, index)[0]
+    save_file(loaded, paths[0], metadata={META_KEY: json.dumps(meta)})
+    sc = find(base, experts, index)[0]
     assert sc.meta["version"] == version
     w0s = load_file(str(fam.base / "model.safetensors"))
     lay = index.layout
@@ -285,7 +290,7 @@ def test_version_2_sidecar_still_decodes_with_its_blas_product(tmp_path: Path) -
                                 tl.cols)
             got = out[s:s + r * tl.cols]
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-            v3 = deltas.reconstruct(w0[s:s + r * tl.cols], tl.levels[:depth], bufs, shared,
+            v3 = reconstruct(w0[s:s + r * tl.cols], tl.levels[:depth], bufs, shared,
                                     int(r), tl.cols, version="3")
             differ += not np.array_equal(v3.view(np.uint32), want.view(np.uint32))
             checked += 1

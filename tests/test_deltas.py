@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from mergefs.deltas import publish as compress
-from mergefs.deltas import codec as deltas
+from mergefs.deltas.codes import (
+    DeltaError, META_KEY, pack_bits, packed_size, rows_block_size, unpack_bits, vq_block_size,
+)
+from mergefs.deltas.match import find
+from mergefs.deltas.reconstruct import reconstruct
+from mergefs.deltas.sidecar import DeltaSidecar, open_remote_sidecar, open_sidecar
+from mergefs.deltas import reconstruct as reconstruct_mod
 from mergefs.recipe.family import open_family
 from mergefs.core.errors import SourceChanged
 from mergefs.index.blocks import load_or_build
@@ -32,9 +38,9 @@ BLOCK = 512
 @settings(max_examples=60, deadline=None)
 def test_pack_round_trip(bits: int, values: list[int]) -> None:
     codes = np.asarray(values, dtype=np.uint8) & np.uint8((1 << bits) - 1)
-    buf = deltas.pack_bits(codes, bits)
-    assert len(buf) == deltas.packed_size(codes.size, bits)
-    assert np.array_equal(deltas.unpack_bits(buf, bits, codes.size), codes)
+    buf = pack_bits(codes, bits)
+    assert len(buf) == packed_size(codes.size, bits)
+    assert np.array_equal(unpack_bits(buf, bits, codes.size), codes)
 
 
 def _open(fam: Family, tmp: Path, weights: list[float] | None = None) -> tuple:
@@ -69,7 +75,7 @@ def _check_residuals(fam: Family, base, experts, index, found) -> int:
                     continue
                 for n_lv in range(1, len(tl.levels) + 1):
                     levels = tl.levels[:n_lv]
-                    w_hat = deltas.reconstruct(
+                    w_hat = reconstruct(
                         np.ascontiguousarray(w0[r0:r1]).reshape(-1), levels,
                         [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels],
                         [sc.shared(lv, tl.cols) for lv in levels], r1 - r0, tl.cols)
@@ -90,7 +96,7 @@ def test_residual_norms_are_exact(tmp_path: Path, dtype: str) -> None:
     _, base, experts, index = _open(fam, tmp_path)
     paths = compress.publish(base, experts, index)
     assert len(paths) == 3 and all(Path(p).is_file() for p in paths)
-    found = deltas.find(base, experts, index)
+    found = find(base, experts, index)
     assert sorted(found) == [0, 1, 2]
     assert _check_residuals(fam, base, experts, index, found) > 100
 
@@ -99,7 +105,7 @@ def test_block_ranges_are_contiguous_and_adjacent(tmp_path: Path) -> None:
     fam = make_family(tmp_path / "fam", seed=4)
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    sc = deltas.find(base, experts, index)[0]
+    sc = find(base, experts, index)[0]
     assert np.all(sc.range_end[:-1] == sc.range_start[1:])  # one byte stream, no holes
     for tl in sc.tensors.values():
         n_blocks = len(index.layout.blocks_of(tl.t))
@@ -114,14 +120,14 @@ def test_corrupt_range_is_refused(tmp_path: Path) -> None:
     fam = make_family(tmp_path / "fam", seed=5)
     _, base, experts, index = _open(fam, tmp_path)
     path = Path(compress.publish(base, experts, index)[0])
-    sc = deltas.open_sidecar(path)
+    sc = open_sidecar(path)
     r = int(np.flatnonzero(sc.range_bytes() > 0)[3])
     start, _ = sc.abs_range(r, r + 1)
     raw = bytearray(path.read_bytes())
     raw[start] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(SourceChanged, match="checksum"):
-        deltas.open_sidecar(path).read(r, r + 1)
+        open_sidecar(path).read(r, r + 1)
 
 
 def test_sidecar_of_another_expert_is_ignored(tmp_path: Path, caplog) -> None:
@@ -129,7 +135,7 @@ def test_sidecar_of_another_expert_is_ignored(tmp_path: Path, caplog) -> None:
     _, base, experts, index = _open(fam, tmp_path)
     paths = [Path(p) for p in compress.publish(base, experts, index)]
     shutil.copy(paths[1], paths[0])
-    found = deltas.find(base, experts, index)
+    found = find(base, experts, index)
     assert sorted(found) == [1, 2]
     assert "ignoring delta sidecar" in caplog.text
 
@@ -157,7 +163,7 @@ def test_lora_merged_deltas_are_nearly_exact_in_few_bytes(tmp_path: Path, dtype:
     fam = _lora_family(tmp_path / "fam", dtype)
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    found = deltas.find(base, experts, index)
+    found = find(base, experts, index)
     for i, sc in found.items():
         assert set(sc.tensors) == {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"}
         for tl in sc.tensors.values():
@@ -181,7 +187,7 @@ def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
             make_family(tmp_path / "fam", dtype=dtype, seed=8)
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    sc = deltas.find(base, experts, index)[0]
+    sc = find(base, experts, index)[0]
     w0s = _load_f32(fam.base / "model.safetensors")
     lay = index.layout
 
@@ -190,15 +196,15 @@ def test_compiled_decode_equals_numpy(tmp_path: Path, dtype: str,
         for tl in sc.tensors.values():
             w0 = w0s[tl.name].reshape(tl.rows, tl.cols)
             for j, r0, r1, w0b in _stored_blocks(lay, index, 0, tl, w0):
-                out.append(deltas.reconstruct(
+                out.append(reconstruct(
                     w0b, tl.levels,
                     [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in tl.levels],
                     [sc.shared(lv, tl.cols) for lv in tl.levels], r1 - r0, tl.cols))
         return out
 
     fast = decode_all()
-    monkeypatch.setattr(deltas, "_quant_add_nb", None)
-    monkeypatch.setattr(deltas, "_ulp_bf16_nb", None)
+    monkeypatch.setattr(reconstruct_mod, "_quant_add_nb", None)
+    monkeypatch.setattr(reconstruct_mod, "_ulp_bf16_nb", None)
     slow = decode_all()
     assert len(fast) == len(slow) > 0
     for a, b in zip(fast, slow):
@@ -252,7 +258,7 @@ def test_rows_levels_decode_like_an_independent_numpy_decoder(tmp_path: Path) ->
     fam = _row_sparse_family(tmp_path / "fam")
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    found = deltas.find(base, experts, index)
+    found = find(base, experts, index)
     assert sorted(found) == [0, 1]
     w0s = _load_f32(fam.base / "model.safetensors")
     lay = index.layout
@@ -267,9 +273,9 @@ def test_rows_levels_decode_like_an_independent_numpy_decoder(tmp_path: Path) ->
                 for n_lv in range(1, len(tl.levels) + 1):
                     levels = tl.levels[:n_lv]
                     bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]
-                    assert len(bufs[-1]) == deltas.rows_block_size(
+                    assert len(bufs[-1]) == rows_block_size(
                         int(changed[r0:r1].sum()), r1 - r0, tl.cols, levels[-1].bits)
-                    got = deltas.reconstruct(w0b, levels, bufs, [None] * n_lv, r1 - r0, tl.cols)
+                    got = reconstruct(w0b, levels, bufs, [None] * n_lv, r1 - r0, tl.cols)
                     want = _numpy_rows_decode(w0b, levels, bufs, r1 - r0, tl.cols)
                     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
                     # unchanged rows are reconstructed exactly (zero residual there)
@@ -286,7 +292,7 @@ def test_rows_levels_keep_most_energy_in_few_bytes(tmp_path: Path) -> None:
     fam = _row_sparse_family(tmp_path / "fam")
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    for i, sc in deltas.find(base, experts, index).items():
+    for i, sc in find(base, experts, index).items():
         for tl in sc.tensors.values():
             blocks = index.layout.blocks_of(tl.t)
             lv = tl.levels[1]
@@ -311,7 +317,7 @@ def test_sidecar_version_is_checked(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     with safe_open(str(path), "np") as f:
-        meta = json.loads(f.metadata()[deltas.META_KEY])
+        meta = json.loads(f.metadata()[META_KEY])
     kinds = {lv["kind"] for t in meta["tensors"] for lv in t["levels"]}
     assert kinds & {"rows", "vq"}, "the family should use a version-2 level kind"
     v1_only = json.loads(json.dumps(meta))
@@ -319,15 +325,15 @@ def test_sidecar_version_is_checked(tmp_path: Path) -> None:
         t["levels"] = [lv for lv in t["levels"] if lv["kind"] not in ("rows", "vq")]
     for version, doc, ok in (("1", v1_only, True), ("1", meta, False), ("99", meta, False)):
         doc["version"] = version
-        save_file(loaded, str(path), metadata={deltas.META_KEY: json.dumps(doc)})
+        save_file(loaded, str(path), metadata={META_KEY: json.dumps(doc)})
         if ok:
-            assert deltas.open_sidecar(path).meta["version"] == "1"
+            assert open_sidecar(path).meta["version"] == "1"
         elif version == "1":
-            with pytest.raises(deltas.DeltaError, match=r"is not one of a version-1 sidecar"):
-                deltas.open_sidecar(path)
+            with pytest.raises(DeltaError, match=r"is not one of a version-1 sidecar"):
+                open_sidecar(path)
         else:
-            with pytest.raises(deltas.DeltaError, match=r"version 99.*re-run `mergefs compress`"):
-                deltas.open_sidecar(path)
+            with pytest.raises(DeltaError, match=r"version 99.*re-run `mergefs compress`"):
+                open_sidecar(path)
 
 
 def _np_codes(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
@@ -385,7 +391,7 @@ def test_dense_ladder_decodes_like_an_independent_numpy_decoder(tmp_path: Path) 
     fam = make_family(tmp_path / "fam", seed=12, n_experts=1)
     _, base, experts, index = _open(fam, tmp_path)
     compress.publish(base, experts, index)
-    sc = deltas.find(base, experts, index)[0]
+    sc = find(base, experts, index)[0]
     w0s = _load_f32(fam.base / "model.safetensors")
     lay = index.layout
     kinds: set[str] = set()
@@ -400,8 +406,8 @@ def test_dense_ladder_decodes_like_an_independent_numpy_decoder(tmp_path: Path) 
                 levels = tl.levels[:n_lv]
                 bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in levels]
                 if levels[-1].kind == "vq":
-                    assert len(bufs[-1]) == deltas.vq_block_size(r1 - r0, tl.cols, levels[-1])
-                got = deltas.reconstruct(w0b, levels, bufs,
+                    assert len(bufs[-1]) == vq_block_size(r1 - r0, tl.cols, levels[-1])
+                got = reconstruct(w0b, levels, bufs,
                                          [sc.shared(lv, tl.cols) for lv in levels],
                                          r1 - r0, tl.cols)
                 want = _numpy_dense_decode(w0b, levels, bufs, shared_raw[:n_lv], r1 - r0,
@@ -423,7 +429,7 @@ def test_remote_sidecar_spans_take_gaps_from_the_allowance(tmp_path: Path) -> No
     _, base, experts, index = _open(fam, tmp_path)
     path = Path(compress.publish(base, experts, index)[0])
     blob = path.read_bytes()
-    local = deltas.open_sidecar(path)
+    local = open_sidecar(path)
     every_other = np.flatnonzero(local.range_bytes() > 0)[::2][:6]
     spans = [(int(r), int(r) + 1) for r in every_other]
     want = [bytes(v) for v in local.read_spans(spans)]
@@ -431,8 +437,8 @@ def test_remote_sidecar_spans_take_gaps_from_the_allowance(tmp_path: Path) -> No
             for a, b in itertools.pairwise(spans)]
     assert len(spans) == 6 and min(gaps) > 0
 
-    def read(allowance: GapAllowance | None) -> deltas.DeltaSidecar:
-        sc = deltas.open_remote_sidecar(str(path), lambda a, b: blob[a:b], 1 << 20)
+    def read(allowance: GapAllowance | None) -> DeltaSidecar:
+        sc = open_remote_sidecar(str(path), lambda a, b: blob[a:b], 1 << 20)
         sc.gap_allowance = allowance
         assert [bytes(v) for v in sc.read_spans(spans)] == want
         return sc

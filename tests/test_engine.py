@@ -34,7 +34,7 @@ from reference import (
 )
 from safetensors import safe_open
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest

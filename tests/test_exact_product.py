@@ -15,18 +15,17 @@ from hypothesis import strategies as st
 from test_deltadecode import relabelled_lowrank_tensors
 
 from mergefs.deltas import publish as compress, decode as deltadecode, intgemm
-from mergefs.deltas import codec as deltas
-
-
+from mergefs.deltas.codes import DeltaError, Level, lowrank_block_size, packed_size
+from mergefs.deltas.reconstruct import _uq, exact_level, grid_of, reconstruct, shared_value
 def _built(w0: np.ndarray, wi: np.ndarray):
     """One tensor's levels as the publisher builds them, 37-row blocks: (rows, built, levels,
     decoded shared values)."""
     m, n = w0.shape
     rows = [(r, min(m, r + 37)) for r in range(0, m, 37)]
     built = compress.build_levels(w0, wi, rows)
-    levels = tuple(deltas.Level(kind, bits, k, 0 if s is not None else -1)
+    levels = tuple(Level(kind, bits, k, 0 if s is not None else -1)
                    for (kind, bits, k), s in zip(built.kinds, built.shared))
-    shared = [deltas.shared_value(lv, memoryview(s), n) if s is not None else None
+    shared = [shared_value(lv, memoryview(s), n) if s is not None else None
               for s, lv in zip(built.shared, levels)]
     return rows, built, levels, shared
 
@@ -46,11 +45,11 @@ def test_the_grid_product_is_exact_in_any_order() -> None:
     """Q W by BLAS (1 and 2 threads), by a float32 sum in reversed component order, and in
     int64: the same integers, all below 2**24."""
     _, _, rows, built, levels, shared = _dense_tensor(1)
-    exact = [lvl for lvl, lv in enumerate(levels) if deltas.exact_level(lv, "4")]
+    exact = [lvl for lvl, lv in enumerate(levels) if exact_level(lv, "4")]
     assert len(exact) >= 3, [(lv.kind, lv.bits, lv.k) for lv in levels]
-    _, w = deltas.grid_of(levels, shared)
+    _, w = grid_of(levels, shared)
     r0, r1 = rows[2]
-    q = np.hstack([deltas._uq(levels[lvl], r1 - r0, memoryview(built.blocks[lvl][2]))
+    q = np.hstack([_uq(levels[lvl], r1 - r0, memoryview(built.blocks[lvl][2]))
                    for lvl in exact])
     assert q.shape[1] == w.shape[0] and (np.abs(q) % 2 == 1).all()  # odd integers
     want = q.astype(np.int64) @ w.astype(np.int64)
@@ -79,17 +78,17 @@ def test_grid_is_the_largest_that_keeps_partial_sums_exact(spec, seed) -> None:
     for bits, k, scale in spec:
         us = (rng.uniform(0.1, 1, k) * scale).astype(np.float32)
         v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
-        levels.append(deltas.Level("lowrank", bits, k, 0))
+        levels.append(Level("lowrank", bits, k, 0))
         shared.append((us, v))
         x = v.astype(np.float64) * us.astype(np.float64)[:, None]
         tops += [(1 << bits) - 1] * k
         peaks += list(np.abs(x).max(axis=1))
     total = math.fsum(t * p for t, p in zip(tops, peaks)) / 2
     if 23 - math.frexp(total)[1] < -100:
-        with pytest.raises(deltas.DeltaError):
-            deltas.grid_of(levels, shared)
+        with pytest.raises(DeltaError):
+            grid_of(levels, shared)
         return
-    grid, w = deltas.grid_of(levels, shared)
+    grid, w = grid_of(levels, shared)
     assert sum(t * int(np.abs(row).max()) for t, row in zip(tops, w)) < 1 << 24
     assert total * 2.0 ** grid < 2**23
     if grid < 149:
@@ -110,8 +109,8 @@ def test_a_subnormal_delta_publishes_and_decodes(scale: float) -> None:
     wi = d.astype(np.float32)
     assert np.abs(wi).max() < np.finfo(np.float32).tiny and np.count_nonzero(wi) > m * n // 2
     rows, built, levels, shared = _built(w0, wi)
-    assert deltas.exact_level(levels[0], "4"), levels
-    grid, _ = deltas.grid_of(levels, shared)
+    assert exact_level(levels[0], "4"), levels
+    grid, _ = grid_of(levels, shared)
     assert grid == 149
     first = sum(built.resid[0][j] ** 2 for j in range(len(rows))) ** 0.5
     assert first < 0.9 * float(np.linalg.norm(wi.astype(np.float64)))
@@ -125,7 +124,7 @@ def test_a_subnormal_delta_publishes_and_decodes(scale: float) -> None:
                             np.full(len(rows), len(levels)), deltadecode.Payloads(data, off, sizes),
                             shared)
     for j, (r0, r1) in enumerate(rows):
-        want = deltas.reconstruct(w0[r0:r1].reshape(-1), levels,
+        want = reconstruct(w0[r0:r1].reshape(-1), levels,
                                   [memoryview(bl[j]) for bl in built.blocks], shared, r1 - r0, n)
         assert np.array_equal(out[r0 * n:r1 * n].view(np.uint32), want.view(np.uint32))
 
@@ -141,14 +140,14 @@ def test_a_damaged_lowrank_scale_is_refused(bad: float) -> None:
     r0, r1 = rows[0]
     n = w0.shape[1]
     blocks = [memoryview(built.blocks[lvl][0]) for lvl in range(len(levels))]
-    with pytest.raises(deltas.DeltaError, match="damaged sidecar"):
-        deltas.reconstruct(w0[r0:r1].reshape(-1), levels, blocks, shared, r1 - r0, n)
+    with pytest.raises(DeltaError, match="damaged sidecar"):
+        reconstruct(w0[r0:r1].reshape(-1), levels, blocks, shared, r1 - r0, n)
     sizes = np.asarray([[len(b)] for b in blocks], np.int64)
     off = (np.cumsum(sizes.reshape(-1)) - sizes.reshape(-1)).reshape(sizes.shape)
     payloads = deltadecode.Payloads(np.frombuffer(b"".join(bytes(b) for b in blocks), np.uint8),
                                     off, sizes)
     out = np.full((r1 - r0) * n, np.nan, np.float32)
-    with pytest.raises(deltas.DeltaError, match="damaged sidecar"):
+    with pytest.raises(DeltaError, match="damaged sidecar"):
         deltadecode.decode_into(out, w0[r0:r1].reshape(-1), levels, n, np.array([0]),
                                 np.array([r1 - r0]), np.array([len(levels)]), payloads, shared)
     assert np.isnan(out).all()
@@ -161,16 +160,16 @@ def test_float16_levels_keep_the_fixed_order_product() -> None:
     cols, rb = 16, 5
     us = rng.uniform(0.5, 1, 3).astype(np.float32)
     v = rng.normal(0, 1, (3, cols)).astype(np.float32)
-    lv = deltas.Level("lowrank", 16, 3, 0)
+    lv = Level("lowrank", 16, 3, 0)
     block = rng.normal(0, 1, rb * 3).astype("<f2").tobytes()
     w0 = rng.normal(0, 1, rb * cols).astype(np.float32)
-    got = deltas.reconstruct(w0, (lv,), [memoryview(block)], [(us, v)], rb, cols)
+    got = reconstruct(w0, (lv,), [memoryview(block)], [(us, v)], rb, cols)
     u = np.frombuffer(block, "<f2").astype(np.float32).reshape(rb, 3) * us
     acc = np.zeros((rb, cols), np.float32)
     for c in range(3):
         acc = acc + u[:, c:c + 1] * v[c:c + 1]
     assert np.array_equal(got, w0 + acc.reshape(-1))
-    assert np.array_equal(got, deltas.reconstruct(w0, (lv,), [memoryview(block)], [(us, v)],
+    assert np.array_equal(got, reconstruct(w0, (lv,), [memoryview(block)], [(us, v)],
                                                   rb, cols, version="3"))
 
 
@@ -187,7 +186,7 @@ def test_version_3_sidecar_decodes_with_its_fixed_order_product(tmp_path) -> Non
         for j, s, r in zip(js, starts, n_rows):
             bufs = [sc.read(lv.first_range + j, lv.first_range + j + 1) for lv in tl.levels]
             args = (w0[s:s + r * tl.cols], tl.levels, bufs, shared, int(r), tl.cols)
-            v3, v4 = deltas.reconstruct(*args, version="3"), deltas.reconstruct(*args)
+            v3, v4 = reconstruct(*args, version="3"), reconstruct(*args)
             assert np.array_equal(out[s:s + r * tl.cols].view(np.uint32), v3.view(np.uint32))
             differ += not np.array_equal(v3.view(np.uint32), v4.view(np.uint32))
             checked += 1
@@ -204,7 +203,7 @@ def _lowrank_case(seed: int) -> tuple:
     levels, shared = [], []
     for lvl in range(int(rng.integers(2, 6))):
         if lvl and rng.random() < 0.3:
-            levels.append(deltas.Level("quant", int(rng.integers(1, 5)), 0))
+            levels.append(Level("quant", int(rng.integers(1, 5)), 0))
             shared.append(None)
             continue
         bits = int(rng.choice([2, 3, 3, 4, 8, 16]))
@@ -212,19 +211,19 @@ def _lowrank_case(seed: int) -> tuple:
         if bits == 3 and rng.random() < 0.6:
             k = int(rng.choice([8, 16]))
         us = (rng.uniform(0.1, 1, k) * rng.choice([1e-3, 1.0, 1e3])).astype(np.float32)
-        levels.append(deltas.Level("lowrank", bits, k, 0))
+        levels.append(Level("lowrank", bits, k, 0))
         shared.append((us, rng.normal(0, 1, (k, cols)).astype(np.float32)))
     n_rows = rng.integers(0, 20, 9)
     depths = rng.integers(0, len(levels) + 1, n_rows.size)
     depths[0] = len(levels) - 1  # the call never reaches the last level
 
-    def blob(lv: deltas.Level, rb: int) -> bytes:
+    def blob(lv: Level, rb: int) -> bytes:
         if lv.kind == "quant":
             return (rng.uniform(1e-4, 1e-3, rb).astype("<f4").tobytes()
-                    + rng.bytes(deltas.packed_size(rb * cols, lv.bits)))
+                    + rng.bytes(packed_size(rb * cols, lv.bits)))
         if lv.bits == 16:
             return rng.normal(0, 1, rb * lv.k).astype("<f2").tobytes()
-        return rng.bytes(deltas.lowrank_block_size(rb, lv.k, lv.bits))
+        return rng.bytes(lowrank_block_size(rb, lv.k, lv.bits))
 
     blocks = [[blob(lv, int(rb)) for rb in n_rows] for lv in levels]
     size = np.asarray([[len(b) for b in row] for row in blocks], np.int64)
@@ -256,13 +255,13 @@ def test_batched_exact_decode_does_not_depend_on_chunks_or_packing(
     """Blocks at every depth (some without quantised low-rank components), float16 and
     quantised low-rank levels mixed, decoded in chunks of a few blocks and with a packing of
     more levels than the call reaches, by either route of the exact product, sidecar versions 4
-    and 5: the same bits as :func:`deltas.reconstruct` block by block, whose grid is that of
+    and 5: the same bits as :func:`reconstruct` block by block, whose grid is that of
     the block's own prefix."""
     _route(route, monkeypatch)
     levels, shared, cols, starts, n_rows, depths, blocks, payloads, w0 = _lowrank_case(seed)
     want = np.empty_like(w0)
     for j, (s, rb, d) in enumerate(zip(starts, n_rows, depths)):
-        want[s:s + rb * cols] = deltas.reconstruct(
+        want[s:s + rb * cols] = reconstruct(
             w0[s:s + rb * cols], levels[:d], [memoryview(blocks[lvl][j]) for lvl in range(d)],
             shared[:d], int(rb), cols, version=version)
     assert deltadecode._compiled() is not None, "numba is a dependency of these tests"
@@ -290,10 +289,10 @@ def test_version_5_grid_is_int8_and_the_finest_such(spec, seed) -> None:
     for bits, k, scale in spec:
         us = (rng.uniform(0.1, 1, k) * scale).astype(np.float32)
         v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
-        levels.append(deltas.Level("lowrank", bits, k, 0))
+        levels.append(Level("lowrank", bits, k, 0))
         shared.append((us, v))
-    g4, _ = deltas.grid_of(levels, shared, "4")
-    g5, w5 = deltas.grid_of(levels, shared, "5")
+    g4, _ = grid_of(levels, shared, "4")
+    g5, w5 = grid_of(levels, shared, "5")
     assert g5 <= g4
     lim = np.concatenate([np.full(lv.k, 63 if lv.bits == 8 else 127) for lv in levels])
     assert (np.abs(w5).max(axis=1) <= lim).all()
@@ -325,15 +324,15 @@ def test_the_route_counts_a_products_digits_once(monkeypatch: pytest.MonkeyPatch
         pytest.skip("this CPU has neither AMX nor VNNI: no oneDNN int8 route")
     rng = np.random.default_rng(3)
     cols, rb = 40, 9
-    levels = (deltas.Level("lowrank", 4, 6, 0), deltas.Level("lowrank", 2, 10, 0))
+    levels = (Level("lowrank", 4, 6, 0), Level("lowrank", 2, 10, 0))
     shared = [(rng.uniform(0.1, 1, lv.k).astype(np.float32),
                rng.normal(0, 1, (lv.k, cols)).astype(np.float32)) for lv in levels]
-    blocks = [rng.bytes(deltas.lowrank_block_size(rb, lv.k, lv.bits)) for lv in levels]
+    blocks = [rng.bytes(lowrank_block_size(rb, lv.k, lv.bits)) for lv in levels]
     size = np.asarray([[len(b)] for b in blocks], np.int64)
     payloads = deltadecode.Payloads(np.frombuffer(b"".join(blocks), np.uint8),
                                     np.asarray([[0], [len(blocks[0])]], np.int64), size)
     w0 = rng.normal(0, 0.05, rb * cols).astype(np.float32)
-    want = deltas.reconstruct(w0, levels, [memoryview(b) for b in blocks], shared, rb, cols)
+    want = reconstruct(w0, levels, [memoryview(b) for b in blocks], shared, rb, cols)
     packed = deltadecode.pack(levels, shared, cols)
     calls = []
     real = intgemm.digits_of
@@ -353,7 +352,7 @@ def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
         route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ladder ``mergefs compress`` writes (4-, 3- and 2-bit low-rank levels whose
     components start on multiples of four, then vq and quant levels), every block at every
-    depth in one call: the same bits as :func:`deltas.reconstruct` block by block (the int8
+    depth in one call: the same bits as :func:`reconstruct` block by block (the int8
     route unpacks whole bytes of 2-bit codes as words; the vq codewords and the per-byte code
     values are added as vectors)."""
     _route(route, monkeypatch)
@@ -376,7 +375,7 @@ def test_the_publishers_ladder_decodes_by_either_route_at_every_depth(
         payloads = deltadecode.Payloads(
             np.frombuffer(b"".join(b for row in blocks for b in row), np.uint8), off, size)
         want = np.concatenate([
-            deltas.reconstruct(flat[s:s + rb * cols], levels[:depth],
+            reconstruct(flat[s:s + rb * cols], levels[:depth],
                                [memoryview(blocks[lvl][j]) for lvl in range(depth)],
                                shared[:depth], int(rb), cols)
             for j, (s, rb) in enumerate(zip(starts, n_rows))])
@@ -409,9 +408,9 @@ def test_grid_weights_are_the_rounded_scaled_products(spec, cols, version, seed)
         us = (rng.uniform(-1, 1, k) * scale).astype(np.float32)
         v = (rng.normal(0, 1, (k, cols)) * scale).astype(np.float32)
         v[rng.random(v.shape) < 0.1] = -0.0
-        levels.append(deltas.Level("lowrank", bits, k, 0))
+        levels.append(Level("lowrank", bits, k, 0))
         shared.append((us, v))
-    grid, w = deltas.grid_of(levels, shared, version)
+    grid, w = grid_of(levels, shared, version)
     x = [sh[1].astype(np.float64) * sh[0].astype(np.float64)[:, None]
          for lv, sh in zip(levels, shared) if lv.bits != 16]
     if not x:

@@ -16,7 +16,7 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 from families import Family, make_family, write_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.spec import refs as hub
 from mergefs.core.errors import SpecError
 from mergefs.spec.load import parse_spec
@@ -283,7 +283,6 @@ def test_lora_ids_resolve_from_the_cache(fam: Family, cache: Path, tmp_path: Pat
                                          offline: hub.HubConfig) -> None:
     from safetensors.numpy import save_file
 
-    from mergefs.sources import open_source
     from mergefs.sources import open_source
 
     name = "model.layers.0.self_attn.q_proj.weight"

@@ -405,7 +405,7 @@ def test_merges_without_numba(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "s.yaml", fam, "task_arithmetic", [0.7, 0.4], None,
                       {"block_size": "4KiB", "index_dir": str(tmp_path / "idx")})
     code = ("import sys; sys.modules['numba'] = None\n"
-            "from mergefs.cli import main as cli; from mergefs.methods import kernels\n"
+            "from mergefs import cli; from mergefs.methods import kernels\n"
             "assert not kernels.available()\n"
             "rc = cli.main(['merge', sys.argv[1], sys.argv[2]])\n"
             "assert 'numba' not in sys.modules or sys.modules['numba'] is None\n"
@@ -438,7 +438,7 @@ def test_a_numba_that_fails_to_import_falls_back_to_numpy(tmp_path: Path) -> Non
             "        raise ImportError('Numba needs NumPy 2.2 or less (simulated)')\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = fake\n"
-            "from mergefs.cli import main as cli; from mergefs.methods import kernels\n"
+            "from mergefs import cli; from mergefs.methods import kernels\n"
             "rc = cli.main(['merge', sys.argv[1], sys.argv[2]])\n"
             "assert kernels.counters.units == 0\n"
             "sys.exit(rc)")
@@ -446,7 +446,7 @@ def test_a_numba_that_fails_to_import_falls_back_to_numpy(tmp_path: Path) -> Non
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("numba is installed but unusable (ImportError") == 1
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     assert cli.main(["merge", str(spec), str(tmp_path / "nb")]) == 0
     assert kernels.counters.units > 0  # here, the kernel ran

@@ -214,7 +214,7 @@ def test_manifest_records_sidecar_reads_and_replay_verifies(published: tuple[Fam
 
 def test_cli_compress_then_plan_reports_sidecar_bytes(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     fam = make_family(tmp_path / "fam", seed=12)
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
@@ -233,7 +233,7 @@ def test_plan_table_rows_show_each_experts_sidecar_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each "reads of" row once showed only exact bytes: with sidecars the rows did not add up
     to the planned expert reads."""
-    from mergefs.cli import main as cli
+    from mergefs import cli
     from mergefs.core.sizes import human_bytes
 
     _, spec_path = published
@@ -267,7 +267,7 @@ def test_mount_serves_the_same_reconstructed_merge(tmp_path: Path, mounts: Any) 
     spec_path = write_spec(tmp_path / "spec.yaml", fam, weights=WEIGHTS,
                            extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx"),
                                   "budget": "8%"})
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     assert cli.main(["compress", str(spec_path)]) == 0
     out = merge(spec_path, tmp_path / "out")

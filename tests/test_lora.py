@@ -15,11 +15,10 @@ import yaml
 from families import Family, make_llama_family
 from reference import read_tensor, tensor_names
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.spec import refs as hub
 from mergefs.core.errors import SourceError, SpecError
 from mergefs.sources.base import ReadRange
-from mergefs.sources import open_source
 from mergefs.sources import open_source
 from mergefs.spec.load import parse_spec
 

@@ -17,7 +17,7 @@ from reference import reference_merge_dir
 from test_engine import assert_matches, plan_omit_masks
 from test_mergekit_parity import CASES, config
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.session import Session
 from mergefs.methods import METHODS, describe_methods, get
 from mergefs.methods.base import REQUIRED, Scope
@@ -161,7 +161,7 @@ def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path
                        ("passthrough", {"base": "none", "n": 1})]:
         n = kw.pop("n", 2)
         spec = write(tmp_path, config(llama4, method, n, **kw), name=method)
-        code = ("import sys; from mergefs.cli import main as cli; rc = cli.main(['merge', sys.argv[1], "
+        code = ("import sys; from mergefs import cli; rc = cli.main(['merge', sys.argv[1], "
                 "sys.argv[2]]); assert 'torch' not in sys.modules, 'torch imported'; "
                 "sys.exit(rc)")
         res = subprocess.run([sys.executable, "-c", code, str(spec), str(tmp_path / method)],

@@ -16,7 +16,7 @@ from families import Family, make_family, make_llama_family, write_spec
 from reference import read_tensor, reference_merge_dir, tensor_dtype, tensor_names
 from safetensors.numpy import load_file, save_file
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
 from mergefs.recipe.family import check_coordinates

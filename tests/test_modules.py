@@ -213,7 +213,7 @@ def test_replay_of_a_modules_merge(fam: dict[str, Path], tmp_path: Path) -> None
     import yaml
     from test_mount import sha256
 
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({**task_arithmetic(fam), "block_size": "4KiB",

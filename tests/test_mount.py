@@ -1,4 +1,4 @@
-"""Real FUSE mounts in subprocesses (``python -m mergefs.cli.main mount ...``), always unmounted.
+"""Real FUSE mounts in subprocesses (``python -m mergefs.cli mount ...``), always unmounted.
 
 Every mount is started through the ``mounts`` fixture, whose finalizer terminates the server
 and runs ``fusermount3 -u -z`` whatever happened in the test.
@@ -26,7 +26,7 @@ import pytest
 from families import Family
 from viewcases import CASES, tree, write_case_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.session import Session
 from mergefs.engine.manifest import read_manifest
 from mergefs.spec.load import load_spec
@@ -48,7 +48,7 @@ def is_mounted(path: Path) -> bool:
 
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mergefs.cli.main", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mergefs.cli", *argv], capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 
@@ -83,7 +83,7 @@ class Mounts:
             m.pid = m.stats()["pid"]
             return m
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli.main", "mount", str(spec),
+            proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli", "mount", str(spec),
                                      str(mnt), "--foreground", *args], stdout=out,
                                     stderr=subprocess.STDOUT)
         m = Mount(mnt, proc, log, proc.pid)

@@ -19,7 +19,7 @@ import yaml
 from families import Family, make_family
 from viewcases import write_case_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 
 from mergefs.engine import merger as engine
 
@@ -114,7 +114,7 @@ def test_a_sweep_mount_opens_the_family_once(tmp_path: Path, fam: Family,
 
 DAEMON = """
     import json, sys
-    from mergefs.cli import main as cli
+    from mergefs import cli
     from mergefs.engine import merger as engine
     from mergefs.mount import lifecycle as mount
     log = sys.argv[1]

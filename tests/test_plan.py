@@ -12,7 +12,7 @@ import pytest
 from families import Family, make_family, write_spec
 from reference import read_tensor, tensor_dtype, tensor_names
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.session import Session
 from mergefs.core.errors import BudgetError
 from mergefs.index.blocks import BlockIndex
@@ -360,7 +360,7 @@ def test_per_tensor_norms_match_numpy(family_f32, tmp_path) -> None:
 def test_index_tensors_table(family_f32, tmp_path, capsys) -> None:
     from families import write_spec
 
-    from mergefs.cli.main import main
+    from mergefs.cli import main
 
     spec = write_spec(tmp_path / "s.yaml", family_f32, extra={
         "block_size": "512B", "index_dir": str(tmp_path / "idx")})

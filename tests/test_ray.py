@@ -30,7 +30,7 @@ pytest.importorskip("moto", reason="moto is not installed: Ray tests skipped")
 from raycluster import LocalRayCluster, ray_command
 
 import mergefs
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
 from mergefs.engine.session import Session
 from mergefs.core.errors import SourceChanged

@@ -298,7 +298,7 @@ def test_mount_of_a_self_stack_serves_twice_the_layers(fam: Family, tmp_path: Pa
 
 @pytest.mark.parametrize("case", ["layer-stack", "slerp-template", "filtered-task-arithmetic"])
 def test_replay_of_a_recipe_merge(case: str, fam: Family, tmp_path: Path) -> None:
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     cfg, budget = sliced_cases(fam)[case]
     manifest = tmp_path / "m.jsonl"
@@ -334,7 +334,7 @@ def test_multi_document_equals_mergekit_multi(fam: Family, tmp_path: Path) -> No
                   "block_size": "4KiB", "index_dir": str(tmp_path / "index")}
     spec = tmp_path / "fs.yaml"
     spec.write_text(yaml.safe_dump_all(fs_docs))
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     assert cli.main(["merge", str(spec), str(tmp_path / "fs")]) == 0
     assert_identical(load_dir(tmp_path / "mk"), load_dir(tmp_path / "fs"))
@@ -391,7 +391,7 @@ def test_slice_level_required_parameter(fam: Family, tmp_path: Path) -> None:
 
 def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path) -> None:
     """A model only a later slice reads is a source too: no output may land in it."""
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     cfg, _ = sliced_cases(fam)["layer-stack"]
     spec = spec_file(cfg, tmp_path / "spec.yaml")
@@ -401,7 +401,7 @@ def test_output_inside_a_slice_only_model_is_refused(fam: Family, tmp_path: Path
 
 def test_intermediate_dir_inside_a_source_is_refused(fam: Family, tmp_path: Path) -> None:
     """An intermediate merge is an output too: never written into a source (issue 10's rule)."""
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     docs = [
         {"name": "stack", "merge_method": "passthrough", "dtype": "float32",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from families import forget_ctimes, make_family, write_spec
-from mergefs.cli.main import main as cli_main
+from mergefs.cli import main as cli_main
 from mergefs.engine.session import Session
 from mergefs.core.errors import ManifestError, MergefsError, SourceChanged
 from mergefs.engine.manifest import ManifestWriter, read_manifest

@@ -28,7 +28,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto")
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.output import MARKER
 from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged, SourceError, SpecError
@@ -685,7 +685,7 @@ def test_mount_with_remote_experts_serves_the_local_merge(
     mnt.mkdir()
     log = tmp_path / "mount.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli.main", "mount", str(spec),
+        proc = subprocess.Popen([sys.executable, "-m", "mergefs.cli", "mount", str(spec),
                                  str(mnt), "--foreground"], stdout=fh, stderr=subprocess.STDOUT)
 
     def unmount() -> None:
@@ -829,7 +829,7 @@ def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
         assert cli.main(["compress", str(spec)]) == 0
     names = [n for n in s3.fs.ls(f"{BUCKET}/deltas/expert-0") if "mergefs-delta." in n]
     assert len(names) == 1
-    from mergefs.deltas.codec import open_remote_sidecar, open_sidecar
+    from mergefs.deltas.sidecar import open_remote_sidecar, open_sidecar
 
     local_sc = open_sidecar(next((local_fam / "expert-0").glob("mergefs-delta.*")))
     blob = s3.fs.cat(names[0])

@@ -19,7 +19,7 @@ from families import make_family
 from safetensors.numpy import save_file
 from viewcases import materialise, write_case_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine import merger as engine_mod
 from mergefs.core.cache import UnitCache
 from mergefs.engine.session import Session

@@ -18,7 +18,7 @@ from test_mount import Mounts, run_cli
 
 from mergefs.core import format as fmt
 from mergefs.sources import open_source
-from mergefs.cli.main import main as cli_main
+from mergefs.cli import main as cli_main
 
 needs_fuse = pytest.mark.skipif(
     not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,

@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mergefs.deltas import codec as deltas
+from mergefs.deltas.codes import DeltaError, Level, META_KEY, TensorLevels
+
+from mergefs.deltas.match import find
+
+from mergefs.deltas.reconstruct import one_blas_thread
+
+from mergefs.deltas.sidecar import open_sidecar
 from mergefs.plan.levels import choose
 
 
@@ -39,9 +45,9 @@ def test_two_vq_levels_charge_their_one_codebook_once() -> None:
     levels in one upgrade. That upgrade reads 100 + 10 + 10 = 120 bytes; a budget of 120 must
     take it (the second level's residual, 0.1). ``cost_of`` lists the codebook once per level
     that uses it and charges it twice (220 bytes), so the plan skips the block."""
-    lv1 = deltas.Level("vq", 1, 8, 0, 1)
-    lv2 = deltas.Level("vq", 1, 8, 0, 2)
-    tl = deltas.TensorLevels("w", 0, 8, 64, (lv1, lv2))
+    lv1 = Level("vq", 1, 8, 0, 1)
+    lv2 = Level("vq", 1, 8, 0, 2)
+    tl = TensorLevels("w", 0, 8, 64, (lv1, lv2))
     sc = _Sidecar({"w": tl}, sizes=[100, 10, 10], resid=[np.nan, 0.99, 0.1])
     index = SimpleNamespace(layout=_Layout(1), norms=np.ones((1, 1)),
                             zero=np.zeros((1, 1), dtype=bool),
@@ -57,7 +63,7 @@ def _blas_threads() -> list[int]:
 
 
 def test_one_blas_thread_limits_worker_threads_after_main_thread_used_it() -> None:
-    """``compress.publish`` enters :func:`deltas.one_blas_thread` in the main thread; the engine
+    """``compress.publish`` enters :func:`one_blas_thread` in the main thread; the engine
     later enters it in worker threads to decode. With threadpoolctl >= 3.6 (pthreads OpenBLAS)
     only the *controlling thread*, the first to set a limit and still alive, can change the
     limit, and it is released only by ``_ThreadpoolLimiter.__exit__``, which OneBlasThread
@@ -71,12 +77,12 @@ def test_one_blas_thread_limits_worker_threads_after_main_thread_used_it() -> No
     before = _blas_threads()
     if not before or max(before) < 2:
         pytest.skip("BLAS is single-threaded here")
-    with deltas.one_blas_thread():  # as compress.publish does, in the main thread
+    with one_blas_thread():  # as compress.publish does, in the main thread
         pass
     seen: list[list[int]] = []
 
     def worker() -> None:
-        with deltas.one_blas_thread():  # as Engine._reconstruct does
+        with one_blas_thread():  # as Engine._reconstruct does
             seen.append(_blas_threads())
 
     t = threading.Thread(target=worker)
@@ -144,9 +150,7 @@ def test_mixed_rows_and_vq_plans_hold_budget_and_bound_and_replay(tmp_path, seed
     first = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
     compress.publish(base, experts, index)
     assert [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths] == first
-    from mergefs.deltas import codec as deltas
-
-    kinds = {lv.kind for sc in deltas.find(base, experts, index).values()
+    kinds = {lv.kind for sc in find(base, experts, index).values()
              for tl in sc.tensors.values() for lv in tl.levels}
     assert {"rows", "vq"} <= kinds
     for c in [base, *experts]:
@@ -206,17 +210,20 @@ def test_one_blas_thread_restores_the_limit_when_another_thread_leaves_last() ->
     code = """
 import threading
 from threadpoolctl import threadpool_info
-from mergefs.deltas import codec as deltas
+from mergefs.deltas.codes import DeltaError, Level, META_KEY, TensorLevels
+from mergefs.deltas.match import find
+from mergefs.deltas.reconstruct import one_blas_thread
+from mergefs.deltas.sidecar import open_sidecar
 def blas(): return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
 before = blas()
 a_in, b_in, a_out, b_out = (threading.Event() for _ in range(4))
 def a():  # a long-lived worker (a pool thread): alive after its decode
-    with deltas.one_blas_thread():
+    with one_blas_thread():
         a_in.set(); b_in.wait()
     a_out.set(); b_out.wait()
 def b():
     a_in.wait()
-    with deltas.one_blas_thread():
+    with one_blas_thread():
         b_in.set(); a_out.wait()
     b_out.set()
 ta, tb = threading.Thread(target=a), threading.Thread(target=b)
@@ -235,7 +242,7 @@ def test_publish_in_a_worker_thread_is_byte_identical_to_publish_in_the_main_thr
         tmp_path) -> None:
     """Sidecar bytes depend on the BLAS thread count (eigh, products; measured on MiniLM
     expert 00, before and after this change), so ``publish`` pins one BLAS thread. After the
-    main thread has used :func:`deltas.one_blas_thread` (it stays threadpoolctl's controlling
+    main thread has used :func:`one_blas_thread` (it stays threadpoolctl's controlling
     thread), a publish from another thread runs with the full BLAS pool and writes other
     bytes: a republished sidecar no longer matches manifests recorded against the first."""
     import hashlib
@@ -300,7 +307,7 @@ def test_a_level_of_unknown_kind_is_refused(tmp_path) -> None:
     (path,) = compress.publish(base, experts, index)
     loaded = load_file(path)
     with safe_open(path, "np") as f:
-        meta = json.loads(f.metadata()[deltas.META_KEY])
+        meta = json.loads(f.metadata()[META_KEY])
     renamed = 0
     for t in meta["tensors"]:
         for lv in t["levels"]:
@@ -308,6 +315,6 @@ def test_a_level_of_unknown_kind_is_refused(tmp_path) -> None:
                 lv["kind"] = "vq2"
                 renamed += 1
     assert renamed
-    save_file(loaded, path, metadata={deltas.META_KEY: json.dumps(meta)})
-    with pytest.raises(deltas.DeltaError, match="vq2"):
-        deltas.open_sidecar(path)
+    save_file(loaded, path, metadata={META_KEY: json.dumps(meta)})
+    with pytest.raises(DeltaError, match="vq2"):
+        open_sidecar(path)

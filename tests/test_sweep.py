@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from families import Family, make_family, write_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.sources.local import Checkpoint
 from mergefs.plan.report import run_sweep
 
@@ -21,7 +21,7 @@ def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
 
 
 def plan_json(spec: Path, budget: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "mergefs.cli.main", "plan", str(spec), "--budget",
+    proc = subprocess.run([sys.executable, "-m", "mergefs.cli", "plan", str(spec), "--budget",
                            budget, "--json"], capture_output=True, text=True, check=True)
     return json.loads(proc.stdout)
 
@@ -59,7 +59,7 @@ def test_sweep_cli_methods_table_and_plot(tmp_path: Path, fam: Family) -> None:
     spec = write_spec(tmp_path / "spec.yaml", fam, "task_arithmetic",
                       extra={"block_size": 1024, "index_dir": str(tmp_path / "idx")})
     png = tmp_path / "sweep.png"
-    proc = subprocess.run([sys.executable, "-m", "mergefs.cli.main", "sweep", str(spec), "--budgets",
+    proc = subprocess.run([sys.executable, "-m", "mergefs.cli", "sweep", str(spec), "--budgets",
                            "5%,full", "--methods", "task_arithmetic,ties", "--plot", str(png),
                            "--json"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -68,6 +68,6 @@ def test_sweep_cli_methods_table_and_plot(tmp_path: Path, fam: Family) -> None:
         ("task_arithmetic", "5%"), ("task_arithmetic", "full"), ("ties", "5%"), ("ties", "full")]
     assert rows[2]["bound_tight"] is None  # ties has no bound
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "mergefs.cli.main", "sweep", str(spec), "--budgets",
+    bad = subprocess.run([sys.executable, "-m", "mergefs.cli", "sweep", str(spec), "--budgets",
                           "5%,10"], capture_output=True, text=True, check=False)
     assert bad.returncode == 1 and "ambiguous" in bad.stderr

@@ -16,7 +16,7 @@ from families import Family, make_family, write_spec
 from test_mount import merge, run_cli, sha256
 from viewcases import tree
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.engine.manifest import read_manifest, read_sweep_manifest
 from mergefs.spec.variants import expand
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from families import Family, make_family, write_spec
 
-from mergefs.cli import main as cli
+from mergefs import cli
 from mergefs.core.cache import UnitCache
 from mergefs.core.errors import SpecError
 from mergefs.engine.manifest import ManifestWriter, read_sweep_manifest

@@ -200,7 +200,7 @@ def test_mount_serves_the_tokenizer_merge(vocab_family: dict[str, Path], tmp_pat
 def test_replay_of_a_tokenizer_merge(vocab_family: dict[str, Path], tmp_path: Path) -> None:
     from test_mount import sha256
 
-    from mergefs.cli import main as cli
+    from mergefs import cli
 
     cfg = cfg_for(vocab_family, tokenizer={"source": "union", "pad_to_multiple_of": 8},
                   chat_template="chatml")

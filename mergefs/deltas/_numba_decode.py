@@ -1,7 +1,7 @@
-"""The numba loops behind :mod:`mergefs.deltas.decode` and :func:`mergefs.deltas.codec.reconstruct`
+"""The numba loops behind :mod:`mergefs.deltas.decode` and :func:`mergefs.deltas.reconstruct.reconstruct`
 (imported on first use: importing numba
 costs ~0.15 s, which a merge without sidecars should not pay). See that module for what it
-computes and why it equals :func:`mergefs.deltas.codec.reconstruct` (version 3) bit for bit.
+computes and why it equals :func:`mergefs.deltas.reconstruct.reconstruct` (version 3) bit for bit.
 
 Module-level functions, so that numba's disk cache finds them (functions defined in a closure
 were compiled again in every process, ~2.5 s). No ``fastmath``: it would allow reassociation
@@ -574,13 +574,13 @@ def unpack_exact(uq, urow, rows, depths, cols, kind, bits, ks, loop, data, off, 
     return -1
 
 
-# -- the per-block helpers of mergefs.deltas.codec.reconstruct -----------------------------------
+# -- the per-block helpers of mergefs.deltas.reconstruct.reconstruct -----------------------------------
 
 
 @_jit
 def quant_add(acc, raw, bits, step, cols):
     """``acc[e] += value(code e) * step[e // cols]`` (the ``quant`` level, versions 1-2 and the
-    numpy route of :func:`mergefs.deltas.codec.reconstruct`)."""
+    numpy route of :func:`mergefs.deltas.reconstruct.reconstruct`)."""
     for e in range(acc.size):
         acc[e] += value(code_at(raw, 0, e * bits, bits), bits) * step[e // cols]
 
@@ -588,7 +588,7 @@ def quant_add(acc, raw, bits, step, cols):
 @_jit
 def ulp_bf16(out, w0, raw, bits):
     """bfloat16 ``ulp`` level: the moved elements' patterns (the numpy route of
-    :func:`mergefs.deltas.codec.reconstruct`)."""
+    :func:`mergefs.deltas.reconstruct.reconstruct`)."""
     n = w0.size
     half = 1 << (bits - 1)
     pos = ((n + 7) >> 3) * 8  # bit position of the first code

@@ -4,7 +4,7 @@ The engine reconstructs ``W_hat`` of every planned block of a unit, and the publ
 every level prefix of every block, with :func:`decode_into`: one call per tensor (or run of
 blocks), each block with its own level depth, written straight into the caller's float32
 buffer. Versions 4 and 5: the quantised low-rank components of every block with the same
-number of them are one exact product of integers on the grid of :func:`mergefs.deltas.codec.grid_of`
+number of them are one exact product of integers on the grid of :func:`mergefs.deltas.reconstruct.grid_of`
 (oneDNN's int8 matmul where :mod:`mergefs.deltas.intgemm` takes it, else a float32 BLAS product; the
 same bits either way, whatever the threads), unpacked and then combined with the other levels
 by compiled loops (row by row where a block has no looped level; vq codewords and the values
@@ -13,8 +13,8 @@ components in a fixed order (no fused multiply-add: numba without ``fastmath`` d
 contract). The loops are defined, or loaded from numba's disk cache, at the first call
 (importing numba costs ~0.15 s, which a merge without sidecars need not pay; numba's first
 call in a process ~0.25 s more); without numba, or for ``ulp`` levels of float16 experts,
-:func:`mergefs.deltas.codec.reconstruct` decodes block by block. Both compute exactly the arithmetic
-of :mod:`mergefs.deltas.codec`, so the bits do not depend on which ran; sidecars of versions 1 and 2
+:func:`mergefs.deltas.reconstruct.reconstruct` decodes block by block. Both compute exactly the arithmetic
+of :mod:`mergefs.deltas.sidecar`, so the bits do not depend on which ran; sidecars of versions 1 and 2
 (a BLAS low-rank product) are decoded block by block as before.
 
 :func:`read_payloads` reads the block ranges of a tensor's levels, one span per adjacent run
@@ -33,8 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from mergefs.deltas import codec as dl
+from mergefs.deltas.codes import BLAS_VERSIONS, DELTA_VERSION, DeltaError, Level, TensorLevels
 
+from mergefs.deltas.reconstruct import exact_level, grid_of, one_blas_thread, reconstruct
+
+from mergefs.deltas.sidecar import DeltaSidecar
 #: level kind -> the compiled loop's code
 KIND_CODE = {"lowrank": 0, "quant": 1, "rows": 2, "vq": 3, "ulp": 4, "sparse": 5}
 
@@ -69,7 +72,7 @@ class Packed:
     #: versions 4 and 5: exact low-rank components within depth d (d = 0 .. L)
     n_exact: np.ndarray
     #: versions 4 and 5: per number of exact components n > 0 of some depth, (2**-G, W) of
-    #: :func:`mergefs.deltas.codec.grid_of` over those components (computed on first use)
+    #: :func:`mergefs.deltas.reconstruct.grid_of` over those components (computed on first use)
     grids: Grids
     #: versions 4 and 5: per number of exact components, ``W`` prepacked for
     #: :func:`mergefs.deltas.intgemm.product` (filled on first use)
@@ -91,7 +94,7 @@ class Grids(Mapping[int, tuple[np.float32, np.ndarray]]):
     family's bytes 245 of 431, at 20% 114 of 456; ~0.3 ms each) into ``cache`` (shared by the
     packings of one tensor at several depths; a grid depends only on its prefix)."""
 
-    def __init__(self, prefix: dict[int, int], levels: tuple[dl.Level, ...],
+    def __init__(self, prefix: dict[int, int], levels: tuple[Level, ...],
                  shared: list[tuple[np.ndarray, np.ndarray] | None], version: str,
                  cache: dict[int, tuple[np.float32, np.ndarray]]) -> None:
         self._prefix = prefix  # number of exact components -> levels in its prefix
@@ -101,7 +104,7 @@ class Grids(Mapping[int, tuple[np.float32, np.ndarray]]):
         got = self._cache.get(nk)
         if got is None:  # two threads may both compute it: the same values
             n = self._prefix[nk]
-            grid, w = dl.grid_of(self._levels[:n], self._shared[:n], self._version)
+            grid, w = grid_of(self._levels[:n], self._shared[:n], self._version)
             got = self._cache[nk] = (np.float32(math.ldexp(1.0, -grid)), w)
         return got
 
@@ -112,8 +115,8 @@ class Grids(Mapping[int, tuple[np.float32, np.ndarray]]):
         return len(self._prefix)
 
 
-def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
-         cols: int, version: str = dl.DELTA_VERSION,
+def pack(levels: tuple[Level, ...], shared: list[tuple[np.ndarray, np.ndarray] | None],
+         cols: int, version: str = DELTA_VERSION,
          grid_cache: dict[int, tuple[np.float32, np.ndarray]] | None = None,
          int_cache: dict[int, Any] | None = None) -> Packed:
     """``grid_cache``: the grids of this tensor's exact prefixes computed before, by number of
@@ -129,7 +132,7 @@ def pack(levels: tuple[dl.Level, ...], shared: list[tuple[np.ndarray, np.ndarray
     prefix: dict[int, int] = {}
     for lvl, (lv, sh) in enumerate(zip(levels, shared)):
         n_exact[lvl + 1] = n_exact[lvl]
-        if dl.exact_level(lv, version):
+        if exact_level(lv, version):
             n_exact[lvl + 1] += lv.k
             prefix[int(n_exact[lvl + 1])] = lvl + 1
         elif lv.kind == "lowrank":
@@ -171,16 +174,16 @@ def _pad(book: np.ndarray, dim: int) -> np.ndarray:
 CHUNK_ELEMENTS = 1 << 20
 
 
-def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], cols: int,
+def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[Level, ...], cols: int,
                 starts: np.ndarray, rows: np.ndarray, depths: np.ndarray, payloads: Payloads,
                 shared: list[tuple[np.ndarray, np.ndarray] | None],
-                packed: Packed | None = None, version: str = dl.DELTA_VERSION) -> None:
+                packed: Packed | None = None, version: str = DELTA_VERSION) -> None:
     """``out[s:s + rows[j] * cols] = W_hat`` of block ``j`` (``s = starts[j]``: element offsets
     into ``out`` and ``w0``, both flat float32) from its first ``depths[j]`` levels, by the
     arithmetic of sidecar ``version`` (3 or 4).
 
     ``shared`` and ``packed`` cover ``levels[:max(depths)]`` (``packed``: :func:`pack` of them,
-    computed here when None). Raises :class:`mergefs.deltas.codec.DeltaError` when a block's ranges
+    computed here when None). Raises :class:`mergefs.deltas.codes.DeltaError` when a block's ranges
     do not have the sizes its levels imply.
     """
     if len(starts) == 0:
@@ -192,7 +195,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
     if kernel is None:
         for j in range(len(starts)):
             s, n, k = int(starts[j]), int(rows[j]) * cols, int(depths[j])
-            out[s:s + n] = dl.reconstruct(w0[s:s + n], levels[:k],
+            out[s:s + n] = reconstruct(w0[s:s + n], levels[:k],
                                           [payloads.block(lvl, j) for lvl in range(k)],
                                           shared[:k], int(rows[j]), cols, version=version)
         return
@@ -205,7 +208,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
         raise ValueError("decode_into: depths or payload tables do not match the levels")
     if off.size and (int(size.min()) < 0 or int(off.min()) < 0
                      or int((off + size).max()) > payloads.data.size):
-        raise dl.DeltaError("a level range lies outside the bytes read (a damaged range "
+        raise DeltaError("a level range lies outside the bytes read (a damaged range "
                             "table)")  # unchecked in the loop
     w0 = np.ascontiguousarray(w0)
     starts = np.ascontiguousarray(starts, np.int64)
@@ -241,7 +244,7 @@ def decode_into(out: np.ndarray, w0: np.ndarray, levels: tuple[dl.Level, ...], c
                     bad = int(got) if whole else int(g.sel[got])
                     break
         if bad >= 0:
-            raise dl.DeltaError(f"block {a + bad} of the call: its level ranges do not have "
+            raise DeltaError(f"block {a + bad} of the call: its level ranges do not have "
                                 "the sizes its levels imply (a damaged level table)")
 
 
@@ -350,7 +353,7 @@ def _exact_products(packed: Packed, cols: int, rows: np.ndarray, depths: np.ndar
         if bad >= 0:
             return [], int(bad)
         p = np.empty((total, cols), np.float32)
-        with dl.one_blas_thread():
+        with one_blas_thread():
             for g0, g1 in blas:
                 k = int(ks[g0])
                 scale, w = packed.grids[k]
@@ -394,11 +397,11 @@ def _int_route() -> Any:
     return intgemm if intgemm.available() else None
 
 
-def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
+def read_payloads(sc: DeltaSidecar, tl: TensorLevels, js: np.ndarray, depths: np.ndarray,
                   tensor: str = "") -> Payloads:
     """Level ``l`` of the tensor's blocks ``js`` (ascending, relative to its first block) whose
     depth exceeds ``l``: one span per run of adjacent blocks per level, as ``read_runs``, all
-    read by one :meth:`~mergefs.deltas.codec.DeltaSidecar.read_spans` with (remote sidecars) the shared
+    read by one :meth:`~mergefs.deltas.sidecar.DeltaSidecar.read_spans` with (remote sidecars) the shared
     ranges of those levels no thread has read yet, which it caches: a remote sidecar fetches
     them all in a few requests."""
     depth = int(depths.max()) if len(js) else 0
@@ -431,7 +434,7 @@ def read_payloads(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
     return Payloads(data, off, size)
 
 
-def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, depths: np.ndarray,
+def decode_blocks(sc: DeltaSidecar, tl: TensorLevels, js: np.ndarray, depths: np.ndarray,
                   starts: np.ndarray, n_rows: np.ndarray, w0: np.ndarray, out: np.ndarray,
                   tensor: str = "", payloads: Payloads | None = None) -> None:
     """Read blocks ``js`` of tensor ``tl`` (relative to its first block; ascending) and decode
@@ -444,11 +447,11 @@ def decode_blocks(sc: dl.DeltaSidecar, tl: dl.TensorLevels, js: np.ndarray, dept
         payloads = read_payloads(sc, tl, js, depths, tensor)
     depth = int(depths.max())
     shared = [sc.shared(lv, tl.cols, tensor) for lv in tl.levels[:depth]]
-    if sc.meta["version"] in dl.BLAS_VERSIONS:
-        with dl.one_blas_thread():
+    if sc.meta["version"] in BLAS_VERSIONS:
+        with one_blas_thread():
             for j in range(len(js)):
                 s, n, k = int(starts[j]), int(n_rows[j]) * tl.cols, int(depths[j])
-                out[s:s + n] = dl.reconstruct(w0[s:s + n], tl.levels[:k],
+                out[s:s + n] = reconstruct(w0[s:s + n], tl.levels[:k],
                                               [payloads.block(lvl, j) for lvl in range(k)],
                                               shared[:k], int(n_rows[j]), tl.cols,
                                               version=sc.meta["version"])

@@ -3,7 +3,7 @@
 
 Version 4 defines a block's low-rank part as ``2**-G * (Q @ W)``: ``Q`` the U codes as odd
 integers (``2 * code - (2**bits - 1)``), ``W`` integers on the grid of
-:func:`mergefs.deltas.codec.grid_of`, every partial sum below ``2**24``, so the float32 product is
+:func:`mergefs.deltas.reconstruct.grid_of`, every partial sum below ``2**24``, so the float32 product is
 exact in any order. The same integers multiply exactly in int8 x int8 -> int32 arithmetic,
 which this CPU runs on AMX tiles (or AVX-512 VNNI) at several times the float32 rate; torch's
 quantised linear (``torch.ops.onednn.qlinear_pointwise``, torch being a dependency) reaches it:

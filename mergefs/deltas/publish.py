@@ -2,7 +2,7 @@
 
 ``mergefs compress SPEC`` reads the base and each expert once (after the block index, which it
 builds or reuses), and for every mergeable 2-D (or higher: rows x the rest) tensor whose delta is
-not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas.codec` for the format):
+not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas.sidecar` for the format):
 
 - *exactly low rank* (a LoRA merged into float32 weights: singular values beyond ``r`` below
   1e-4 of the first, and the factors cost less than 2 bits per element): the rank-r factors in
@@ -42,7 +42,12 @@ import xxhash
 from safetensors.numpy import save
 
 from mergefs.deltas import decode
-from mergefs.deltas import codec as dl
+from mergefs.deltas.codes import (
+    DELTA_VERSION, GAUSS_STEP, Level, META_KEY, TensorLevels, ULP_DTYPES, bits16, pack_bits,
+    quant_levels, quantise,
+)
+from mergefs.deltas.reconstruct import one_blas_thread, shared_value
+from mergefs.deltas.sidecar import delta_name
 from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
 from mergefs.core.dtypes import decode_f32
@@ -102,7 +107,7 @@ def _step(x: np.ndarray, bits: int, axis: int) -> np.ndarray:
     if bits >= 8:
         return 2.0 * np.abs(x).max(axis=axis) / ((1 << bits) - 1)
     rms = np.sqrt(np.mean(x * x, axis=axis))
-    return dl.GAUSS_STEP[bits] * rms
+    return GAUSS_STEP[bits] * rms
 
 
 def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]],
@@ -116,9 +121,9 @@ def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]],
         v_payload = vq.tobytes()
     else:
         vstep = _step(v, bits, axis=1).astype(np.float32)
-        codes = dl.quantise(v, bits, vstep[:, None].astype(np.float64))
-        v_hat = dl.quant_levels(codes, bits) * vstep[:, None].astype(np.float64)
-        v_payload = dl.pack_bits(codes, bits)
+        codes = quantise(v, bits, vstep[:, None].astype(np.float64))
+        v_hat = quant_levels(codes, bits) * vstep[:, None].astype(np.float64)
+        v_payload = pack_bits(codes, bits)
         vscale = vstep
     gram = v_hat @ v_hat.T
     try:  # argmin ||r - u v_hat||: the normal equations (gram is k x k)
@@ -132,9 +137,9 @@ def _lowrank(r: np.ndarray, k: int, bits: int, rows: list[tuple[int, int]],
         blocks = [uq[r0:r1].tobytes() for r0, r1 in rows]
     else:
         ustep = _step(u, bits, axis=0).astype(np.float32)
-        ucodes = dl.quantise(u, bits, ustep[None, :].astype(np.float64))
-        u_hat = dl.quant_levels(ucodes, bits) * ustep[None, :].astype(np.float64)
-        blocks = [dl.pack_bits(ucodes[r0:r1], bits) for r0, r1 in rows]
+        ucodes = quantise(u, bits, ustep[None, :].astype(np.float64))
+        u_hat = quant_levels(ucodes, bits) * ustep[None, :].astype(np.float64)
+        blocks = [pack_bits(ucodes[r0:r1], bits) for r0, r1 in rows]
         uscale = ustep
     shared = np.concatenate([uscale, vscale]).astype("<f4").tobytes() + v_payload
     return shared, blocks, u_hat @ v_hat
@@ -147,9 +152,9 @@ def _quant(r: np.ndarray, bits: int, rows: list[tuple[int, int]]
     else:
         step = _step(r, bits, axis=1).astype(np.float32)
     s64 = step.astype(np.float64)[:, None]
-    codes = dl.quantise(r, bits, s64)
-    contrib = dl.quant_levels(codes, bits) * s64
-    blocks = [step[r0:r1].astype("<f4").tobytes() + dl.pack_bits(codes[r0:r1], bits)
+    codes = quantise(r, bits, s64)
+    contrib = quant_levels(codes, bits) * s64
+    blocks = [step[r0:r1].astype("<f4").tobytes() + pack_bits(codes[r0:r1], bits)
               for r0, r1 in rows]
     return blocks, contrib
 
@@ -163,15 +168,15 @@ def _rows(r: np.ndarray, changed: np.ndarray, bits: int, rows: list[tuple[int, i
     contrib = np.zeros_like(r)
     contrib[changed] = contrib_sub
     step = np.frombuffer(blocks_sub[0], dtype="<f4", count=sub.shape[0])
-    codes = dl.quantise(sub, bits, step.astype(np.float64)[:, None]) if bits > 1 else \
+    codes = quantise(sub, bits, step.astype(np.float64)[:, None]) if bits > 1 else \
         (sub >= 0).astype(np.uint8)
     pos = np.cumsum(changed) - changed  # index of each changed row among the changed
     blocks = []
     for r0, r1 in rows:
         mask = changed[r0:r1]
         sel = pos[r0:r1][mask]
-        blocks.append(dl.pack_bits(mask, 1) + step[sel].astype("<f4").tobytes()
-                      + dl.pack_bits(codes[sel], bits))
+        blocks.append(pack_bits(mask, 1) + step[sel].astype("<f4").tobytes()
+                      + pack_bits(codes[sel], bits))
     return blocks, contrib
 
 
@@ -240,7 +245,7 @@ def _ulp(w0: np.ndarray, wi: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
 
     The code width (2, 3 or 4 bits: moves of up to 2, 4 or 8 ulp) minimises the level's bytes
     plus 8 bytes per changed element left to the exact sparse level after it."""
-    b0, bi = dl.bits16(w0, k), dl.bits16(wi, k)
+    b0, bi = bits16(w0, k), bits16(wi, k)
     moves = bi - b0
     same = (((b0 ^ bi) & 0x8000) == 0) & (moves != 0)
     mag = np.abs(moves)
@@ -277,7 +282,7 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
                  ulp_dtype: int = 0) -> _Built:
     """Levels of one tensor (``w0``, ``wi``: float32, rows x cols) for row blocks ``rows``.
 
-    ``ulp_dtype``: :data:`mergefs.deltas.codec.ULP_DTYPES` value when base and expert share that
+    ``ulp_dtype``: :data:`mergefs.deltas.codes.ULP_DTYPES` value when base and expert share that
     16-bit dtype (the ``ulp`` level applies), else 0.
     """
     d32 = wi - w0
@@ -302,8 +307,8 @@ def build_levels(w0: np.ndarray, wi: np.ndarray, rows: list[tuple[int, int]],
     if ulp_ok is not None:
         flat_ok, flat_codes = ulp_ok.reshape(m, n), codes.reshape(m, n)
         add("ulp", ulp_bits, ulp_dtype, None,
-            [dl.pack_bits(flat_ok[r0:r1], 1)
-             + dl.pack_bits(flat_codes[r0:r1][flat_ok[r0:r1]], ulp_bits) for r0, r1 in rows])
+            [pack_bits(flat_ok[r0:r1], 1)
+             + pack_bits(flat_codes[r0:r1][flat_ok[r0:r1]], ulp_bits) for r0, r1 in rows])
         rest = (d32 != 0) & ~flat_ok
         add("sparse", 0, 0, None, _sparse(wi, rest, rows, n))
     elif 0 < rank and rank * (m + n) <= m * n // 8:  # factors cheaper than 2 bits/element
@@ -352,9 +357,9 @@ def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[
                cols: int) -> list[list[float]]:
     """``||D_b - fl(W_hat_b - W0_b)||`` after each level prefix, with the engine's decoder
     (:func:`mergefs.deltas.decode.decode_into`: every block of the tensor per prefix)."""
-    levels = tuple(dl.Level(kind, bits, k, 0 if s is not None else -1)
+    levels = tuple(Level(kind, bits, k, 0 if s is not None else -1)
                    for (kind, bits, k), s in zip(built.kinds, built.shared))
-    shared = [dl.shared_value(lv, memoryview(s), cols) if s is not None else None
+    shared = [shared_value(lv, memoryview(s), cols) if s is not None else None
               for s, lv in zip(built.shared, levels)]
     sizes = np.asarray([[len(blob) for blob in b] for b in built.blocks], np.int64)
     sizes = sizes.reshape(len(levels), len(rows))
@@ -365,12 +370,12 @@ def _residuals(w0: np.ndarray, d32: np.ndarray, built: _Built, rows: list[tuple[
     n_rows = np.asarray([r1 - r0 for r0, r1 in rows], np.int64)
     w0f = np.ascontiguousarray(w0, dtype=np.float32).reshape(-1)
     w_hat = np.empty_like(w0f)
-    packed = decode.pack(levels, shared, cols, dl.DELTA_VERSION)
+    packed = decode.pack(levels, shared, cols, DELTA_VERSION)
     out: list[list[float]] = [[0.0] * len(rows) for _ in levels]
     for n in range(1, len(levels) + 1):
         decode.decode_into(w_hat, w0f, levels, cols, starts, n_rows,
                            np.full(len(rows), n, np.int64), payloads, shared, packed,
-                           dl.DELTA_VERSION)
+                           DELTA_VERSION)
         for j, (r0, r1) in enumerate(rows):
             s0, s1 = r0 * cols, r1 * cols
             db = d32[r0:r1].reshape(-1).astype(np.float64)
@@ -387,7 +392,7 @@ def _tensor_rows(index: BlockIndex, t: int, cols: int) -> list[tuple[int, int]]:
 
 def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: int,
                    on_tensor: Callable[[str], None] | None = None) -> bytes:
-    """The delta sidecar of expert ``i`` of ``index`` (see :mod:`mergefs.deltas.codec`)."""
+    """The delta sidecar of expert ``i`` of ``index`` (see :mod:`mergefs.deltas.sidecar`)."""
     lay = index.layout
     payloads: list[bytes] = []
     resid: list[float] = []
@@ -405,7 +410,7 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
         wi = decode_f32(expert.read_tensor(name), expert.tensors[name].dtype).reshape(rows_n, cols)
         rows = _tensor_rows(index, t, cols)
         dt0, dti = base.tensors[name].dtype, expert.tensors[name].dtype
-        built = build_levels(w0, wi, rows, dl.ULP_DTYPES.get(dt0, 0) if dt0 == dti else 0)
+        built = build_levels(w0, wi, rows, ULP_DTYPES.get(dt0, 0) if dt0 == dti else 0)
         zero = index.zero[i, blocks.start:blocks.stop]
         levels = []
         for lvl, (kind, bits, k) in enumerate(built.kinds):
@@ -424,8 +429,8 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
             for j, blob in enumerate(built.blocks[lvl]):
                 payloads.append(b"" if zero[j] else blob)
                 resid.append(0.0 if zero[j] else built.resid[lvl][j])
-            levels.append(dl.Level(kind, bits, k, shared_id, first))
-        tensors.append(dl.TensorLevels(name, t, rows_n, cols, tuple(levels)))
+            levels.append(Level(kind, bits, k, shared_id, first))
+        tensors.append(TensorLevels(name, t, rows_n, cols, tuple(levels)))
         if on_tensor is not None:
             on_tensor(name)
     sizes = np.asarray([len(p) for p in payloads], dtype=np.int64)
@@ -433,7 +438,7 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
     starts = ends - sizes
     data = np.frombuffer(b"".join(payloads), dtype=np.uint8) if payloads else \
         np.zeros(0, np.uint8)
-    meta = {"version": dl.DELTA_VERSION, "base_key": sidecar.base_key(base),
+    meta = {"version": DELTA_VERSION, "base_key": sidecar.base_key(base),
             "block_size": lay.block_size, "layout_xxh3": sidecar.layout_hash(lay),
             "expert": sidecar.expert_identity(expert),
             "base_content": _digest(index.base_hash), "expert_content":
@@ -444,7 +449,7 @@ def encode_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: i
                  "range_xxh3": np.asarray([xxhash.xxh3_64_intdigest(p) for p in payloads],
                                           dtype=np.uint64).reshape(-1),
                  "range_resid": np.asarray(resid, dtype=np.float64).reshape(-1)},
-                metadata={dl.META_KEY: json.dumps(meta)})
+                metadata={META_KEY: json.dumps(meta)})
 
 
 def _digest(arr: np.ndarray) -> str:
@@ -452,7 +457,7 @@ def _digest(arr: np.ndarray) -> str:
 
 
 def sidecar_path(base: Checkpoint, expert: Checkpoint, block_size: int) -> Path:
-    name = dl.delta_name(sidecar.sidecar_name(expert, sidecar.base_key(base), block_size))
+    name = delta_name(sidecar.sidecar_name(expert, sidecar.base_key(base), block_size))
     return sidecar._local_path(expert, name)
 
 
@@ -473,10 +478,10 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             log.info("%s is a LoRA adapter: it is read as its exact factors, no delta sidecar",
                      e.root)
             continue
-        with dl.one_blas_thread():
+        with one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
         if e.is_remote:
-            name = dl.delta_name(sidecar.sidecar_name(e, sidecar.base_key(base),
+            name = delta_name(sidecar.sidecar_name(e, sidecar.base_key(base),
                                                       index.layout.block_size))
             where = e.write_aux(name, data)  # type: ignore[attr-defined]
         else:

@@ -138,13 +138,13 @@ class CompressJob:
 
 def compress_expert(job: CompressJob, i: int) -> tuple[bytes, dict[str, Any]]:
     """Task body: the delta sidecar of expert ``i`` (bytes; the driver writes it)."""
-    from mergefs.deltas import codec as deltas
+    from mergefs.deltas.reconstruct import one_blas_thread
     from mergefs.deltas.publish import encode_sidecar
 
     same_version(job.version)
     base, experts = open_checked(job.spec, job.identities)
     try:
-        with deltas.one_blas_thread():
+        with one_blas_thread():
             return encode_sidecar(base, experts[i], job.index, i), worker_id()
     finally:
         for c in [base, *experts]:
@@ -155,7 +155,7 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                    address: str | None = None) -> list[str]:
     """``compress.publish`` with one Ray task per expert: each task reads its expert and the
     base and encodes the sidecar; the driver writes each file beside its expert."""
-    from mergefs.deltas import codec as deltas
+    from mergefs.deltas.sidecar import delta_name
     from mergefs.index import published as sidecar
     from mergefs.deltas.publish import sidecar_path
     from mergefs.sources.lora import LoraCheckpoint
@@ -175,7 +175,7 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                                     f"{experts[i].root}"):
         e = experts[i]
         if e.is_remote:
-            where = e.write_aux(deltas.delta_name(sidecar.sidecar_name(  # type: ignore[attr-defined]
+            where = e.write_aux(delta_name(sidecar.sidecar_name(  # type: ignore[attr-defined]
                 e, sidecar.base_key(base), index.layout.block_size)), data)
         else:
             path = sidecar_path(base, e, index.layout.block_size)

@@ -338,7 +338,8 @@ def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_b
     checked against its recorded xxh3."""
     if "levels" not in h:
         return None, {}
-    from mergefs.deltas.codec import DeltaError, open_remote_sidecar, open_sidecar
+    from mergefs.deltas.codes import DeltaError
+    from mergefs.deltas.sidecar import open_remote_sidecar, open_sidecar
     from mergefs.plan.levels import levels_from_runs
 
     def one(i: int, where: str) -> Any:

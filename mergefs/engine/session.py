@@ -17,6 +17,7 @@ from mergefs.spec.model import Spec
 from mergefs.engine.merger import Engine
 from mergefs.engine.output import MARKER, check_writes
 from mergefs.recipe.family import recipe_of
+from mergefs.recipe.family import open_family
 
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Session:
                  index_runner: Any = None, reset_counters: bool | None = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
-        sidecars when they have matching ones (:mod:`mergefs.deltas.codec`). ``index``: the family's
+        sidecars when they have matching ones (:mod:`mergefs.deltas.sidecar`). ``index``: the family's
         index, loaded by the caller (a sweep's variants share one; counters are then left
         alone, as other sessions may be counting on the same sources). ``index_runner``:
         where an index build computes its chunks (:data:`mergefs.index.blocks.ChunkRunner`).
@@ -71,7 +72,7 @@ class Session:
             manifest.write(self.header_record())
         self._one_blas: Any = None  # taken last: nothing after it can fail before close()
         if self.engine.deltas:
-            from mergefs.deltas.codec import one_blas_thread
+            from mergefs.deltas.reconstruct import one_blas_thread
 
             self._one_blas = one_blas_thread()
             self._one_blas.__enter__()
@@ -190,7 +191,7 @@ class Session:
 
 def find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
                  ) -> dict[int, Any]:
-    from mergefs.deltas.codec import find
+    from mergefs.deltas.match import find
 
     return find(base, experts, index)
 def _done(outdir: Path, plan_hash: str) -> bool:
@@ -238,8 +239,8 @@ def ensure_intermediates(spec: Spec) -> None:
 
 
 def prepare_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
-    """:func:`~mergefs.recipe.family.prepare_family`, after making a multi-document spec's
+    """:func:`~mergefs.recipe.family.open_family`, after making a multi-document spec's
     intermediate merges (the models its final merge reads)."""
     if spec.intermediates:
         ensure_intermediates(spec)
-    return prepare_family(spec)
+    return open_family(spec)

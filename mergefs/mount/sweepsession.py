@@ -4,7 +4,7 @@
 and installs one :class:`~mergefs.sources.blockcache.SourceBlockCache` as the ``range_cache`` of every local
 safetensors source, cut at the index's block boundaries: a source block read for one variant is
 served from memory to every other variant while it stays cached. Each variant is an ordinary
-:class:`~mergefs.engine.merger.Session` over those shared sources with its own plan and engine, so each
+:class:`~mergefs.engine.session.Session` over those shared sources with its own plan and engine, so each
 variant's bytes are exactly those of ``mergefs merge`` of that variant alone.
 
 Merge units are cached by a *content key* (:func:`unit_key_of`): the family's index key, the

@@ -1,6 +1,6 @@
 """The virtual merged model directory, independent of FUSE (the adapter is ``mergefs.mount.fuse``).
 
-A :class:`View` over an opened :class:`~mergefs.engine.merger.Session` looks like a Hugging Face model
+A :class:`View` over an opened :class:`~mergefs.engine.session.Session` looks like a Hugging Face model
 directory:
 
 - the base's non-weight files (config, tokenizer, ...), passed through from the base directory

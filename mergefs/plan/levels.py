@@ -36,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from mergefs.deltas.codec import DeltaSidecar, Level, exact_level
+from mergefs.deltas.sidecar import DeltaSidecar
+from mergefs.deltas.codes import Level
+from mergefs.deltas.reconstruct import exact_level
 from mergefs.index.blocks import BlockIndex
 
 EXACT = -1

@@ -291,7 +291,7 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
 
     ``coefficients``: (N, T) each expert's coefficient per tensor of the layout (gradients and
     filters resolve per tensor: mergefs.recipe.outputs); default the spec's one per expert.
-    ``sidecars`` ({expert: :class:`mergefs.deltas.codec.DeltaSidecar`}): plan with their levels
+    ``sidecars`` ({expert: :class:`mergefs.deltas.sidecar.DeltaSidecar`}): plan with their levels
     (:func:`_plan_with_levels`) unless the budget reads every non-zero block exactly; with
     per-tensor coefficients (gradients) levels are not planned yet: exact blocks only.
     """

@@ -1,4 +1,5 @@
-"""The ``mergefs`` command line: index, plan, sweep, merge, replay, mount, reload, umount, stats.
+"""The ``mergefs`` argument parser and ``main``: index, plan, sweep, merge, replay, mount, reload,
+umount, stats, methods.
 
 Maps domain errors (:class:`MergefsError`) to one clear line on stderr and exit code 1 (2 for
 usage errors); ``--debug`` shows tracebacks and debug logs.
@@ -299,6 +300,3 @@ def main(argv: list[str] | None = None) -> int:
         print("mergefs: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
