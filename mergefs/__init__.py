@@ -5,7 +5,8 @@ The Python API (``mergefs.open(spec).plan("10%")``, ``.merge(outdir)``, ``.mount
 and import order: docs/architecture.md.
 """
 
-from mergefs.api import Merge, MergeResult, Mounted, open, replay
+from mergefs.api import Merge, Mounted, open, replay
+from mergefs.ops import MergeResult
 from mergefs.core.errors import MergefsError
 from mergefs.core.version import __version__
 

@@ -221,7 +221,7 @@ def test_debug_shows_the_exception(tmp_path: Path, fam: Family) -> None:
 
 
 def test_version_debug_after_command_and_positional_help(tmp_path: Path, fam: Family) -> None:
-    from mergefs import __version__
+    from mergefs.core.version import __version__
 
     proc = run("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"mergefs {__version__}"

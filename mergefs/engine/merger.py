@@ -31,7 +31,7 @@ import xxhash
 
 from mergefs.methods import kernels
 from mergefs.core import memory
-from mergefs.spec import tokenizer as tokenizers
+from mergefs.recipe import tokenizer as tokenizers
 from mergefs.sources.base import INDEX_NAME, GapAllowance, ReadRange
 from mergefs.sources import read_many
 from mergefs.sources.local import Checkpoint

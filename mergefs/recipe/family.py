@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from mergefs.spec import tokenizer as tokenizers
+from mergefs.recipe import tokenizer as tokenizers
 from mergefs.sources.local import Checkpoint
 from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
