@@ -21,12 +21,11 @@ from viewcases import write_case_spec
 
 from mergefs import cli
 
-from mergefs.engine import merger as engine
-
+from mergefs.index import blocks
 from mergefs.mount import lifecycle as mount
 from mergefs.methods import kernels
-from mergefs.mount import sweepsession
 from mergefs.methods.base import Fused
+from mergefs.recipe import family
 from mergefs.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +41,14 @@ def base_bytes(fam: Family) -> int:
     return sum(p.stat().st_size for p in fam.base.glob("*.safetensors"))
 
 
+def patch_everywhere(name: str, real: Any, fake: Any, setattr: Any) -> None:
+    """Replace ``real`` by ``fake`` under ``name`` in every mergefs module that imported it."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("mergefs") and \
+                getattr(mod, name, None) is real:
+            setattr(mod, name, fake)
+
+
 class Counted:
     """Counts the calls of open_family and load_or_build wherever a mount can call them, and
     what the session sees when the mount says ready."""
@@ -50,7 +57,7 @@ class Counted:
         self.opens = 0
         self.loads = 0
         self.at_ready: dict[str, Any] = {}
-        real_open, real_load = engine.open_family, engine.load_or_build
+        real_open, real_load = family.open_family, blocks.load_or_build
 
         def open_family(spec: Any) -> Any:
             self.opens += 1
@@ -60,9 +67,8 @@ class Counted:
             self.loads += 1
             return real_load(*a, **k)
 
-        for mod in (mount, engine, sweepsession):
-            monkeypatch.setattr(mod, "open_family", open_family)
-            monkeypatch.setattr(mod, "load_or_build", load_or_build)
+        patch_everywhere("open_family", real_open, open_family, monkeypatch.setattr)
+        patch_everywhere("load_or_build", real_load, load_or_build, monkeypatch.setattr)
 
         async def serve_fuse(view: Any, cfg: Any, ready: Any) -> None:
             sessions = [st.session for st in view.sweep.variants.values()] \
@@ -115,10 +121,11 @@ def test_a_sweep_mount_opens_the_family_once(tmp_path: Path, fam: Family,
 DAEMON = """
     import json, sys
     from mergefs import cli
-    from mergefs.engine import merger as engine
+    from mergefs.index import blocks
     from mergefs.mount import lifecycle as mount
+    from mergefs.recipe import family
     log = sys.argv[1]
-    real_open, real_load = engine.open_family, engine.load_or_build
+    real_open, real_load = family.open_family, blocks.load_or_build
 
     def note(what):
         with open(log, "a") as f:
@@ -132,8 +139,12 @@ DAEMON = """
         note("load")
         return real_load(*a, **k)
 
-    for mod in (mount, engine):
-        mod.open_family, mod.load_or_build = open_family, load_or_build
+    for mod in list(sys.modules.values()):  # every mergefs module that imported them
+        if getattr(mod, "__name__", "").startswith("mergefs"):
+            for name, real, fake in [("open_family", real_open, open_family),
+                                     ("load_or_build", real_load, load_or_build)]:
+                if getattr(mod, name, None) is real:
+                    setattr(mod, name, fake)
 
     async def serve_fuse(view, cfg, ready):
         note(["ready", sum(c.counters.bytes_read for c in [view.session.base,
