@@ -182,22 +182,6 @@ def test_replay_reproduces_every_method(method: str, kw: dict[str, Any], llama4:
     assert cli.main(["replay", str(manifest)]) == 0
 
 
-def test_methods_package_imports_only_leaves() -> None:
-    """methods sits right after errors/sizes/dtypes/format in the import order
-    (architecture.md): it never imports spec, engine or anything later."""
-    import ast
-
-    allowed = {"errors", "sizes", "dtypes", "format", "methods"}
-    pkg = Path(__file__).resolve().parent.parent / "mergefs" / "methods"
-    for path in pkg.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level >= 1:
-                top = "methods" if node.level == 1 else (node.module or "").split(".")[0]
-                assert top in allowed, f"{path.name} imports {node.module} (level {node.level})"
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mergefs."):
-                assert node.module.split(".")[1] in allowed, f"{path.name}: {node.module}"
-
-
 def _random_unit(rng: Any, n: int, size: int, params: dict[str, Any],
                  per: list[dict[str, Any]], base: bool = True) -> Any:
     """A unit of bfloat16-like values (many equal magnitudes), zeros, -0.0 and zero deltas."""

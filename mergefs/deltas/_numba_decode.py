@@ -5,7 +5,9 @@ computes and why it equals :func:`mergefs.deltas.reconstruct.reconstruct` (versi
 
 Module-level functions, so that numba's disk cache finds them (functions defined in a closure
 were compiled again in every process, ~2.5 s). No ``fastmath``: it would allow reassociation
-and FMA contraction, which change bits. Pure; ``nogil``.
+and FMA contraction, which change bits. Pure; ``nogil``. Longer than ~500 lines on purpose: every
+compiled loop of the decoder lives in this one module, so that importing it pays numba's import
+once and its intrinsics (``axpy8``, ``axpy4``) are defined once for all the loops that use them.
 """
 
 # mypy: ignore-errors

@@ -9,6 +9,11 @@ output dtype. Every range read and every unit produced is recorded in the manife
 serves (same ``output_layout``).
 
 Merging and reading block on disk and CPU: call from worker threads, never the trio thread.
+
+Longer than ~500 lines on purpose: :class:`Engine` is one pipeline (plan a unit's reads, read,
+verify, decode sidecar levels, merge, cast, record) whose steps share the unit's buffers and
+counters; its output layout, session and output staging live beside it (:mod:`.layout`,
+:mod:`.session`, :mod:`.output`).
 """
 
 from __future__ import annotations
@@ -162,7 +167,7 @@ class Engine:
 
     def _vocab_unit(self, name: str) -> bytes:
         """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
-        tokens (mergefs.spec.tokenizer.permute), then merged by the method as one unit."""
+        tokens (mergefs.recipe.tokenizer.permute), then merged by the method as one unit."""
         import torch
 
         assert self.tokenizer is not None and self.spec.tokenizer is not None
