@@ -1,15 +1,13 @@
-"""scripts/make_family.py minilm --objective mlm: the same seed gives the same family (review of
-issue 14's masked-LM family)."""
+"""``python -m bench.families minilm --objective mlm``: the same seed gives the same family
+(review of issue 14's masked-LM family)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import make_family  # noqa: E402
+from bench import families as bench_families
 
 pytest.importorskip("transformers")
 
@@ -28,19 +26,19 @@ def _tiny_bert(root: Path) -> Path:
 
 def test_fresh_mlm_head_is_the_same_for_the_same_seed(tmp_path: Path) -> None:
     """The base's head starts from a fresh BertForMaskedLM head: unseeded, two runs of
-    ``make_family.py minilm --seed 0`` trained different heads from different starts."""
+    ``python -m bench.families minilm --seed 0`` trained different heads from different starts."""
     src = _tiny_bert(tmp_path / "bert")
     key = "cls.predictions.transform.dense.weight"
-    a = make_family.mlm_model(src, seed=7).state_dict()[key]
-    b = make_family.mlm_model(src, seed=7).state_dict()[key]
-    c = make_family.mlm_model(src, seed=8).state_dict()[key]
+    a = bench_families.mlm_model(src, seed=7).state_dict()[key]
+    b = bench_families.mlm_model(src, seed=7).state_dict()[key]
+    c = bench_families.mlm_model(src, seed=8).state_dict()[key]
     assert bool((a == b).all())
     assert not bool((a == c).all())
     # the encoder is the source's, bit for bit; the decoder is tied to the word embeddings
     from safetensors.numpy import load_file
 
     enc = load_file(str(src / "model.safetensors"))
-    m = make_family.mlm_model(src, seed=7)
+    m = bench_families.mlm_model(src, seed=7)
     got = m.state_dict()
     for name, w in enc.items():
         if not name.startswith("pooler.") and name != "embeddings.position_ids":

@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Build checkpoint families on disk for the benchmarks (issue 5).
+"""Checkpoint families on disk for the benchmarks: a library (``bench.sections.*`` import it)
+and a command line (``python -m bench.families KIND --out DIR``, or ``python -m bench families``).
 
 Two kinds, each a folder holding ``base/``, ``expert-*/``, ``family.json`` (what was made, with
 measured delta sizes) and mergekit-style specs ``spec.yaml`` (task_arithmetic) and
@@ -34,12 +34,17 @@ measured delta sizes) and mergekit-style specs ``spec.yaml`` (task_arithmetic) a
     (SimCSE: two dropout views of a passage, in-batch negatives): the family of the first
     issue-14 tables.
 
-    python scripts/make_family.py synthetic --out /tmp/fam            # ~0.5B x (1 + 8), ~9 GB
-    python scripts/make_family.py synthetic --out /tmp/tiny --params 5M --layers 4 --vocab 4096
-    python scripts/make_family.py minilm --out /tmp/minilm --experts 4
-    python scripts/make_family.py minilm --out /tmp/minilm-simcse --objective simcse --steps 40 --seq-len 96
+    python -m bench.families synthetic --out /tmp/fam            # ~0.5B x (1 + 8), ~9 GB
+    python -m bench.families synthetic --out /tmp/tiny --params 5M --layers 4 --vocab 4096
+    python -m bench.families minilm --out /tmp/minilm --experts 4
+    python -m bench.families minilm --out /tmp/minilm-simcse --objective simcse --steps 40 \\
+        --seq-len 96
 
-This script does not import mergefs.
+:func:`make_small_family` (library only) writes the small float32 families of the test suite
+(``tests/families.py``'s ``make_family``, single-file layout: the same bytes for the same
+arguments), which ``python -m bench pairindex`` sizes up.
+
+This module does not import mergefs.
 """
 
 from __future__ import annotations
@@ -543,6 +548,107 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def family_dirs(root: Path) -> tuple[Path, list[Path]]:
+    """The base and expert folders of a family written here (from its ``family.json``)."""
+    info = json.loads((root / "family.json").read_text())
+    return root / info["base"], [root / e for e in info["experts"]]
+
+
+# --------------------------------------------------------------------------------------------
+# the test suite's small families (tests/families.py: make_family, single-file layout)
+
+#: Floating tensors of the default small family (name -> shape).
+SMALL_SHAPES: dict[str, tuple[int, ...]] = {
+    "model.embed_tokens.weight": (64, 48),
+    "model.layers.0.self_attn.q_proj.weight": (48, 48),
+    "model.layers.0.self_attn.k_proj.weight": (48, 48),
+    "model.layers.0.mlp.up_proj.weight": (96, 48),
+    "model.layers.0.mlp.down_proj.weight": (48, 96),
+    "model.layers.0.input_layernorm.weight": (48,),
+    "model.norm.weight": (48,),
+    "lm_head.weight": (256, 48),
+}
+#: Tensors left bit-identical to the base in every expert, by default.
+SMALL_ZERO_TENSORS: tuple[str, ...] = (
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.norm.weight",
+)
+SMALL_INT_TENSOR = ("buffers.position_ids", (1, 16))
+SMALL_RELATIVE_DELTA = 1e-2
+#: A small stand-in for a tokenizer file, copied verbatim into every model directory.
+SMALL_TOKENIZER = {
+    "version": "1.0",
+    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "a": 1, "b": 2}, "unk_token": "<unk>"},
+}
+
+
+@dataclass(frozen=True)
+class SmallFamily:
+    """A base model directory and its expert directories, all under ``root``."""
+
+    base: Path
+    experts: list[Path]
+    root: Path
+
+
+def make_small_family(root: Path, *, n_experts: int = 3, dtype: str = "float32", seed: int = 0,
+                      zero_tensors: tuple[str, ...] = SMALL_ZERO_TENSORS,
+                      zero_row_fraction: float = 0.3,
+                      shapes: dict[str, tuple[int, ...]] | None = None) -> SmallFamily:
+    """Write a small family under ``root`` (``root/base``, ``root/expert-0``, ...), each model
+    one ``model.safetensors`` with ``config.json`` and ``tokenizer.json``.
+
+    Base values are N(0, 0.02) (``shapes``, default :data:`SMALL_SHAPES`, plus an int64 tensor
+    equal in every model); expert ``i`` is the base plus a delta of about 1% relative size
+    (scaled per tensor and per row), except that tensors in ``zero_tensors`` are the base's, and
+    in every other tensor one contiguous run of ``floor(zero_row_fraction * rows)`` rows (at a
+    seeded position, different per expert) is copied from the base bytes. The same bytes as
+    the test suite's ``families.make_family`` with the same arguments."""
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": BF16}[dtype]
+    float_shapes = dict(SMALL_SHAPES if shapes is None else shapes)
+    unknown = set(zero_tensors) - set(float_shapes)
+    if unknown:
+        raise ValueError(f"zero_tensors not in shapes: {sorted(unknown)}")
+    rng = np.random.default_rng(seed)
+    base_f32 = {name: rng.normal(0.0, 0.02, size=shape).astype(np.float32)
+                for name, shape in sorted(float_shapes.items())}
+    base = {name: arr.astype(np_dtype) for name, arr in base_f32.items()}
+    int_name, int_shape = SMALL_INT_TENSOR
+    base[int_name] = np.arange(math.prod(int_shape), dtype=np.int64).reshape(int_shape)
+
+    def write(model_dir: Path, tensors: dict[str, np.ndarray]) -> None:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        save_file(dict(tensors), model_dir / "model.safetensors", metadata={"format": "pt"})
+        _write_json(model_dir / "config.json", {"architectures": ["MergefsTestForCausalLM"],
+                                                "model_type": "mergefs-test",
+                                                "torch_dtype": dtype})
+        _write_json(model_dir / "tokenizer.json", SMALL_TOKENIZER)
+
+    root.mkdir(parents=True, exist_ok=True)
+    write(root / "base", base)
+    experts = []
+    for i in range(n_experts):
+        expert = dict(base)
+        for name, w0 in base_f32.items():
+            if name in zero_tensors:
+                continue
+            rows = w0.shape[0]
+            scale = SMALL_RELATIVE_DELTA * float(np.sqrt(np.mean(w0**2))) * rng.uniform(0.5, 2.0)
+            row_scale = np.exp(rng.uniform(np.log(0.25), np.log(4.0), size=rows))
+            row_scale = row_scale.astype(np.float32).reshape((rows,) + (1,) * (w0.ndim - 1))
+            delta = rng.normal(0.0, scale, size=w0.shape).astype(np.float32) * row_scale
+            encoded = (w0 + delta).astype(np_dtype)
+            n_zero = int(zero_row_fraction * rows)
+            start = int(rng.integers(0, rows - n_zero + 1))
+            encoded[start:start + n_zero] = base[name][start:start + n_zero]
+            expert[name] = encoded
+        write(root / f"expert-{i}", expert)
+        experts.append(root / f"expert-{i}")
+    return SmallFamily(base=root / "base", experts=experts, root=root)
+
+
 # --------------------------------------------------------------------------------------------
 # the real MiniLM family
 
@@ -992,8 +1098,8 @@ def make_minilm(out: Path, *, n_experts: int = 4, objective: str = "mlm", steps:
 # --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def main(argv: list[str] | None = None, prog: str = "python -m bench.families") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="kind", required=True)
     s = sub.add_parser("synthetic", help="Llama-shaped bf16 base + N fine-tune-like experts")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Delta sidecar decode alone (issue 14): every block a budget's plan reconstructs, decoded from
 sidecar bytes already in memory, by several routes on the same blocks:
 
@@ -15,10 +14,10 @@ sidecar bytes already in memory, by several routes on the same blocks:
   the engine's two workers run them: wall time,
 
 best of ``--repeat`` runs each, against the cold pread of the exact expert bytes those blocks
-replace (``bench_sidecar.replaced_read_seconds``), by one thread and by two. Needs published
-sidecars (``mergefs compress``).
+replace (:func:`bench.sections.sidecar.replaced_read_seconds`), by one thread and by two. Needs
+published sidecars (``mergefs compress``).
 
-    python scripts/bench_decode.py --family /tmp/minilm --spec spec-full.yaml --budgets 10,20
+    python -m bench decode --family /tmp/minilm --spec spec-full.yaml --budgets 10,20
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,14 +34,12 @@ from typing import Any
 import numpy as np
 import torch  # noqa: F401 (imported, as by any merge that uses torch: the int8 route is on at once)
 
-from mergefs.deltas import decode as deltadecode
-from mergefs.deltas import codec as deltas
+from bench.sections.sidecar import replaced_read_seconds
 from mergefs.core.dtypes import decode_f32
+from mergefs.deltas import decode as deltadecode
+from mergefs.deltas.reconstruct import one_blas_thread, reconstruct
 from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sidecar import replaced_read_seconds  # noqa: E402
 
 
 def _jobs(s: Session) -> list[tuple[Any, ...]]:
@@ -101,18 +97,19 @@ def _run(jobs: list[tuple[Any, ...]], route: str) -> float:
                                     payloads, shared, packed[v], v)
             continue
         v = "2" if route == "blas_blocks" else version
-        with deltas.one_blas_thread():
+        with one_blas_thread():
             for j in range(len(starts)):
                 s, k = int(starts[j]), int(depths[j])
                 n = int(n_rows[j]) * tl.cols
-                out[s:s + n] = deltas.reconstruct(
+                out[s:s + n] = reconstruct(
                     w0[s:s + n], tl.levels[:k], [payloads.block(lvl, j) for lvl in range(k)],
                     shared[:k], int(n_rows[j]), tl.cols, version=v)
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench decode") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", type=Path, required=True)
     p.add_argument("--spec", default="spec.yaml")
     p.add_argument("--budgets", default="10,20", help="%% of the experts' bf16 bytes")
@@ -145,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                   "blas_blocks"]
         if args.quick:
             routes = routes[:3]
-        with deltas.one_blas_thread():  # held once, as the engine's workers hold it
+        with one_blas_thread():  # held once, as the engine's workers hold it
             for route in routes:
                 row[f"{route}_s"] = round(min(_run(jobs, route) for _ in range(args.repeat)), 4)
         for threads in (1, 2):
@@ -157,6 +154,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """Where an index build's time goes: imports, numba load, and per stage thread CPU and wall.
 
-    python scripts/profile_index.py SPEC [--cold]     # --cold: evict the sources first
+    python -m bench profile-index SPEC [--cold]     # --cold: evict the sources first
 
 Wraps the stage functions of mergefs.index.build (reads, hashes, zero flags, Gram terms, the
 reader queue) with timers, then runs ``load_or_build(..., rebuild=True)`` as ``mergefs index
 --rebuild`` does (without the progress bar). "wall in stage" is summed over the threads that
-ran the stage (the reader runs READ_STREAMS reads at a time). This script is not imported by
-mergefs.
+ran the stage (the reader runs READ_STREAMS reads at a time). The imports are timed from this
+module's own import (``python -m bench`` imports no mergefs module before it).
 """
 
 from __future__ import annotations
@@ -20,11 +19,13 @@ import threading
 import time
 from typing import Any
 
-t_start = time.perf_counter()
+from bench.common import evict
+
+t_start = time.perf_counter()  # the imports below are timed
 from mergefs.index import build as indexbuild
+from mergefs.index.blocks import load_or_build
 from mergefs.methods import kernels
 from mergefs.recipe.family import open_family
-from mergefs.index.blocks import load_or_build
 from mergefs.spec.load import load_spec
 
 t_imports = time.perf_counter()
@@ -48,19 +49,16 @@ def wrap(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None, prog: str = "python -m bench profile-index") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec")
     ap.add_argument("--cold", action="store_true", help="evict the sources first")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     spec = load_spec(args.spec)
     base, experts = open_family(spec)
     if args.cold:
-        for c in [base, *experts]:
-            for f in c.files:
-                fd = os.open(c.path_of(f), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+        evict(*[c.path_of(f) for c in [base, *experts] for f in c.files])
     for name in ("hash_blocks", "zero_blocks", "gram_terms"):
         wrap(indexbuild, name, name)
     wrap(indexbuild.Reader, "read", "read (reader threads)")
@@ -79,7 +77,4 @@ def main() -> None:
           f"({size / t_build / 1e9:.2f} GB/s; process CPU {time.process_time() - c0:.2f} s)")
     for name in sorted(wall, key=lambda n: -wall[n]):
         print(f"  {name:40s} thread CPU {cpu[name]:6.2f} s   wall in stage {wall[name]:6.2f} s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,5 @@
-#!/usr/bin/env python3
-"""Benchmark (issue 15): a 9-variant sweep through one mount vs nine separate mounts vs nine
-``mergekit-yaml`` runs, on one synthetic family (bf16, a few hundred MB).
+"""A 9-variant sweep through one mount vs nine separate mounts vs nine ``mergekit-yaml`` runs
+(issue 15), on one synthetic family (bf16, a few hundred MB).
 
 The sweep is ``weight: [0.3, 0.5, 0.7] x budget: [10%, 50%, full]`` over ``task_arithmetic``.
 Each configuration makes every byte of all nine merged models available once:
@@ -20,49 +19,53 @@ every input, so nine times the inputs' weight files; the block device's counts, 
 are kept in the metrics but mean little on a shared machine), and bytes written to disk (the
 manifests; mergekit's output directories). The index is built once before (not timed).
 
-    python scripts/bench_sweepmount.py --out /tmp/bench-sweep        # standalone
-    python scripts/bench.py --sections sweepmount                     # as a bench section
-
-Not imported by mergefs.
+    python -m bench sweepmount --out /tmp/bench-sweep        # alone
+    python -m bench table --sections sweepmount              # as a section of the table
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import bench as B  # scripts/bench.py (rows, runs, eviction, device counters); bench.py, when
-import make_family  # it calls this section, registers itself as "bench" first
 import yaml
 
+from bench import families
+from bench.common import (
+    MERGEFS,
+    Results,
+    Row,
+    device_of,
+    device_read_bytes,
+    evict,
+    find_mergekit,
+    fmt_bytes,
+    mergekit_cmd,
+    mergekit_doc,
+    not_run,
+    q,
+    run,
+    tree_sha256,
+    weight_files,
+)
+
 GRID = {"weight": [0.3, 0.5, 0.7], "budget": ["10%", "50%", "full"]}
-READ_CHUNK = 1 << 20
-
-
-def mergekit_exe() -> Path | None:
-    """mergekit-yaml beside this interpreter, or in the bench's own mergekit venv."""
-    for cand in (Path(sys.executable).parent / "mergekit-yaml",
-                 B.MERGEKIT_VENV / "bin" / "mergekit-yaml"):
-        if cand.exists():
-            return cand
-    return None
 
 
 def make(root: Path, params: int, layers: int, n_experts: int, log: Any) -> Path:
+    """The synthetic family (vocabulary 8192) under ``root``, reused when its size matches."""
     info = root / "family.json"
     if info.is_file() and json.loads(info.read_text()).get("params_per_model") == \
-            make_family.solve_shape(params, layers, 8192).params():
+            families.solve_shape(params, layers, 8192).params():
         log(f"reusing {root}")
     else:
-        make_family.make_synthetic(root, params=params, layers=layers, n_experts=n_experts,
-                                   vocab=8192, seed=0, log=log)
+        families.make_synthetic(root, params=params, layers=layers, n_experts=n_experts,
+                                vocab=8192, seed=0, log=log)
     return root
 
 
@@ -79,30 +82,10 @@ def write_specs(fam: Path) -> tuple[Path, dict[str, Path], dict[str, Path]]:
         p = fam / f"variant-{v.name}.yaml"
         p.write_text(yaml.safe_dump(v.doc, sort_keys=False))
         plain[v.name] = p
-        d = {k: val for k, val in v.doc.items() if k not in B.MERGEFS_ONLY_KEYS}
-        d["base_model"] = str((fam / d["base_model"]).resolve())
-        for m in d["models"]:
-            m["model"] = str((fam / m["model"]).resolve())
-        q = fam / f"variant-{v.name}.mergekit.yaml"
-        q.write_text(yaml.safe_dump(d, sort_keys=False))
-        mk[v.name] = q
+        m = fam / f"variant-{v.name}.mergekit.yaml"
+        m.write_text(yaml.safe_dump(mergekit_doc(v.doc, fam), sort_keys=False))
+        mk[v.name] = m
     return sweep, plain, mk
-
-
-def read_tree(root: Path) -> dict[str, str]:
-    """Read every (non-hidden) file under ``root`` in 1 MiB reads; sha256 by relative path."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for f in sorted(filenames):
-            if f.startswith(".") or (Path(dirpath) == root and f == "variants.json"):
-                continue
-            h = hashlib.sha256()
-            with open(Path(dirpath) / f, "rb", buffering=0) as fh:
-                while chunk := fh.read(READ_CHUNK):
-                    h.update(chunk)
-            out[str((Path(dirpath) / f).relative_to(root))] = h.hexdigest()
-    return out
 
 
 def dir_bytes(p: Path) -> int:
@@ -112,19 +95,19 @@ def dir_bytes(p: Path) -> int:
 def mounted_run(spec: Path, mnt: Path, fam: Path, dev: str | None) -> dict[str, Any]:
     """Cold: evict, mount (daemon), read everything, read stats, unmount."""
     mnt.mkdir(parents=True, exist_ok=True)
-    B.evict(fam)
-    d0 = B.device_read_bytes(dev)
+    evict(fam)
+    d0 = device_read_bytes(dev)
     t0 = time.perf_counter()
-    cmd = [*B.MERGEFS, "mount", spec, mnt]
-    B.run(cmd)
+    cmd = [*MERGEFS, "mount", spec, mnt]
+    run(cmd)
     try:
-        sums = read_tree(mnt)
+        sums = tree_sha256(mnt)
         stats = json.loads((mnt / ".mergefs" / "stats.json").read_text())
     finally:
-        B.run([*B.MERGEFS, "umount", mnt], check=False)
+        run([*MERGEFS, "umount", mnt], check=False)
     wall = time.perf_counter() - t0
-    d1 = B.device_read_bytes(dev)
-    return {"wall": wall, "sums": sums, "stats": stats, "command": B.q(cmd),
+    d1 = device_read_bytes(dev)
+    return {"wall": wall, "sums": sums, "stats": stats, "command": q(cmd),
             "device_bytes": (d1 - d0) if d0 is not None and d1 is not None else None}
 
 
@@ -133,12 +116,12 @@ def manifest_bytes(spec: Path) -> int:
     return os.path.getsize(os.path.realpath(pointer)) if pointer.exists() else 0
 
 
-def section(bench: Any, fam: Path, label: str) -> None:
-    """Add the three rows (and raw data) to a running :class:`bench.Bench`."""
+def section(res: Results, fam: Path, label: str) -> None:
+    """Add the three rows (and raw data) to ``res``."""
     sweep, plain, mk = write_specs(fam)
-    B.run([*B.MERGEFS, "index", sweep])
-    dev = B.device_of(fam)
-    work = bench.work / "sweepmount"
+    run([*MERGEFS, "index", sweep])
+    dev = device_of(fam)
+    work = res.work / "sweepmount"
     work.mkdir(parents=True, exist_ok=True)
     names = list(plain)
 
@@ -146,10 +129,9 @@ def section(bench: Any, fam: Path, label: str) -> None:
     shared = r["stats"]["shared"]
     sweep_read = sum(shared["physical_bytes_read"].values())
     sweep_written = manifest_bytes(sweep)
-    bench.add(B.Row(
+    res.add(Row(
         "sweepmount", "9-variant sweep through one mount", label, "cold",
-        f"{r['wall']:.1f} s, read {B.fmt_bytes(sweep_read)}, wrote "
-        f"{B.fmt_bytes(sweep_written)}",
+        f"{r['wall']:.1f} s, read {fmt_bytes(sweep_read)}, wrote {fmt_bytes(sweep_written)}",
         {"wall": r["wall"], "source_bytes_read": sweep_read, "disk_written": sweep_written,
          "device_bytes_read": r["device_bytes"], "shared": shared,
          "units_shared": shared["units_shared"]},
@@ -166,72 +148,66 @@ def section(bench: Any, fam: Path, label: str) -> None:
         dev_total += s["device_bytes"] or 0
         same &= s["sums"] == {k.split("/", 1)[1]: v for k, v in r["sums"].items()
                               if k.startswith(name + "/")}
-    bench.add(B.Row(
+    res.add(Row(
         "sweepmount", "nine separate mounts, one per variant", label, "cold",
-        f"{sum(walls):.1f} s, read {B.fmt_bytes(reads)}, wrote {B.fmt_bytes(written)}",
+        f"{sum(walls):.1f} s, read {fmt_bytes(reads)}, wrote {fmt_bytes(written)}",
         {"wall": sum(walls), "walls": walls, "source_bytes_read": reads, "disk_written": written,
          "device_bytes_read": dev_total, "same_bytes_as_sweep_mount": same},
         versus=f"sweep mount: {sweep_read / reads:.0%} of the bytes read, "
                f"{r['wall'] / sum(walls):.0%} of the time; files "
                + ("identical" if same else "DIFFER"),
         target="same files as the sweep mount", met=same,
-        command=B.q([*B.MERGEFS, "mount", plain[names[0]], "MNT"]) + "  # x9, read, umount"))
+        command=q([*MERGEFS, "mount", plain[names[0]], "MNT"]) + "  # x9, read, umount"))
 
-    exe = mergekit_exe()
+    exe = find_mergekit()
     if exe is None:
-        bench.add(B.not_run("sweepmount", "nine mergekit-yaml runs", label,
-                            "mergekit-yaml not found"))
+        res.add(not_run("sweepmount", "nine mergekit-yaml runs", label, "mergekit-yaml not found"))
         return
-    base, experts = B.Bench.family_dirs(fam)
-    inputs = sum(f.stat().st_size for f in B.weight_files(base, *experts))
+    base, experts = families.family_dirs(fam)
+    inputs = sum(f.stat().st_size for f in weight_files(base, *experts))
     walls, mk_written, mk_dev = [], 0, 0
-    cmd: list[Any] = []
+    cmd: list[str] = []
     for name in names:
         out = work / f"mk-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        B.evict(fam)
-        d0 = B.device_read_bytes(dev)
-        cmd = [exe, mk[name], out, "--lazy-unpickle", "--no-copy-tokenizer", "--quiet"]
-        p = B.run(cmd)
-        d1 = B.device_read_bytes(dev)
+        evict(fam)
+        d0 = device_read_bytes(dev)
+        cmd = mergekit_cmd(exe, mk[name], out)
+        p = run(cmd)
+        d1 = device_read_bytes(dev)
         walls.append(p.wall)
         mk_dev += (d1 - d0) if d0 is not None and d1 is not None else 0
         mk_written += dir_bytes(out)
         shutil.rmtree(out, ignore_errors=True)
-    bench.add(B.Row(
+    res.add(Row(
         "sweepmount", "nine mergekit-yaml runs (no budget: every byte read)", label, "cold",
-        f"{sum(walls):.1f} s, read {B.fmt_bytes(9 * inputs)}, wrote "
-        f"{B.fmt_bytes(mk_written)}",
+        f"{sum(walls):.1f} s, read {fmt_bytes(9 * inputs)}, wrote {fmt_bytes(mk_written)}",
         {"wall": sum(walls), "walls": walls, "source_bytes_read": 9 * inputs,
          "device_bytes_read_all_processes": mk_dev, "disk_written": mk_written},
         versus=f"sweep mount: {r['wall'] / sum(walls):.0%} of the time, "
                f"{sweep_read / (9 * inputs):.0%} of the bytes read",
         note="mergekit reads every tensor of every input: bytes read = 9 x the inputs' weight "
              "files; the block device's count (all processes, a shared machine) is in metrics",
-        command=B.q(cmd).replace(name, "<variant>") + "  # x9"))
+        command=q(cmd).replace(names[-1], "<variant>") + "  # x9"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench sweepmount") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/bench-sweepmount")
-    p.add_argument("--params", type=make_family.parse_count, default=60_000_000)
+    p.add_argument("--params", type=families.parse_count, default=60_000_000)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=3)
     args = p.parse_args(argv)
-    bench_args = argparse.Namespace(quick=True, out=args.out, repeats=1)
-    bench = B.Bench(bench_args)
+    res = Results(args.out, vars(args))
     fam = make(Path(args.out).resolve() / "family", args.params, args.layers, args.experts,
-               bench.log)
+               res.log)
     label = f"synthetic-{args.params / 1e6:.0f}M-x{args.experts}"
     try:
-        section(bench, fam, label)
+        section(res, fam, label)
     finally:
-        bench.write()
-    for row in bench.rows:
+        res.write("mergefs benchmarks: sweep mount")
+    for row in res.rows:
         print(f"| {row.case} | {row.result} | {row.versus} |")
         print(f"|   `{row.command}` |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

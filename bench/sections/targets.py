@@ -1,8 +1,8 @@
-#!/usr/bin/env python3
 """Issue 13's targets table: the lazy path against materialising, side by side, cold, medians.
 
-Rows (each: the command, cold or warm, the machine load, the median of ``--repeats`` runs taken
-in interleaved rounds so that a change in machine load hits every variant alike):
+Its sections (``--sections``; each row: the command, cold or warm, the machine load, the median
+of ``--repeats`` runs taken in interleaved rounds, variant order reversed every other round, so
+that a change in machine load hits every variant alike):
 
 - load      ``mergefs mount`` (+ ``--warm``) + ``from_pretrained(MNT)`` vs ``mergefs merge`` +
             ``from_pretrained(OUT)`` vs ``mergekit-yaml`` + ``from_pretrained``; full and 10%
@@ -13,17 +13,18 @@ in interleaved rounds so that a change in machine load hits every variant alike)
 - memory    peak RSS of a mount whose cache is a quarter of the model
 - scaling   merge and mount + from_pretrained with 2, 4 and 8 experts, on two model sizes
 
-    python scripts/bench_targets.py --out results/targets            # ~20 minutes here
-    python scripts/bench_targets.py --sections load,merge --repeats 3
-    python scripts/bench_targets.py --sections load,merge --experts 4,8 --baseline OLD
-    python scripts/bench_targets.py --sections load,merge --family large --repeats 1
+    python -m bench targets --out results/targets            # ~20 minutes here
+    python -m bench targets --sections load,merge --repeats 3
+    python -m bench targets --sections load,merge --experts 4,8 --baseline OLD
+    python -m bench targets --sections load,merge --family large --repeats 1
 
-Families (made once with scripts/make_family.py, then reused): ``small`` (150M parameters x
-(1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 16), 1.4 GB; for the scaling rows) and ``large`` (the issue's size:
-500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge sections on it) under
-``--families``. Results:
-``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table for docs/benchmarks.md).
-This script is not imported by mergefs.
+Families (made once with :func:`bench.families.make_synthetic`, then reused): ``small`` (150M
+parameters x (1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 16), 1.4 GB; for the scaling rows) and
+``large`` (the issue's size: 500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge
+sections on it) under ``--families``. ``--baseline TREE`` runs the same commands with
+``PYTHONPATH=TREE`` (a mergefs source tree, e.g. ``git archive`` of the code before) in the same
+rounds. Results: ``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table, written
+after every row, so partial results survive).
 """
 
 from __future__ import annotations
@@ -34,47 +35,41 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
-import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench import MERGEFS_ONLY_KEYS, PY, evict, load_now, machine_info, q, run
+from bench import families
+from bench.common import (
+    FAMILIES,
+    MERGEFS,
+    RESULTS,
+    Results,
+    Row,
+    evict,
+    find_mergekit,
+    gbps,
+    mergekit_cmd,
+    mergekit_spec,
+    q,
+    read_files,
+    read_mmap,
+    run,
+    timed_load,
+    umount,
+)
 
-# ``-P``: never the current directory's mergefs (``python -m`` puts the cwd first on sys.path,
-# which made a --baseline run the cwd's code); PYTHONPATH says which tree runs: this script's
-# (set in main), or the baseline's (baseline_env)
-MERGEFS = [PY, "-P", "-m", "mergefs.cli.main"]
-
-#: experts per family (the tiny one has 16 for the scaling rows; the others 8)
-FAMILY_EXPERTS = {"tiny": 16}
-FAMILIES = {"small": ["--params", "150M", "--layers", "12", "--vocab", "16000"],
-            "tiny": ["--params", "40M", "--layers", "8", "--vocab", "8000"],
-            # the issue's size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
-            "large": ["--params", "500M", "--layers", "24", "--vocab", "32000"]}
-
-LOAD_CODE = """
-    import json, os, subprocess, sys, time
-    import torch
-    from transformers import AutoModelForCausalLM
-    cmds = json.loads(sys.argv[1]); target = sys.argv[2]
-    t0 = time.perf_counter()
-    for c in cmds:
-        subprocess.run(c, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t1 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
-    t2 = time.perf_counter()
-    with torch.no_grad():
-        check = float(sum(p.double().sum() for p in model.parameters()))
-    print(json.dumps({"prepare": t1 - t0, "load": t2 - t1, "total": t2 - t0, "checksum": check}))
-"""
+#: the families (``make_synthetic`` arguments; the tiny one has 16 experts for the scaling
+#: rows, the others 8)
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": {"params": 150_000_000, "layers": 12, "vocab": 16000, "n_experts": 8},
+    "tiny": {"params": 40_000_000, "layers": 8, "vocab": 8000, "n_experts": 16},
+    # the issue's size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
+    "large": {"params": 500_000_000, "layers": 24, "vocab": 32000, "n_experts": 8},
+}
+SECTIONS = ("load", "merge", "serving", "index", "memory", "scaling")
 
 
 def median(xs: list[float]) -> float:
@@ -84,50 +79,29 @@ def median(xs: list[float]) -> float:
 class Targets:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.work = self.out / "work"
-        self.work.mkdir()
-        self.rows: list[dict[str, Any]] = []
-        self.raw: dict[str, Any] = {"machine": machine_info(), "load_start": load_now(),
-                                    "args": vars(args)}
-        self.mergekit = shutil.which("mergekit-yaml") or str(Path(PY).parent / "mergekit-yaml")
-        if not Path(self.mergekit).exists():
-            self.mergekit = ""
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", flush=True)
+        self.res = Results(args.out, vars(args))
+        self.out, self.work, self.raw = self.res.out, self.res.work, self.res.raw
+        self.log = self.res.log
+        exe = find_mergekit()
+        self.mergekit = str(exe) if exe else ""
 
     def row(self, section: str, figure: str, value: str, state: str, command: str,
             target: str = "", met: bool | None = None, **data: Any) -> None:
-        r = {"section": section, "figure": figure, "value": value, "state": state,
-             "command": command, "target": target, "met": met, "load": os.getloadavg()[0],
-             **data}
-        self.rows.append(r)
-        self.log(f"{section}: {figure}: {value}" + (f" (target {target}: "
-                                                     f"{'met' if met else 'MISSED'})"
-                                                     if target else ""))
+        """Add a row (the load average now in its metrics) and save the table."""
+        self.res.add(Row(section, figure, "", state, value, {"load": os.getloadavg()[0], **data},
+                         target=target, met=met if target else None, command=command))
         self.save()
 
     def save(self) -> None:
-        self.raw["rows"] = self.rows
-        self.raw["load_end"] = load_now()
-        (self.out / "targets.json").write_text(json.dumps(self.raw, indent=1, default=str))
-        lines = ["| section | figure | cold/warm | result | target | load | command |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            status = "" if r["met"] is None else (" **met**" if r["met"] else " **missed**")
-            lines.append(f"| {r['section']} | {r['figure']} | {r['state']} | {r['value']} | "
-                         f"{r['target']}{status} | {r['load']:.1f} | `{r['command']}` |")
-        (self.out / "targets.md").write_text("\n".join(lines) + "\n")
+        self.res.write_json(self.out / "targets.json")
+        (self.out / "targets.md").write_text(self.res.markdown())
 
     # -- families and specs -----------------------------------------------------------------
     def family(self, name: str) -> Path:
         fam = Path(self.args.families) / name
         if not (fam / "spec.yaml").exists():
             self.log(f"making family {name} in {fam}")
-            run([PY, ROOT / "scripts" / "make_family.py", "synthetic", "--out", fam,
-                 "--experts", str(FAMILY_EXPERTS.get(name, 8)), *FAMILIES[name]])
+            families.make_synthetic(fam, **SHAPES[name], log=self.log)
         return fam
 
     def spec(self, fam: Path, n_experts: int = 8) -> Path:
@@ -142,20 +116,8 @@ class Targets:
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
 
-    def mergekit_spec(self, spec: Path) -> Path:
-        doc = yaml.safe_load(spec.read_text())
-        for k in MERGEFS_ONLY_KEYS:
-            doc.pop(k, None)
-        doc["base_model"] = str((spec.parent / doc["base_model"]).resolve())
-        for m in doc["models"]:
-            m["model"] = str((spec.parent / m["model"]).resolve())
-        out = spec.with_name(spec.stem + ".mergekit.yaml")
-        out.write_text(yaml.safe_dump(doc, sort_keys=False))
-        return out
-
     def mergekit_cmd(self, spec: Path, out: Path) -> list[str]:
-        return [self.mergekit, str(self.mergekit_spec(spec)), str(out), "--lazy-unpickle",
-                "--no-copy-tokenizer", "--quiet"]
+        return mergekit_cmd(self.mergekit, mergekit_spec(spec), out)
 
     @staticmethod
     def model_bytes(fam: Path) -> int:
@@ -165,23 +127,13 @@ class Targets:
         """The environment that runs the baseline mergefs (``--baseline``: its source tree)."""
         return {"PYTHONPATH": self.args.baseline} if baseline else {}
 
-    def umount(self, mnt: Path) -> None:
-        if not os.path.ismount(mnt):  # the cleanup before a run: nothing mounted yet
-            return
-        p = run(MERGEFS + ["umount", mnt], check=False)
-        if p.rc != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
-
     def ensure_index(self, spec: Path) -> None:
         run(MERGEFS + ["index", spec])
 
     # -- load ----------------------------------------------------------------------------------
     def timed_load(self, cmds: list[list[str]], target: Path, baseline: bool = False
                    ) -> dict[str, Any]:
-        res = run([PY, "-c", textwrap.dedent(LOAD_CODE), json.dumps(cmds), str(target)],
-                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       **self.baseline_env(baseline)})
-        return json.loads([ln for ln in res.out.splitlines() if ln.startswith("{")][-1])
+        return timed_load(cmds, target, self.baseline_env(baseline))
 
     def load_variants(self, fam: Path, spec: Path, budgets: tuple[str, ...], warm: bool,
                       mergekit: bool) -> list[tuple[str, list[list[str]], Path, Callable[[], None]]]:
@@ -195,7 +147,7 @@ class Targets:
                 out.append((f"mount{' --warm' if extra else ''} {budget}",
                             [[str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", cache,
                                                          "--budget", budget, *extra]]],
-                            mnt, lambda m=mnt: self.umount(m)))
+                            mnt, lambda m=mnt: umount(m)))
             o = self.work / f"merge-{fam.name}-{tag}"
             out.append((f"merge {budget}", [[str(c) for c in MERGEFS + [
                 "merge", spec, o, "--budget", budget, "--force"]]], o,
@@ -208,7 +160,7 @@ class Targets:
                 out.append((f"baseline mount {budget}",
                             [[str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", cache,
                                                          "--budget", budget]]],
-                            mnt, lambda m=mnt: self.umount(m)))
+                            mnt, lambda m=mnt: umount(m)))
         if mergekit and self.mergekit:
             o = self.work / f"mergekit-{fam.name}"
             out.append(("mergekit-yaml", [self.mergekit_cmd(spec, o)], o,
@@ -336,33 +288,6 @@ class Targets:
                      f"{r:.2f}x faster", "cold", "(ratio of the rows above)")
 
     # -- serving ----------------------------------------------------------------------------------
-    @staticmethod
-    def read_seq(files: list[Path], block: int = 1 << 20) -> tuple[int, float]:
-        buf = bytearray(block)
-        n = 0
-        t = time.perf_counter()
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            off = 0
-            while k := os.preadv(fd, [buf], off):
-                off += k
-                n += k
-            os.close(fd)
-        return n, time.perf_counter() - t
-
-    @staticmethod
-    def read_mmap(files: list[Path]) -> tuple[int, float]:
-        """safetensors-style: map the file and copy every tensor's bytes out of the map."""
-        import mmap
-
-        n = 0
-        t = time.perf_counter()
-        for f in files:
-            with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
-                for off in range(0, len(m), 16 << 20):
-                    n += len(bytes(m[off:off + (16 << 20)]))
-        return n, time.perf_counter() - t
-
     def mount_cmd(self, spec: Path, mnt: Path, cache: int, *extra: str) -> list[str]:
         return [str(c) for c in MERGEFS + ["mount", spec, mnt, "--cache-size", str(cache),
                                            *extra]]
@@ -378,7 +303,7 @@ class Targets:
         if self.args.baseline:
             first.update({"baseline full": [], "baseline 10%": []})
         for _ in range(self.args.repeats):
-            for case in first:
+            for case, rates in first.items():
                 words = case.split()
                 base = words[0] == "baseline"
                 budget, *extra = words[1:] if base else words
@@ -386,10 +311,10 @@ class Targets:
                 run(self.mount_cmd(spec, mnt, cache, "--budget", budget, *extra),
                     env=self.baseline_env(base))
                 try:
-                    n, s = self.read_seq(sorted(mnt.glob("*.safetensors")))
-                    first[case].append(n / s / 1e9)
+                    n, s = read_files(sorted(mnt.glob("*.safetensors")))
+                    rates.append(n / s / 1e9)
                 finally:
-                    self.umount(mnt)
+                    umount(mnt)
         for case, xs in first.items():
             v = median(xs)
             self.row("serving", f"first sequential read, fresh mount ({case})",
@@ -408,10 +333,10 @@ class Targets:
         run(self.mount_cmd(spec, mnt, cache), env=self.baseline_env(base))
         try:
             files = sorted(mnt.glob("*.safetensors"))
-            self.read_seq(files)
+            read_files(files)
             rates: dict[str, list[float]] = {"read": [], "mmap": []}
             for _ in range(self.args.repeats):
-                for kind, fn in (("read", self.read_seq), ("mmap", self.read_mmap)):
+                for kind, fn in (("read", read_files), ("mmap", read_mmap)):
                     for f in files:
                         evict(f)
                     n, s = fn(files)
@@ -419,7 +344,7 @@ class Targets:
             self.raw[f"serving_stats{'_baseline' if base else ''}"] = json.loads(
                 run(MERGEFS + ["stats", mnt, "--json"]).out)
         finally:
-            self.umount(mnt)
+            umount(mnt)
         return rates
 
     def serving_row(self, spec: Path, mnt: Path, cache: int, kind: str, xs: list[float],
@@ -443,8 +368,8 @@ class Targets:
         build: list[float] = []
         for _ in range(self.args.repeats):
             evict(fam)
-            n, s = self.read_seq(files, 16 << 20)
-            plain.append(n / s / 1e9)
+            n, s = read_files(files, 16 << 20)
+            plain.append(gbps(n, s))
             evict(fam)
             p = run(MERGEFS + ["index", spec, "--rebuild"])
             build.append(total / p.wall / 1e9)
@@ -467,7 +392,7 @@ class Targets:
         try:
             pid = json.loads((mnt / ".mergefs" / "stats.json").read_text())["pid"]
             files = sorted(mnt.glob("*.safetensors"))
-            self.read_seq(files)
+            read_files(files)
             rng = random.Random(0)
             buf = bytearray(1 << 20)
             for _ in range(256):
@@ -483,7 +408,7 @@ class Targets:
                     status[key] = int(value.split()[0]) * 1024
             hwm = status.get("VmHWM", 0)
         finally:
-            self.umount(mnt)
+            umount(mnt)
         over = hwm - cache
         self.row("memory", "mount peak RSS (VmHWM), cache = model / 4",
                  f"{hwm / 1e6:.0f} MB = cache + {over / 1e6:.0f} MB", "cold then warm",
@@ -521,33 +446,32 @@ class Targets:
                          q(MERGEFS + ["merge", spec, "OUT"]) + "; load rows as above")
 
     def run(self) -> None:
-        sections = self.args.sections.split(",")
         self.log(f"results in {self.out}")
-        for s in sections:
+        for s in self.args.sections.split(","):
             getattr(self, f"section_{s}")()
         self.save()
         self.log(f"done: {self.out / 'targets.md'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "results" / "targets"))
-    ap.add_argument("--families", default=str(ROOT / "results" / "families"))
+def main(argv: list[str] | None = None, prog: str = "python -m bench targets") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(RESULTS / "targets"))
+    ap.add_argument("--families", default=str(FAMILIES))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sections", default="load,merge,serving,index,memory,scaling")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--experts", default="8", help="expert counts of the load and merge "
                     "sections, e.g. 4,8 (task arithmetic's kernel runs up to 4)")
-    ap.add_argument("--family", default="small", choices=sorted(FAMILIES),
+    ap.add_argument("--family", default="small", choices=sorted(SHAPES),
                     help="the family of the load and merge sections (large: the issue's "
                     "~0.5B parameters per model, ~9 GB with 8 experts)")
     ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
                     "beside this one in the load and serving sections, e.g. the code before")
     ap.add_argument("--baseline-sections", default="load,merge,serving",
                     help="sections that run the baseline too")
-    os.environ["PYTHONPATH"] = str(ROOT)  # the mergefs every command runs, unless a baseline's
-    Targets(ap.parse_args(argv)).run()
+    args = ap.parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    Targets(args).run()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

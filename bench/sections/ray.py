@@ -1,25 +1,26 @@
-#!/usr/bin/env python3
 """Index and merge on Ray with 1, 2, 4 worker processes, against the local run (issue 16).
 
-Writes a synthetic bf16 family (``scripts/make_family.py``: base + experts, several shards, so
-the merge has one task per shard), then times, with the sources evicted from the page cache
-before each run (cold):
+Writes a synthetic bf16 family (:func:`bench.families.make_synthetic`: base + experts, several
+shards, so the merge has one task per shard), then times, with the sources evicted from the page
+cache before each run (cold):
 
 - ``local``: ``load_or_build(rebuild=True)`` on two threads, and ``Session`` + ``materialise``;
-- ``ray N``: a one-node Ray cluster with ``--num-cpus=N`` (N worker processes; tests/raycluster.py,
-  started and stopped here, its start-up not timed), the same index build through
-  :class:`mergefs.engine.ray_index.RayChunkRunner` and the same merge through ``rayexec.materialise``.
+- ``ray N``: a one-node Ray cluster with ``--num-cpus=N`` (N worker processes;
+  :class:`bench.raycluster.LocalRayCluster`, started and stopped here, its start-up not timed),
+  the same index build through :class:`mergefs.engine.ray_index.RayChunkRunner` and the same
+  merge through ``ray_merge.materialise``.
 
 Every Ray output is checked against the local one (index arrays, output bytes, plan hash).
-Prints one JSON line per row and the machine's load (``/proc/loadavg``) before and after: the
-machine has 2 cores shared with other users, so figures above 2 workers measure overheads.
+Prints one JSON line per row and the machine's load average before and after: the machine has
+2 cores shared with other users, so figures above 2 workers measure overheads.
 
-With ``--s3`` the family is served by moto's S3 server in this process (tests/servers.py) and
-each row also reports the requests and body bytes the server answered (index, merge) and the
-bytes each worker process read (from the tasks' results and the manifest's ``worker`` field).
+With ``--s3`` the family is served by moto's S3 server in this process (:mod:`bench.servers`)
+and each row also reports the requests and body bytes the server answered (index, merge) and
+the bytes each worker process read (from the tasks' results and the manifest's ``worker``
+field).
 
-    python scripts/bench_ray.py --params 40M --experts 4 --workers 1,2,4
-    python scripts/bench_ray.py --params 8M --experts 4 --workers 1,2,4 --s3
+    python -m bench ray --params 40M --experts 4 --workers 1,2,4
+    python -m bench ray --params 8M --experts 4 --workers 1,2,4 --s3
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,33 +37,17 @@ from typing import Any
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from make_family import make_synthetic, parse_bytes, parse_count
-from raycluster import LocalRayCluster
-from servers import CountingMotoServer, upload_tree
-
-from mergefs.engine import ray_merge as rayexec, ray_index as rayindex
-from mergefs.engine.session import Session
-from mergefs.recipe.family import open_family
-from mergefs.index.blocks import load_or_build
+from bench.common import evict, loadavg
+from bench.families import make_synthetic, parse_bytes, parse_count
+from bench.raycluster import LocalRayCluster
+from bench.servers import MOTO_ENV, CountingMotoServer, upload_tree
+from mergefs.engine import ray_index as rayindex
+from mergefs.engine import ray_merge as rayexec
 from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.session import Session
+from mergefs.index.blocks import load_or_build
+from mergefs.recipe.family import open_family
 from mergefs.spec.load import load_spec
-
-
-def evict(root: Path) -> None:
-    for p in root.rglob("*.safetensors"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def index_run(spec_path: Path, runner_for: Any) -> tuple[float, Any, int]:
@@ -109,17 +93,13 @@ def merge_run(spec_path: Path, out: Path, on_ray: bool) -> tuple[float, str, dic
     return dt, session.plan.plan_hash, totals
 
 
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}  # moto accepts any credentials
-
-
 class S3:
     """The family behind moto's S3 server in this process; counts what the server answers."""
 
     def __init__(self, fam: Path) -> None:
         import s3fs
 
-        os.environ.update(AWS_ENV)
+        os.environ.update(MOTO_ENV)
         self.srv = CountingMotoServer().start()
         fs = s3fs.S3FileSystem(endpoint_url=self.srv.endpoint, skip_instance_cache=True)
         fs.mkdir("bench")
@@ -151,8 +131,9 @@ def same_dir(a: Path, b: Path) -> bool:
     return bool(files) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench ray") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=parse_count, default=parse_count("40M"))
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--shard-bytes", type=parse_bytes, default=parse_bytes("20MB"))
@@ -169,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     s3 = S3(fam) if args.s3 else None
     if s3 is not None:
         spec = s3.spec
-    print(json.dumps({"load_before": load(), "family": str(fam), "s3": args.s3,
+    print(json.dumps({"load_before": loadavg(), "family": str(fam), "s3": args.s3,
                       "source_bytes": sum(q.stat().st_size for q in fam.rglob("*.safetensors"))}))
     rows = []
     served: dict[str, Any] = {}
@@ -187,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(rows[-1]))
     import ray
 
-    repo = str(ROOT)
     runners: list[Any] = []
 
     def make(spec: Any, base: Any, experts: Any) -> Any:
@@ -195,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return runners[-1]
 
     for n in [int(x) for x in args.workers.split(",")]:
-        cluster = LocalRayCluster(nodes=1, cpus=n, env={"PYTHONPATH": repo, **AWS_ENV})
+        cluster = LocalRayCluster(nodes=1, cpus=n, env=MOTO_ENV)  # + PYTHONPATH: this mergefs
         cluster.start()
         try:
             ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
@@ -224,13 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
             cluster.stop()
-    print(json.dumps({"load_after": load()}))
+    print(json.dumps({"load_after": loadavg()}))
     if s3 is not None:
         s3.srv.stop()
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(r.get("index_equal", True) and r.get("merge_equal", True) for r in rows) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

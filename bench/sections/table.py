@@ -1,14 +1,15 @@
-#!/usr/bin/env python3
-"""mergefs benchmarks (issue 5): one table, JSON + CSV + PNG plots under ``<out>/<timestamp>/``.
+"""The benchmark table (issue 5): one table, JSON + CSV + PNG plots under
+``<out>/<timestamp>/``.
 
-Sections (each row says whether its sources were cold or warm in the page cache):
+Its sections (``--sections``; each row says whether its sources were cold or warm in the page
+cache):
 
 - index     block-index build throughput vs a plain sequential read of the same files (cold)
 - sweep     budget sweep 1..100% for task_arithmetic and ties: expert bytes read (mergefs'
             counters and the block device's), wall time, tight/loose bounds, measured deviation
             from the full merge relative to the weights and to the merge update (cold)
-- mergekit  ``mergekit-yaml`` on the same spec (mergefs-only keys stripped into a copy), in its
-            own venv: wall time, device bytes, peak RSS, output agreement with mergefs (cold)
+- mergekit  ``mergekit-yaml`` on the same spec (mergefs-only keys stripped into a copy): wall
+            time, device bytes, peak RSS, output agreement with mergefs (cold)
 - load      time to a loaded model: mount + from_pretrained, merge + from_pretrained,
             mergekit-yaml + from_pretrained (cold)
 - serving   sequential and random reads of the mounted weights (first read merges; then warm in
@@ -17,7 +18,7 @@ Sections (each row says whether its sources were cold or warm in the page cache)
 - real      the budget sweep on the real all-MiniLM-L6-v2 family (fine-tuned experts)
 - sweepmount a 9-variant sweep (weight x budget) through one mount vs nine separate mounts vs
             nine mergekit-yaml runs: wall, source bytes read, bytes written (cold;
-            scripts/bench_sweepmount.py)
+            ``python -m bench sweepmount`` runs it alone)
 - remote    experts served over HTTP Range and S3 (moto), base local, both on 127.0.0.1 in
             this process: bytes over the wire and requests counted at the server, wall time,
             full vs 10% budget, with and without published index sidecars; output sha256
@@ -26,238 +27,62 @@ Sections (each row says whether its sources were cold or warm in the page cache)
 Cold runs call ``os.sync()`` and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every source
 file (and on outputs) first; warm runs do not. Every row carries the command that reproduces it.
 
-    python scripts/bench.py --quick --out /tmp/bench      # tiny family, a few minutes
-    python scripts/bench.py                               # full run (~0.5B x 9, MiniLM family)
-
-Timing belongs here, never in unit tests. This script is not imported by mergefs.
+    python -m bench table --quick --out /tmp/bench      # tiny family, a few minutes
+    python -m bench table                               # full run (~0.5B x 9, MiniLM family)
+    python -m bench table --sections mergekit           # one section
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
-import platform
-import random
-import shlex
 import shutil
 import statistics
 import struct
 import subprocess
-import sys
-import tempfile
-import textwrap
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_family
+from bench import families
+from bench.common import (
+    FAMILIES,
+    MERGEFS,
+    PY,
+    RESULTS,
+    Proc,
+    Results,
+    Row,
+    device_of,
+    device_read_bytes,
+    evict,
+    find_mergekit,
+    fmt_bytes,
+    gbps,
+    mergekit_cmd,
+    mergekit_spec,
+    mount_available,
+    not_run,
+    proc_field,
+    q,
+    read_files,
+    run,
+    run_py,
+    timed_load,
+    tree_sha256,
+    umount,
+    weight_files,
+)
+from bench.servers import MOTO_ENV
 
-PY = sys.executable
-MERGEFS = [PY, "-m", "mergefs.cli.main"]
 BUDGETS = ("1%", "2%", "5%", "10%", "25%", "50%", "full")
-MERGEFS_ONLY_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name", "remote",
-                     "sidecar", "sidecars")
-MERGEKIT_VENV = ROOT / "results" / ".mergekit-venv"
-TORCH_PIN = "torch==2.13.0"
-
-# --------------------------------------------------------------------------------------------
-# rows
-
-
-@dataclass
-class Row:
-    section: str
-    case: str
-    family: str
-    cache: str  # cold | warm | -
-    result: str  # the figure, formatted
-    metrics: dict[str, Any] = field(default_factory=dict)
-    versus: str = ""
-    target: str = ""
-    met: bool | None = None
-    command: str = ""
-    note: str = ""
-
-
-def not_run(section: str, case: str, family: str, why: str, target: str = "") -> Row:
-    return Row(section, case, family, "-", f"not run: {why}", target=target, met=None, note=why)
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def q(cmd: Sequence[str | Path]) -> str:
-    """A shell command line, with this interpreter shown as ``python`` and paths relative to
-    the repository where possible."""
-    parts = []
-    for c in cmd:
-        s = str(c)
-        if s == PY:
-            s = "python"
-        elif s.startswith(str(ROOT) + "/"):
-            s = s[len(str(ROOT)) + 1:]
-        parts.append(shlex.quote(s))
-    line = " ".join(parts)
-    return line.replace("python -m mergefs.cli.main", "mergefs")
-
-
-# --------------------------------------------------------------------------------------------
-# page cache, devices, processes
-
-
-def weight_files(*dirs: Path) -> list[Path]:
-    out: list[Path] = []
-    for d in dirs:
-        out += sorted(Path(d).glob("*.safetensors"))
-    return out
-
-
-def evict(*paths: Path) -> None:
-    """Drop every file under ``paths`` from the page cache (after writing dirty pages)."""
-    os.sync()
-    for root in paths:
-        root = Path(root)
-        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-        for f in files:
-            try:
-                fd = os.open(f, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def device_of(path: Path) -> str | None:
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    try:
-        with open("/proc/diskstats") as fh:
-            for line in fh:
-                f = line.split()
-                if int(f[0]) == major and int(f[1]) == minor:
-                    return f[2]
-    except OSError:
-        return None
-    return None
-
-
-def device_read_bytes(dev: str | None) -> int | None:
-    """Bytes read from block device ``dev`` so far (all processes: /proc/diskstats)."""
-    if dev is None:
-        return None
-    with open("/proc/diskstats") as fh:
-        for line in fh:
-            f = line.split()
-            if f[2] == dev:
-                return int(f[5]) * 512
-    return None
-
-
-@dataclass
-class Proc:
-    wall: float
-    rc: int
-    out: str
-    err: str
-    maxrss_bytes: int
-    cpu_seconds: float
-
-
-def run(cmd: Sequence[str | Path], *, env: dict[str, str] | None = None, check: bool = True,
-        timeout: float = 3600, cwd: Path | None = None) -> Proc:
-    """Run a command; wall time, exit code, output and its own peak RSS (wait4)."""
-    full_env = {**os.environ, **(env or {})}
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
-        p = subprocess.Popen([str(c) for c in cmd], stdout=fo, stderr=fe, env=full_env,
-                             cwd=cwd)
-        deadline = t0 + timeout
-        while True:
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                p.kill()
-                pid, status, ru = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.005)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        fo.seek(0)
-        fe.seek(0)
-        out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")
-    res = Proc(wall, p.returncode, out, err, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime)
-    if check and res.rc != 0:
-        raise RuntimeError(f"command failed ({res.rc}): {q(cmd)}\n{err[-3000:]}")
-    return res
-
-
-def run_py(code: str, *, check: bool = True, timeout: float = 3600) -> tuple[dict[str, Any], Proc]:
-    """Run a Python snippet in a fresh interpreter; it prints one JSON object last."""
-    res = run([PY, "-c", textwrap.dedent(code)], check=check, timeout=timeout,
-              env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"})
-    lines = [ln for ln in res.out.splitlines() if ln.startswith("{")]
-    return (json.loads(lines[-1]) if lines else {}), res
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "kernel": platform.release(),
-                            "cpus": os.cpu_count()}
-    info["cpu"] = _first_field("/proc/cpuinfo", "model name", lambda v: v)
-    info["ram_gib"] = _first_field("/proc/meminfo", "MemTotal",
-                                   lambda v: round(int(v.split()[0]) / 2**20, 1))
-    for mod in ("numpy", "torch", "transformers", "safetensors", "mergefs"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001, S112 - informative only
-            continue
-    return info
-
-
-def _first_field(path: str, key: str, conv: Callable[[str], Any]) -> Any:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                if line.startswith(key):
-                    return conv(line.split(":", 1)[1].strip())
-    except OSError:
-        return None
-    return None
-
-
-def load_now() -> dict[str, Any]:
-    out: dict[str, Any] = {"loadavg": os.getloadavg()}
-    try:
-        with open("/proc/pressure/cpu") as fh:
-            out["cpu_pressure"] = fh.readline().strip()
-    except OSError:
-        out["cpu_pressure"] = None
-    return out
-
+SECTIONS = ("index", "sweep", "mergekit", "load", "serving", "memory", "real", "sweepmount",
+            "remote")
 
 # --------------------------------------------------------------------------------------------
 # safetensors reading for comparisons (no mergefs import: an independent reader)
@@ -343,51 +168,40 @@ def agreement(a_dir: Path, b_dir: Path) -> dict[str, Any]:
 # the bench
 
 
-class Bench:
+class Table:
+    """One run of the table: its sections add rows to ``self.res`` (:class:`Results`)."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.quick = args.quick
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.out = Path(args.out).resolve() / stamp
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.work = self.out / "work"
-        self.work.mkdir()
-        self.rows: list[Row] = []
-        self.raw: dict[str, Any] = {"machine": machine_info(), "args": vars(args).copy(),
-                                    "load_start": load_now(), "sweeps": {}}
-        self.raw["args"]["out"] = str(args.out)
+        self.res = Results(args.out, {**vars(args), "out": str(args.out)})
+        self.out, self.work, self.raw = self.res.out, self.res.work, self.res.raw
+        self.raw["sweeps"] = {}
+        self.log, self.add = self.res.log, self.res.add
         self.repeats = args.repeats if args.repeats else (1 if self.quick else 3)
         self.mount_ok: bool | None = None
+        self.mergekit_exe: Path | None = None
         self.full_outputs: dict[str, Path] = {}
         self.sweep_results: dict[tuple[str, str], list[dict[str, Any]]] = {}
-
-    def log(self, msg: str) -> None:
-        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-    def add(self, row: Row) -> None:
-        self.rows.append(row)
-        self.log(f"{row.section} | {row.case} | {row.cache} | {row.result}"
-                 + (f" | target {row.target}: {'met' if row.met else 'MISSED'}"
-                    if row.met is not None else ""))
 
     # -- families ----------------------------------------------------------------------------
     def synthetic_family(self) -> Path:
         if self.quick:
             root = self.out / "families" / "tiny"
-            make_family.make_synthetic(root, params=5_000_000, layers=4, n_experts=8,
-                                       vocab=4096, seed=0, log=self.log)
+            families.make_synthetic(root, params=5_000_000, layers=4, n_experts=8,
+                                    vocab=4096, seed=0, log=self.log)
             return root
         root = Path(self.args.families).resolve() / "synthetic"
         info_path = root / "family.json"
-        want = make_family.solve_shape(self.args.params, self.args.layers, 32000).params()
+        want = families.solve_shape(self.args.params, self.args.layers, 32000).params()
         if info_path.is_file():
             info = json.loads(info_path.read_text())
             if info.get("params_per_model") == want and \
                     len(info.get("experts", [])) == self.args.experts:
                 self.log(f"reusing {root}")
                 return root
-        make_family.make_synthetic(root, params=self.args.params, layers=self.args.layers,
-                                   n_experts=self.args.experts, seed=0, log=self.log)
+        families.make_synthetic(root, params=self.args.params, layers=self.args.layers,
+                                n_experts=self.args.experts, seed=0, log=self.log)
         return root
 
     def real_family(self) -> Path:
@@ -397,18 +211,13 @@ class Bench:
             self.log(f"reusing {root}")
             return root
         steps = 3 if self.quick else self.args.real_steps
-        make_family.make_minilm(root, n_experts=4, steps=steps,
-                                head_steps=steps if self.quick else 300, log=self.log)
+        families.make_minilm(root, n_experts=4, steps=steps,
+                             head_steps=steps if self.quick else 300, log=self.log)
         return root
-
-    @staticmethod
-    def family_dirs(root: Path) -> tuple[Path, list[Path]]:
-        info = json.loads((root / "family.json").read_text())
-        return root / info["base"], [root / e for e in info["experts"]]
 
     # -- index -----------------------------------------------------------------------------
     def section_index(self, fam: Path, label: str) -> None:
-        base, experts = self.family_dirs(fam)
+        base, experts = families.family_dirs(fam)
         files = weight_files(base, *experts)
         total = sum(f.stat().st_size for f in files)
         plain, build = [], []
@@ -429,9 +238,10 @@ class Bench:
         """
         build_code = f"""
             import time, json
-            from mergefs.spec.spec import load_spec
-            from mergefs.engine.merger import open_family
-            from mergefs.index.blocks import build_layout, build_index
+            from mergefs.spec.load import load_spec
+            from mergefs.recipe.family import open_family
+            from mergefs.index.layout import build_layout
+            from mergefs.index.blocks import build_index
             spec = load_spec({str(fam / 'spec.yaml')!r})
             base, experts = open_family(spec)
             layout = build_layout(base, spec.block_size)
@@ -486,7 +296,7 @@ class Bench:
 
     def section_sweep(self, fam: Path, label: str, methods: Sequence[tuple[str, str]],
                       section: str = "sweep") -> None:
-        base, _ = self.family_dirs(fam)
+        base, _ = families.family_dirs(fam)
         for method, spec_name in methods:
             spec = fam / spec_name
             results = []
@@ -569,40 +379,19 @@ class Bench:
                              {"wall": r["wall"], "cpu": r["cpu"]}, command=r["command"]))
 
     # -- mergekit --------------------------------------------------------------------------
-    def mergekit_bin(self) -> Path | None:
-        exe = MERGEKIT_VENV / "bin" / "mergekit-yaml"
-        if exe.exists():
-            return exe
-        self.log(f"installing mergekit into {MERGEKIT_VENV} (pip install mergekit {TORCH_PIN})")
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(MERGEKIT_VENV)], check=True)
-            subprocess.run([str(MERGEKIT_VENV / "bin" / "pip"), "install", "-q", "mergekit",
-                            TORCH_PIN], check=True)
-        except subprocess.CalledProcessError as exc:
-            self.log(f"mergekit install failed: {exc}")
+    def mergekit(self) -> Path | None:
+        """mergekit-yaml (installed into results/.mergekit-venv if not found), or None when
+        ``--quick`` without ``--mergekit``."""
+        if self.quick and not self.args.mergekit:
             return None
-        return exe if exe.exists() else None
-
-    def mergekit_spec(self, spec: Path) -> Path:
-        doc = yaml.safe_load(spec.read_text())
-        for k in MERGEFS_ONLY_KEYS:
-            doc.pop(k, None)
-        # mergekit resolves model paths against its working directory, not the spec's folder
-        doc["base_model"] = str((spec.parent / doc["base_model"]).resolve())
-        for m in doc["models"]:
-            m["model"] = str((spec.parent / m["model"]).resolve())
-        out = spec.with_name(spec.stem + ".mergekit.yaml")
-        out.write_text(yaml.safe_dump(doc, sort_keys=False))
-        return out
-
-    def mergekit_cmd(self, exe: Path, spec: Path, out: Path) -> list[str | Path]:
-        return [exe, self.mergekit_spec(spec), out, "--lazy-unpickle", "--no-copy-tokenizer",
-                "--quiet"]
+        if self.mergekit_exe is None:
+            self.mergekit_exe = find_mergekit(install=True, log=self.log)
+        return self.mergekit_exe
 
     def section_mergekit(self, fam: Path, label: str) -> None:
         """mergekit vs mergefs, in interleaved pairs (mergefs full, mergekit, ...) so that a
         change in machine load hits both sides alike; medians of the pairs."""
-        exe = self.mergekit_bin() if (self.args.mergekit or not self.quick) else None
+        exe = self.mergekit()
         if exe is None:
             why = "mergekit skipped (--quick)" if self.quick and not self.args.mergekit \
                 else "mergekit not installable"
@@ -626,7 +415,7 @@ class Bench:
                 shutil.rmtree(out)
             evict(fam)
             d0 = device_read_bytes(dev)
-            cmd = self.mergekit_cmd(exe, spec, out)
+            cmd = mergekit_cmd(exe, mergekit_spec(spec), out)
             p = run(cmd)
             d1 = device_read_bytes(dev)
             mk_walls.append(p.wall)
@@ -639,12 +428,9 @@ class Bench:
         agree = agreement(out, mf_full)
         # mergekit's `dtype` is its compute dtype (bf16 here); mergefs always computes in float32
         # and `dtype` is only its output dtype. The same arithmetic in mergekit: float32 compute.
-        doc = yaml.safe_load(self.mergekit_spec(spec).read_text())
-        doc["dtype"], doc["out_dtype"] = "float32", "bfloat16"
-        spec32 = spec.with_name(spec.stem + ".mergekit-f32.yaml")
-        spec32.write_text(yaml.safe_dump(doc, sort_keys=False))
+        spec32 = mergekit_spec(spec, "-f32", dtype="float32", out_dtype="bfloat16")
         out32 = self.work / f"{label}-mergekit-f32"
-        cmd32 = [exe, spec32, out32, "--lazy-unpickle", "--no-copy-tokenizer", "--quiet"]
+        cmd32 = mergekit_cmd(exe, spec32, out32)
         run(cmd32)
         agree32 = agreement(out32, mf_full)
         shutil.rmtree(out32, ignore_errors=True)
@@ -695,11 +481,9 @@ class Bench:
     # -- mount helpers -----------------------------------------------------------------------
     def mount_available(self) -> bool:
         if self.mount_ok is None:
-            p = run(MERGEFS + ["mount", "--help"], check=False)
-            self.mount_ok = p.rc == 0 and os.path.exists("/dev/fuse") and \
-                shutil.which("fusermount3") is not None
+            self.mount_ok = mount_available()
             if not self.mount_ok:
-                self.log("mount not available: " + (p.err.strip()[-200:] or "no /dev/fuse"))
+                self.log("mount not available (mergefs mount --help, /dev/fuse, fusermount3)")
         return self.mount_ok
 
     def mount(self, spec: Path, mnt: Path, cache: str, budget: str = "full") -> dict[str, Any]:
@@ -708,36 +492,9 @@ class Bench:
         return self.stats(mnt)
 
     def stats(self, mnt: Path) -> dict[str, Any]:
-        return json.loads(run(MERGEFS + ["stats", mnt, "--json"]).out)
-
-    def umount(self, mnt: Path) -> None:
-        p = run(MERGEFS + ["umount", mnt], check=False)
-        if p.rc != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        return json.loads(run(MERGEFS + ["stats", mnt, "--json"]).out)  # type: ignore[no-any-return]
 
     # -- time to a loaded model ---------------------------------------------------------------
-    LOAD_CODE = """
-        import json, os, subprocess, sys, time
-        import torch
-        from transformers import AutoModelForCausalLM
-        cmds = json.loads(sys.argv[1]); target = sys.argv[2]
-        t0 = time.perf_counter()
-        for c in cmds:
-            subprocess.run(c, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        t1 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
-        t2 = time.perf_counter()
-        with torch.no_grad():
-            check = float(sum(p.double().sum() for p in model.parameters()))
-        print(json.dumps({"prepare": t1 - t0, "load": t2 - t1, "total": t2 - t0,
-                          "checksum": check}))
-    """
-
-    def timed_load(self, cmds: list[list[str]], target: Path) -> dict[str, Any]:
-        res = run([PY, "-c", textwrap.dedent(self.LOAD_CODE), json.dumps(cmds), str(target)],
-                  env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        return json.loads([ln for ln in res.out.splitlines() if ln.startswith("{")][-1])
-
     def section_load(self, fam: Path, label: str, model_bytes: int) -> None:
         spec = fam / "spec.yaml"
         mnt = self.work / "mnt-load"
@@ -753,16 +510,16 @@ class Bench:
                                  [[str(c) for c in MERGEFS + ["mount", spec, mnt_b,
                                                               "--cache-size", cache,
                                                               "--budget", budget]]],
-                                 mnt_b, lambda m=mnt_b: self.umount(m)))
+                                 mnt_b, lambda m=mnt_b: umount(m)))
             variants.append((f"mergefs merge ({budget}) + from_pretrained",
                              [[str(c) for c in MERGEFS + ["merge", spec, out_merge, "--budget",
                                                           budget, "--force"]]],
                              out_merge, lambda: shutil.rmtree(out_merge, ignore_errors=True)))
-        exe = self.mergekit_bin() if (self.args.mergekit or not self.quick) else None
+        exe = self.mergekit()
         out_mk = self.work / f"{label}-load-mergekit"
         if exe is not None:
             variants.append(("mergekit-yaml + from_pretrained",
-                             [[str(c) for c in self.mergekit_cmd(exe, spec, out_mk)]], out_mk,
+                             [mergekit_cmd(exe, mergekit_spec(spec), out_mk)], out_mk,
                              lambda: shutil.rmtree(out_mk, ignore_errors=True)))
         for name, cmds, target, cleanup in variants:
             times = []
@@ -770,7 +527,7 @@ class Bench:
                 cleanup()
                 evict(fam)
                 try:
-                    times.append(self.timed_load(cmds, target))
+                    times.append(timed_load(cmds, target))
                 finally:
                     cleanup()
             best = sorted(times, key=lambda r: r["total"])[len(times) // 2]
@@ -805,34 +562,6 @@ class Bench:
                          met=speed >= 2))
 
     # -- serving ---------------------------------------------------------------------------
-    @staticmethod
-    def read_files(files: Sequence[Path], block: int, order: str, count: int | None = None,
-                   seed: int = 0) -> tuple[int, float]:
-        buf = bytearray(block)
-        fds = [(os.open(f, os.O_RDONLY), f.stat().st_size) for f in files]
-        n = 0
-        t = time.perf_counter()
-        try:
-            if order == "seq":
-                for fd, size in fds:
-                    off = 0
-                    while off < size:
-                        k = os.preadv(fd, [buf], off)
-                        if not k:
-                            break
-                        off += k
-                        n += k
-            else:
-                rng = random.Random(seed)
-                for _ in range(count or 256):
-                    fd, size = rng.choice(fds)
-                    off = rng.randrange(0, max(1, size - block)) // 4096 * 4096
-                    n += os.preadv(fd, [buf], off)
-        finally:
-            for fd, _ in fds:
-                os.close(fd)
-        return n, time.perf_counter() - t
-
     def section_serving(self, fam: Path, label: str, model_bytes: int) -> None:
         if not self.mount_available():
             for case in ("first read (merging)", "second read (page cache)",
@@ -849,24 +578,24 @@ class Bench:
             full_dir = self.work / f"{label}-serve-full"
             run(MERGEFS + ["merge", spec, full_dir, "--force"])
         mount_cmd = q(MERGEFS + ["mount", spec, mnt, "--cache-size", cache])
-        self.umount(mnt)
+        umount(mnt)
         evict(fam)
         self.mount(spec, mnt, cache)
         try:
             files = weight_files(mnt)
-            n, s = self.read_files(files, 1 << 20, "seq")
+            n, s = read_files(files, 1 << 20, "seq")
             first = gbps(n, s)
             self.add(Row("serving", "mount sequential first read (merging)", label, "cold",
                          f"{first:.2f} GB/s", {"bytes": n, "seconds": s},
                          command=mount_cmd + " && cat MNT/*.safetensors > /dev/null"))
-            n, s = self.read_files(files, 1 << 20, "seq")
+            n, s = read_files(files, 1 << 20, "seq")
             second = gbps(n, s)
             self.add(Row("serving", "mount sequential second read (kernel page cache)", label,
                          "warm", f"{second:.2f} GB/s", {"bytes": n, "seconds": s},
                          target=">= 1 GB/s", met=second >= 1.0, command="(again)"))
             for f in files:  # drop the kernel's copy: reads now reach mergefs' own cache
                 evict(f)
-            n, s = self.read_files(files, 1 << 20, "seq")
+            n, s = read_files(files, 1 << 20, "seq")
             fuse_warm = gbps(n, s)
             self.add(Row("serving", "mount sequential read (mergefs cache, through FUSE)",
                          label, "warm", f"{fuse_warm:.2f} GB/s", {"bytes": n, "seconds": s},
@@ -875,29 +604,29 @@ class Bench:
             for f in files:
                 evict(f)
             count = 256 if self.quick else 1024
-            n, s = self.read_files(files, 1 << 20, "random", count)
+            n, s = read_files(files, 1 << 20, "random", count)
             self.add(Row("serving", "mount random 1 MiB reads (mergefs cache)", label, "warm",
                          f"{gbps(n, s):.2f} GB/s ({count / s:.0f} reads/s)",
                          {"bytes": n, "seconds": s, "reads": count}))
-            n, s = self.read_files(files, 1 << 20, "random", count, seed=1)
-            n2, s2 = self.read_files(files, 1 << 20, "random", count, seed=1)
+            n, s = read_files(files, 1 << 20, "random", count, seed=1)
+            n2, s2 = read_files(files, 1 << 20, "random", count, seed=1)
             self.add(Row("serving", "mount random 1 MiB reads, second pass (page cache)",
                          label, "warm", f"{gbps(n2, s2):.2f} GB/s", {"bytes": n2,
                                                                       "seconds": s2}))
             st1 = self.stats(mnt)
             self.raw["serving_stats"] = st1
         finally:
-            self.umount(mnt)
+            umount(mnt)
         if full_dir is not None and full_dir.exists():
             mfiles = weight_files(full_dir)
-            self.read_files(mfiles, 1 << 20, "seq")  # warm it
-            n, s = self.read_files(mfiles, 1 << 20, "seq")
+            read_files(mfiles, 1 << 20, "seq")  # warm it
+            n, s = read_files(mfiles, 1 << 20, "seq")
             self.add(Row("serving", "materialised file sequential read", label, "warm",
                          f"{gbps(n, s):.2f} GB/s", {"bytes": n, "seconds": s},
                          versus=f"mount page-cache read {second:.2f} GB/s, "
                                 f"mergefs-cache read {fuse_warm:.2f} GB/s"))
             count = 256 if self.quick else 1024
-            n, s = self.read_files(mfiles, 1 << 20, "random", count)
+            n, s = read_files(mfiles, 1 << 20, "random", count)
             self.add(Row("serving", "materialised file random 1 MiB reads", label, "warm",
                          f"{gbps(n, s):.2f} GB/s", {"bytes": n, "seconds": s}))
 
@@ -911,23 +640,21 @@ class Bench:
             return
         spec = fam / "spec.yaml"
         mnt = self.work / "mnt-mem"
-        self.umount(mnt)
+        umount(mnt)
         evict(fam)
         st = self.mount(spec, mnt, str(cache_bytes))
         pid = st.get("pid")
         try:
             files = weight_files(mnt)
-            self.read_files(files, 1 << 20, "seq")
+            read_files(files, 1 << 20, "seq")
             for f in files:
                 evict(f)
-            self.read_files(files, 1 << 20, "random", 256)
-            hwm = _first_field(f"/proc/{pid}/status", "VmHWM",
-                               lambda v: int(v.split()[0]) * 1024)
-            rss = _first_field(f"/proc/{pid}/status", "VmRSS",
-                               lambda v: int(v.split()[0]) * 1024)
+            read_files(files, 1 << 20, "random", 256)
+            hwm = proc_field(f"/proc/{pid}/status", "VmHWM", lambda v: int(v.split()[0]) * 1024)
+            rss = proc_field(f"/proc/{pid}/status", "VmRSS", lambda v: int(v.split()[0]) * 1024)
             stats = self.stats(mnt)
         finally:
-            self.umount(mnt)
+            umount(mnt)
         ok = hwm is not None and hwm <= cache_bytes + 300e6
         self.add(Row("memory", f"mount peak RSS, cache {fmt_bytes(cache_bytes)} < model "
                                f"{fmt_bytes(model_bytes)}", label, "cold",
@@ -984,7 +711,7 @@ class Bench:
             fig.savefig(path, dpi=110)
             plt.close(fig)
             made.append(path.name)
-        serving = [r for r in self.rows if r.section == "serving" and "GB/s" in r.result]
+        serving = [r for r in self.res.rows if r.section == "serving" and "GB/s" in r.result]
         if serving:
             fig, ax = plt.subplots(figsize=(9, 3.6))
             vals = [float(r.result.split()[0]) for r in serving]
@@ -998,53 +725,9 @@ class Bench:
             made.append(path.name)
         return made
 
-    def table(self) -> str:
-        headers = ["#", "section", "case", "family", "cache", "result", "versus", "target",
-                   "met"]
-        body = []
-        for k, r in enumerate(self.rows, 1):
-            met = "" if r.met is None else ("yes" if r.met else "MISSED")
-            body.append([str(k), r.section, r.case, r.family, r.cache, r.result, r.versus,
-                         r.target, met])
-        try:
-            from rich.console import Console
-            from rich.table import Table
-
-            t = Table(title="mergefs benchmarks", show_lines=False)
-            for h in headers:
-                t.add_column(h, overflow="fold")
-            for row in body:
-                t.add_row(*row)
-            console = Console(width=220, record=True)
-            console.print(t)
-            return console.export_text()
-        except ImportError:
-            widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
-            lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-            lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
-            text = "\n".join(lines)
-            print(text)
-            return text
-
     def write(self) -> None:
-        self.raw["load_end"] = load_now()
         self.raw["plots"] = self.plots()
-        text = self.table()
-        cmds = "\n".join(f"[{k}] {r.command}" for k, r in enumerate(self.rows, 1) if r.command)
-        (self.out / "table.txt").write_text(text + "\n\ncommands:\n" + cmds + "\n")
-        print("\ncommands (cold rows: sync + posix_fadvise DONTNEED on sources first):")
-        print(cmds)
-        doc = {**self.raw, "rows": [asdict(r) for r in self.rows]}
-        (self.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-        with open(self.out / "results.csv", "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["section", "case", "family", "cache", "result", "versus", "target",
-                        "met", "command", "metrics"])
-            for r in self.rows:
-                w.writerow([r.section, r.case, r.family, r.cache, r.result, r.versus, r.target,
-                            "" if r.met is None else r.met, r.command,
-                            json.dumps(r.metrics, default=str)])
-        print(f"\nresults: {self.out}")
+        self.res.write()
 
     # -- remote ----------------------------------------------------------------------------
     def remote_family(self) -> tuple[Path, str]:
@@ -1055,42 +738,27 @@ class Bench:
         root = (self.out / "families" / "remote") if self.quick else \
             Path(self.args.families).resolve() / "synthetic-remote"
         if not (root / "family.json").is_file():
-            make_family.make_synthetic(root, params=5_000_000 if self.quick else 30_000_000,
+            families.make_synthetic(root, params=5_000_000 if self.quick else 30_000_000,
                                        layers=4 if self.quick else 8, n_experts=4,
                                        vocab=4096 if self.quick else 32000, seed=0,
                                        log=self.log)
         return root, "synthetic-remote"
 
-    @staticmethod
-    def tree_sha256(d: Path) -> dict[str, str]:
-        import hashlib
-
-        out = {}
-        for p in sorted(d.rglob("*")):
-            # .mergefs/merge.json records which run wrote the directory (spec path, time)
-            if p.is_file() and not p.name.endswith(".jsonl") and \
-                    p.relative_to(d).parts[0] != ".mergefs":
-                h = hashlib.sha256()
-                with open(p, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(16 << 20), b""):
-                        h.update(chunk)
-                out[p.relative_to(d).as_posix()] = h.hexdigest()
-        return out
-
     def section_remote(self) -> None:
         """Experts over HTTP Range (RangeHTTPServer) and S3 (moto), base local; bytes and
         requests counted at the server, full vs 10% budget, with and without published
-        sidecars. Servers: tests/servers.py, 127.0.0.1 only, in this process."""
-        sys.path.insert(0, str(ROOT / "tests"))
+        sidecars. Servers: bench/servers.py, 127.0.0.1 only, in this process."""
         try:
+            import moto.moto_server.werkzeug_app  # noqa: F401 (moto[server])
             import s3fs
-            from servers import CountingMotoServer, RangeHTTPServer, upload_tree
+
+            from bench.servers import CountingMotoServer, RangeHTTPServer, upload_tree
         except ImportError as e:
             self.add(not_run("remote", "remote experts", "-", f"missing {e.name} "
                              "(pip install 'mergefs[remote]' moto[server])"))
             return
         fam, label = self.remote_family()
-        base, experts = self.family_dirs(fam)
+        base, experts = families.family_dirs(fam)
         spec0 = yaml.safe_load((fam / "spec.yaml").read_text())
         root = self.work / "remote"
         served = root / "served"
@@ -1106,8 +774,7 @@ class Bench:
                             os.link(src, dst)
                         except OSError:
                             shutil.copy2(src, dst)
-        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+        env = MOTO_ENV
         unset = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
         saved = {k: os.environ.get(k) for k in (*env, *unset)}
         os.environ.update(env)  # moto's dummy credentials, for this process and the merges
@@ -1144,7 +811,7 @@ class Bench:
                     totals = {**totals, **rec}
                 elif rec.get("type") == "header":  # the budget the expert reads must fit
                     totals["budget_bytes"] = rec.get("budget_bytes")
-            sums = self.tree_sha256(out)
+            sums = tree_sha256(out)
             shutil.rmtree(out, ignore_errors=True)
             return p, totals, sums, [str(c) for c in cmd]
 
@@ -1170,7 +837,7 @@ class Bench:
                          {"wire_bytes": pub_bytes, "requests": pub_reqs, "wall": p.wall,
                           "expert_bytes": expert_bytes},
                          command=q(MERGEFS + ["index", pub_s3, "--publish"]) +
-                         "  # moto S3 started by scripts/bench.py --sections remote"))
+                         "  # moto S3 started by python -m bench table --sections remote"))
             for budget in ("full", "10%"):
                 ref_spec = write_spec([str(e) for e in experts], budget)
                 pl, _, ref_sums, _ = merge(ref_spec, budget)
@@ -1206,7 +873,7 @@ class Bench:
                                    + ("sha256 = local" if same else "DIFFERS from local"),
                             target="output = local merge", met=same,
                             command=q(cmd).replace(str(root) + "/", "") +
-                            f"  # {proto} server started by scripts/bench.py --sections remote"))
+                            f"  # {proto} server started by python -m bench table --sections remote"))
         finally:
             for srv in (http, s3):
                 if srv is not None:
@@ -1220,15 +887,15 @@ class Bench:
 
     # -- sweep mount (issue 15) -------------------------------------------------------------
     def section_sweepmount(self) -> None:
-        """scripts/bench_sweepmount.py: one 9-variant sweep mount vs 9 mounts vs 9 mergekit."""
-        sys.modules.setdefault("bench", sys.modules[__name__])
-        import bench_sweepmount
+        """:mod:`bench.sections.sweepmount`: one 9-variant sweep mount vs 9 mounts vs 9
+        mergekit runs."""
+        from bench.sections import sweepmount
 
         params, layers = (5_000_000, 4) if self.quick else (60_000_000, 8)
         root = (self.out / "families" / "sweep") if self.quick else \
             Path(self.args.families).resolve() / "sweep"
-        fam = bench_sweepmount.make(root, params, layers, 3, self.log)
-        bench_sweepmount.section(self, fam, f"synthetic-{params / 1e6:.0f}M-x3")
+        fam = sweepmount.make(root, params, layers, 3, self.log)
+        sweepmount.section(self.res, fam, f"synthetic-{params / 1e6:.0f}M-x3")
 
     # -- driver ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -1285,27 +952,26 @@ class Bench:
                 shutil.rmtree(self.work, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench table") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny synthetic family, 1 repeat, no mergekit and no real family")
-    p.add_argument("--out", default=str(ROOT / "results"), help="results root (default results/)")
-    p.add_argument("--families", default=str(ROOT / "results" / "families"),
+    p.add_argument("--out", default=str(RESULTS), help="results root (default results/)")
+    p.add_argument("--families", default=str(FAMILIES),
                    help="where the full run's families are made (and reused)")
-    p.add_argument("--params", type=make_family.parse_count, default=500_000_000)
+    p.add_argument("--params", type=families.parse_count, default=500_000_000)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--real-steps", type=int, default=40, help="fine-tuning steps per MiniLM expert")
     p.add_argument("--repeats", type=int, help="repeats of the headline runs (median reported)")
     p.add_argument("--mergekit", action="store_true", help="run mergekit even with --quick")
     p.add_argument("--real", action="store_true", help="run the MiniLM family even with --quick")
-    p.add_argument("--sections", help="comma-separated subset: index,sweep,mergekit,load,"
-                                      "serving,memory,real,sweepmount,remote")
+    p.add_argument("--sections", help="comma-separated subset: " + ",".join(SECTIONS))
     p.add_argument("--keep-work", action="store_true", help="keep merged outputs")
     args = p.parse_args(argv)
-    Bench(args).run()
+    unknown = set(args.sections.split(",")) - set(SECTIONS) if args.sections else set()
+    if unknown:
+        p.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    Table(args).run()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Delta sidecars (issue 14): energy kept, bound, bytes read and wall time per budget.
 
-For a family made by ``scripts/make_family.py`` (a folder with ``spec.yaml``), publishes delta
+For a family made by :mod:`bench.families` (a folder with ``spec.yaml``), publishes delta
 sidecars (``mergefs compress``, timed) and then merges (``Session`` + ``materialise``, sources
 evicted from the page cache first: cold) at budgets given as a share of the experts' *bf16*
 bytes, with and without sidecars (exact row blocks), and reports per row:
@@ -15,9 +14,9 @@ bytes, with and without sidecars (exact row blocks), and reports per row:
 ``--rate-distortion`` prints, instead, what ideal coders would keep at 5/10/20% of bf16 bytes
 (:func:`rate_distortion`), to compare the sidecars' figures with.
 
-For a masked-LM MiniLM family (``make_family.py minilm``: ``eval/<corpus>.json`` beside the
-experts) every merge's masked-LM loss on each corpus' held-out passages is reported too (fixed
-masks; ``mlm_loss`` in make_family.py). ``--mount`` also serves each sidecar budget through
+For a masked-LM MiniLM family (``python -m bench.families minilm``: ``eval/<corpus>.json``
+beside the experts) every merge's masked-LM loss on each corpus' held-out passages is reported
+too (fixed masks; :func:`bench.families.mlm_loss`). ``--mount`` also serves each sidecar budget through
 ``mergefs mount SPEC MNT --budget B`` and reads every file (cold sources): wall time, and whether
 the bytes equal ``materialise`` at the same budget. ``--http`` serves the experts (and their
 published sidecars) over HTTP Range from this process and merges from the URLs, to see what the
@@ -27,22 +26,22 @@ Decode cost per sidecar row: ``decode_s`` (``Engine._reconstruct``: reading the 
 and decoding, summed over the engine's worker threads), ``decode_compute_s`` (the decoding alone,
 :func:`mergefs.deltas.decode.decode_into`), and beside them ``replaced_exact_read_cold_s``, the cold
 pread of the exact expert bytes those blocks replace, by one thread and (``_2threads_s``) by two
-as the engine's workers read. ``scripts/bench_decode.py`` times the decoding alone, by one and
-two threads, by the sidecars' own arithmetic and by earlier versions' on the same blocks.
+as the engine's workers read. ``python -m bench decode`` times the decoding alone, by one
+and two threads, by the sidecars' own arithmetic and by earlier versions' on the same blocks.
 
-    python scripts/bench_sidecar.py --family /tmp/minilm --budgets 5,10,20,full
+    python -m bench sidecar --family /tmp/minilm --budgets 5,10,20,full
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,25 +52,16 @@ import numpy as np
 import yaml
 from safetensors.numpy import load_file
 
+from bench import families
+from bench.common import MERGEFS, evict, run
 from mergefs.deltas.publish import publish
 from mergefs.engine.session import Session
-from mergefs.recipe.family import open_family
 from mergefs.index.blocks import load_or_build
 from mergefs.plan.planner import make_plan
+from mergefs.recipe.family import open_family
 from mergefs.spec.load import load_spec
 
 LAYER = re.compile(r"(^|\.)layers?\.\d+\.")
-
-
-def evict(*dirs: Path) -> None:
-    os.sync()
-    for d in dirs:
-        for p in d.rglob("*.safetensors"):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def load_f64(d: Path) -> dict[str, np.ndarray]:
@@ -155,6 +145,7 @@ def replaced_read_seconds(s: Session, sources: list[Path], threads: int = 1
 
 def merge(spec: Any, out: Path, sources: list[Path], *, budget: int | None, sidecars: bool,
           plan: Any = None) -> tuple[Session, float]:
+    """``Session`` + ``materialise`` into ``out``, sources evicted first (cold)."""
     evict(*sources)
     DECODE.update(seconds=0.0, blocks=0, compute=0.0)
     t0 = time.perf_counter()
@@ -173,13 +164,11 @@ class Embedder:
     merge's (all-MiniLM-L6-v2 ships without a masked-LM head, so no masked-LM loss)."""
 
     def __init__(self, tokenizer_dir: Path, n: int = 64) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import make_family  # the experts' corpora: docstrings, licences; man pages held out
-
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        self.texts = make_family.corpus_manpages(200_000)[:n]
+        # the experts' corpora: docstrings, licences; man pages held out
+        self.texts = families.corpus_manpages(200_000)[:n]
         self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
 
     def __call__(self, model_dir: Path) -> np.ndarray:
@@ -200,10 +189,7 @@ class MlmLoss:
     """Masked-LM loss of a merged model on each corpus' held-out passages (``eval/*.json``)."""
 
     def __init__(self, family: Path, tokenizer_dir: Path) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import make_family
-
-        self.loss = make_family.mlm_loss
+        self.loss = families.mlm_loss
         self.tokenizer_dir = tokenizer_dir
         info = json.loads((family / "family.json").read_text())
         self.seq_len = int(info.get("seq_len", 128))  # as the family's own losses
@@ -220,16 +206,11 @@ def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
                   expect: Path) -> dict[str, Any]:
     """Mount ``spec_path`` at ``budget`` bytes (cold sources), read every file; time and
     whether each file equals the materialised merge ``expect``."""
-    import hashlib
-    import subprocess
-
-    cmd = [sys.executable, "-P", "-m", "mergefs.cli.main"]
     mnt = tmp / "mnt"
     mnt.mkdir(exist_ok=True)
     evict(*sources)
     t0 = time.perf_counter()
-    subprocess.run(cmd + ["mount", str(spec_path), str(mnt), "--budget", f"{budget}B"],
-                   check=True, capture_output=True)
+    run([*MERGEFS, "mount", spec_path, mnt, "--budget", f"{budget}B"])
     try:
         ready = time.perf_counter() - t0
         same = True
@@ -240,7 +221,7 @@ def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
             same &= got == hashlib.sha256(f.read_bytes()).hexdigest()
         wall = time.perf_counter() - t0
     finally:
-        subprocess.run(cmd + ["umount", str(mnt)], check=False, capture_output=True)
+        run([*MERGEFS, "umount", mnt], check=False)
     return {"mount_ready_s": round(ready, 2), "mount_read_all_s": round(wall, 2),
             "mount_same_bytes_as_merge": same}
 
@@ -249,10 +230,7 @@ def http_spec(spec_path: Path) -> tuple[Path, Any]:
     """A copy of the spec whose experts are URLs of an HTTP Range server over the family
     folder (their published delta sidecars beside them), the base local, a fresh index_dir;
     returns (its path, the started server)."""
-    import yaml
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from servers import RangeHTTPServer
+    from bench.servers import RangeHTTPServer
 
     family = spec_path.parent.resolve()
     server = RangeHTTPServer(family).start()
@@ -283,7 +261,7 @@ def layers_only_plan(spec: Any, pct: float, sidecars: bool) -> tuple[Any, int]:
     budget = int(pct * 2 * elems.sum() * len(experts))
     found = {}
     if sidecars:
-        from mergefs.deltas.codec import find
+        from mergefs.deltas.sidecar import find
 
         found = find(base, experts, index)
     plan = make_plan(spec, masked, budget, sidecars=found)
@@ -366,8 +344,9 @@ def rate_distortion(spec: Any, pcts: list[float]) -> list[dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench sidecar") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", type=Path, required=True)
     p.add_argument("--spec", default="spec.yaml")
     p.add_argument("--budgets", default="5,10,20,full", help="%% of the experts' bf16 bytes")
@@ -377,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embed-metric", action="store_true",
                    help="MiniLM: mean cosine of sentence embeddings to the full merge's")
     p.add_argument("--http", action="store_true",
-                   help="serve the experts over HTTP Range (tests/servers.py, 127.0.0.1, in this "
+                   help="serve the experts over HTTP Range (bench/servers.py, 127.0.0.1, in this "
                    "process; the base stays local) and merge from the URLs: sidecars must be "
                    "published already (implies --no-compress)")
     p.add_argument("--mount", action="store_true",
@@ -533,6 +512,3 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
