@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Shared set-up for scripts/test.sh and scripts/demo.sh. Idempotent: each step is skipped when done.
-#   scripts/setup.sh            runtime only
-#   scripts/setup.sh test       runtime + test, remote and ray extras
+#   scripts/setup.sh demo       the demo: the package with the mount, torch and transformers
+#   scripts/setup.sh test       the tests: the package with every extra the tests use
+# Both need the mount, so both install fuse3 and the headers pyfuse3 builds against (apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${1:-}"
+KIND="${1:?usage: scripts/setup.sh demo|test}"
+case "$KIND" in
+    demo) EXTRAS="demo" ;;
+    test) EXTRAS="test,remote,ray" ;;
+    *) echo "scripts/setup.sh: unknown kind $KIND (demo or test)" >&2; exit 2 ;;
+esac
 
 need_apt=0
 for pkg in fuse3 libfuse3-dev pkg-config; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
-    echo "[setup] installing apt packages: fuse3 libfuse3-dev pkg-config"
+    echo "[setup] installing apt packages for the mount: fuse3 libfuse3-dev pkg-config"
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
@@ -22,21 +28,16 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv"
     "$PY" -m venv .venv
-    .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+    .venv/bin/python -m pip install -q --upgrade pip
 fi
 
-# Re-install only when pyproject.toml changed since the last successful install.
-stamp=".venv/.mergefs-installed${EXTRAS:+-$EXTRAS}"
+# Re-install only when pyproject.toml changed since the last successful install of this kind.
+stamp=".venv/.mergefs-installed-$KIND"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    if [ "$EXTRAS" = test ]; then
-        echo "[setup] installing mergefs[test,remote,ray] (torch==2.13.0 CPU build from local disk)"
-        # torch first and pinned, so nothing later can pull a different build.
-        .venv/bin/python -m pip install -q "torch==2.13.0"
-        .venv/bin/python -m pip install -q -e ".[test,remote,ray]"
-    else
-        echo "[setup] installing mergefs (torch==2.13.0 CPU build from local disk first)"
-        .venv/bin/python -m pip install -q "torch==2.13.0"
-        .venv/bin/python -m pip install -q -e .
-    fi
+    # torch 2.13.0 first, the CPU build on this machine's disk: the tests pin it and the demo
+    # takes it, so nothing later pulls another build (mergefs itself never pins torch).
+    echo "[setup] installing mergefs[$EXTRAS] (torch==2.13.0 CPU build first)"
+    .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
     touch "$stamp"
 fi
