@@ -10,14 +10,16 @@ from typing import Any
 
 import pytest
 from families import Family
-from viewcases import materialise, write_case_spec
+from viewcases import materialise, session_of, write_case_spec
+from viewcases import open_view as view_over
 
 from mergefs.core.cache import UnitCache
 from mergefs.engine.session import Session
+from mergefs.mount.files import Stream, UnitReader
 from mergefs.mount.pages import PAGE
-from mergefs.spec.load import load_spec
-from mergefs.mount.files import Stream
+from mergefs.mount.session import ROOT
 from mergefs.mount.view import View
+from mergefs.spec.load import load_spec
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 
@@ -33,14 +35,24 @@ def opened() -> Iterator[list[View]]:
     yield views
     for v in views:
         v.close()
-        v.session.close()
+        session_of(v).close()
 
 
 def open_view(spec: Path, opened: list[View], cache_bytes: int = 1 << 30, **kw: Any) -> View:
-    session = Session(load_spec(spec))
-    view = View(session, UnitCache(cache_bytes), **kw)
+    view = view_over(Session(load_spec(spec)), UnitCache(cache_bytes), **kw)
     opened.append(view)
     return view
+
+
+def reader_of(view: View) -> UnitReader:
+    """The unit reader of a plain spec's view (its one variant)."""
+    return view.readers[ROOT]
+
+
+def stop_background(view: View) -> None:
+    """Stop the warm-up, pushing and readahead (waiting for running merges), as closing does."""
+    view.pages.stop()
+    reader_of(view).close()
 
 
 class PageCacheModel:
@@ -94,12 +106,12 @@ def test_pushed_pages_equal_the_merge_sequential_reader(request: pytest.FixtureR
         half = len(want) // 2
         got = b"".join(bytes(view.read(fh, off, min(1000, half - off)))
                        for off in range(0, half, 1000))
-        view.units._pool.submit(lambda: None).result()  # readahead scheduled so far is done
-        assert view.units.pages.drain()  # pushes of the units ahead of the reader, too
+        reader_of(view)._pool.submit(lambda: None).result()  # readahead scheduled so far is done
+        assert view.pages.drain()  # pushes of the units ahead of the reader, too
         got += b"".join(bytes(view.read(fh, off, 1000)) for off in range(half, len(want), 1000))
         view.release(fh)
         assert got == want
-    view.units.close()  # waits for readahead
+    stop_background(view)  # waits for readahead
     pushed = 0
     for path, ino, _ in view.weight_files():
         pushed += model.check(ino, (out / path).read_bytes())
@@ -117,7 +129,7 @@ def test_warm_up_pushes_the_whole_model_and_equals_the_merge(tmp_path: Path, ind
     view.enable_page_store(model.store)
     looked_up: list[str] = []
     view.start_warm(looked_up.append)
-    assert view.units.pages.wait_warm(120) and view.units.pages.drain()
+    assert view.pages.wait_warm(120) and view.pages.drain()
     assert looked_up == [p for p, _, _ in view.weight_files()]
     stats = view.stats()["kernel_pages"]
     merged = sum(s.end - s.start for _, _, wf in view.weight_files() for s in wf.segments
@@ -142,7 +154,7 @@ def test_warm_up_stops_at_the_cache_size(tmp_path: Path, index_dir: Path,
     spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", index_dir)
     view = open_view(spec, opened, cache_bytes=20_000)
     view.start_warm(lambda path: None)
-    assert view.units.pages.wait_warm(60)
+    assert view.pages.wait_warm(60)
     warm = view.stats()["kernel_pages"]["warm"]
     assert 0 < warm["bytes"] <= 20_000 and view.cache.stats().evictions == 0
 
@@ -153,12 +165,12 @@ def test_no_store_before_enable_or_after_disable(tmp_path: Path, index_dir: Path
     view = open_view(spec, opened, readahead_units=4)
     calls: list[int] = []
     view.enable_page_store(lambda ino, off, data: calls.append(off))
-    assert view.units.pages.disable(1.0)
+    assert view.pages.disable(1.0)
     fh = view.open_path("model.safetensors")
     size = view.attr(view.inode_of("model.safetensors")).size_bytes
     for off in range(0, size, 4096):
         view.read(fh, off, 4096)
-    view.units.close()
+    stop_background(view)
     assert calls == [] and view.stats()["readahead"]["units_scheduled"] > 0
 
 
@@ -179,10 +191,10 @@ def test_store_errors_are_counted_not_raised(tmp_path: Path, index_dir: Path,
     fh = view.open_path("model.safetensors")
     half = size // 2
     got = b"".join(bytes(view.read(fh, off, min(4096, half - off))) for off in range(0, half, 4096))
-    view.units._pool.submit(lambda: None).result()
-    assert view.units.pages.drain()
+    reader_of(view)._pool.submit(lambda: None).result()
+    assert view.pages.drain()
     got += b"".join(bytes(view.read(fh, off, 4096)) for off in range(half, size, 4096))
-    view.units.close()
+    stop_background(view)
     assert got == (out / "model.safetensors").read_bytes()
     kp = view.stats()["kernel_pages"]
     assert kp["store_errors"] >= 1 and not kp["enabled"]  # ENOSYS turns pushing off
@@ -200,8 +212,8 @@ def test_one_readahead_decision_per_unit(tmp_path: Path, index_dir: Path, family
     view = open_view(spec, opened, readahead_units=8)
     decisions: list[int] = []
     considered: list[int] = []
-    real_readahead = view.units._readahead
-    real_schedule = view.units._schedule
+    real_readahead = reader_of(view)._readahead
+    real_schedule = reader_of(view)._schedule
 
     def counting(wf: Any, stream: Stream, cur: int, run_start: int) -> None:
         decisions.append(cur)
@@ -213,8 +225,8 @@ def test_one_readahead_decision_per_unit(tmp_path: Path, index_dir: Path, family
             considered.append(k)
         return taken
 
-    monkeypatch.setattr(view.units, "_readahead", counting)
-    monkeypatch.setattr(view.units, "_schedule", schedule)
+    monkeypatch.setattr(reader_of(view), "_readahead", counting)
+    monkeypatch.setattr(reader_of(view), "_schedule", schedule)
     path = "model.safetensors"
     wf = next(w for p, _, w in view.weight_files() if p == path)
     fh = view.open_path(path)
@@ -222,7 +234,7 @@ def test_one_readahead_decision_per_unit(tmp_path: Path, index_dir: Path, family
     for off in range(0, wf.size_bytes, 64):  # units are 512 bytes here
         view.read(fh, off, 64)
         n_reads += 1
-    view.units.close()
+    stop_background(view)
     assert len(decisions) == len(set(decisions)) <= len(wf.segments)
     assert n_reads > 4 * len(decisions)
     assert considered and len(considered) == len(set(considered))  # each unit once per run

@@ -28,6 +28,7 @@ from mergefs.engine.manifest import ManifestWriter, read_manifest
 from mergefs.engine.replay import replay
 from mergefs.core.sizes import human_bytes
 from mergefs.spec.load import load_spec
+from mergefs.mount.session import MountSession
 from mergefs.mount.view import View
 
 # -- zero-size tensors --------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def test_zero_column_tensor_merges_and_mounts(tmp_path: Path) -> None:
     assert header["no_cols"]["shape"] == [5, 0]
     assert header["no_cols"]["data_offsets"][0] == header["no_cols"]["data_offsets"][1]
     session = Session(load_spec(spec_path))
-    view = View(session, UnitCache(1 << 20))
+    view = View(MountSession.of(session), UnitCache(1 << 20))
     try:
         assert view.read_path("model.safetensors") == data
         for start in range(0, len(data), 7):
@@ -93,7 +94,7 @@ def test_replay_out_of_a_mount_manifest(tmp_path: Path, review_family) -> None: 
     spec = load_spec(spec_path)
     want = materialise(spec_path, tmp_path / "want")
     session = Session(spec, manifest=ManifestWriter(spec.manifest))
-    view = View(session, UnitCache(4096))  # tiny cache: units are merged (and recorded) twice
+    view = View(MountSession.of(session), UnitCache(4096))  # tiny cache: units are merged (and recorded) twice
     try:
         view.read_path("model.safetensors")
         view.read_path("model.safetensors")
@@ -114,7 +115,7 @@ def _partial_mount_manifest(tmp_path: Path, family):  # type: ignore[no-untyped-
                                 tmp_path / "idx")
     spec = load_spec(spec_path)
     session = Session(spec, manifest=ManifestWriter(spec.manifest))
-    view = View(session, UnitCache(1 << 20), readahead_units=0)
+    view = View(MountSession.of(session), UnitCache(1 << 20), readahead_units=0)
     try:
         view.read_path("model.safetensors", 0, 20000)  # a few tensors only
     finally:
@@ -232,13 +233,13 @@ def test_no_readahead_of_units_the_cache_cannot_hold(tmp_path: Path,
     spec_path = write_case_spec(tmp_path / "spec.yaml", review_family, "task_arithmetic",
                                 tmp_path / "idx")
     session = Session(load_spec(spec_path))
-    view = View(session, UnitCache(64), readahead_units=4)  # every unit is > 64 bytes
+    view = View(MountSession.of(session), UnitCache(64), readahead_units=4)  # every unit is > 64 bytes
     try:
         fh = view.open_path("model.safetensors")
         size = view.attr(view.inode_of("model.safetensors")).size_bytes
         for start in range(0, size, 4096):
             view.read(fh, start, 4096)
-        assert view.units.stats()["units_scheduled"] == 0
+        assert view.stats()["readahead"]["units_scheduled"] == 0
     finally:
         view.close()
         session.close()

@@ -12,12 +12,13 @@ from test_deltadecode import _setup
 from mergefs.engine import merger as engine_mod
 from mergefs.core.cache import UnitCache
 from mergefs.engine.session import Session
+from mergefs.mount.session import MountSession
 from mergefs.mount.view import View
 
 
 def _through_view(spec, budget: int, cache_bytes: int, chunk: int) -> tuple[bytes, Session]:
     s = Session(spec, budget_bytes=budget)
-    view = View(s, UnitCache(cache_bytes))
+    view = View(MountSession.of(s), UnitCache(cache_bytes))
     try:
         size = view.attr(view.inode_of("model.safetensors")).size_bytes
         data = b"".join(view.read_path("model.safetensors", off, chunk)
@@ -74,7 +75,7 @@ def test_a_tiny_cache_re_merges_units_and_still_serves_the_merge(tmp_path: Path)
     s.finish()
     s.close()
     s = Session(spec, budget_bytes=budget)
-    view = View(s, UnitCache(2048))
+    view = View(MountSession.of(s), UnitCache(2048))
     try:
         for _ in range(2):
             assert view.read_path("model.safetensors") == want

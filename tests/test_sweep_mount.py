@@ -18,7 +18,7 @@ from viewcases import tree
 
 from mergefs import cli
 from mergefs.engine.manifest import read_manifest, read_sweep_manifest
-from mergefs.spec.variants import expand
+from mergefs.spec.variants import expand, load_variants
 
 pytestmark = [
     pytest.mark.mount,
@@ -235,20 +235,18 @@ def test_units_from_an_earlier_mounts_disk_cache_keep_the_manifest_replayable(
         tmp_path: Path, fam: Family) -> None:
     """A second sweep mount over the same cache dir serves units it neither read nor merged:
     they are not recorded as shared outputs (replay failed on them: review finding)."""
-    import xxhash
-
     from mergefs.core.cache import UnitCache
     from mergefs.engine.manifest import ManifestWriter
     from mergefs.engine.replay import replay
-    from mergefs.mount.sweepsession import SweepSession
-    from mergefs.mount.sweepview import SweepView
+    from mergefs.mount.session import MountSession
+    from mergefs.mount.view import View
 
     spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"budget": ["20%", "60%", "full"]})
 
     def run(manifest: Path) -> dict[str, Any]:
-        sw = SweepSession(spec, ManifestWriter(manifest), 64 << 20)
-        key = xxhash.xxh3_64_hexdigest(f"sweep\x00{sw.index.key}".encode())
-        view = SweepView(sw, UnitCache(8 << 20, tmp_path / "ucache", key))
+        sw = MountSession(spec, load_variants(spec), ManifestWriter(manifest), sweep=True,
+                          source_cache_bytes=64 << 20)
+        view = View(sw, UnitCache(8 << 20, tmp_path / "ucache", sw.cache_namespace))
         try:
             for name in sw.variants:
                 view.read_path(f"{name}/model.safetensors")
@@ -281,8 +279,8 @@ def test_a_source_restored_after_a_change_is_served_again(tmp_path: Path, fam: F
     from mergefs.core.cache import UnitCache
     from mergefs.core.errors import SourceChanged
     from mergefs.engine.manifest import ManifestWriter
-    from mergefs.mount.sweepsession import SweepSession
-    from mergefs.mount.sweepview import SweepView
+    from mergefs.mount.session import MountSession
+    from mergefs.mount.view import View
 
     local = tmp_path / "fam"
     shutil.copytree(fam.root, local)
@@ -292,8 +290,9 @@ def test_a_source_restored_after_a_change_is_served_again(tmp_path: Path, fam: F
     weights = fam2.experts[0] / "model.safetensors"
     original = weights.read_bytes()
     st = weights.stat()
-    sw = SweepSession(spec, ManifestWriter(tmp_path / "m.jsonl"), 64 << 20)
-    view = SweepView(sw, UnitCache(0, None, None))  # no merged-unit cache: every read merges
+    sw = MountSession(spec, load_variants(spec), ManifestWriter(tmp_path / "m.jsonl"),
+                      sweep=True, source_cache_bytes=64 << 20)
+    view = View(sw, UnitCache(0, None, None))  # no merged-unit cache: every read merges
     try:
         names = list(sw.variants)
         import json
@@ -328,13 +327,14 @@ def test_replay_of_a_sweep_refuses_altered_records(tmp_path: Path, fam: Family) 
     from mergefs.core.errors import ManifestError
     from mergefs.engine.manifest import ManifestWriter
     from mergefs.engine.replay import replay
-    from mergefs.mount.sweepsession import SweepSession
-    from mergefs.mount.sweepview import SweepView
+    from mergefs.mount.session import MountSession
+    from mergefs.mount.view import View
 
     spec = sweep_spec(tmp_path / "sweep.yaml", fam, {"weight": [0.3, 0.7]})
     manifest = tmp_path / "m.jsonl"
-    sw = SweepSession(spec, ManifestWriter(manifest), 0)  # no source cache: both variants read
-    view = SweepView(sw, UnitCache(0, None, None))
+    sw = MountSession(spec, load_variants(spec), ManifestWriter(manifest), sweep=True,
+                      source_cache_bytes=0)  # no source cache: both variants read
+    view = View(sw, UnitCache(0, None, None))
     try:
         for name in sw.variants:
             view.read_path(f"{name}/model.safetensors")

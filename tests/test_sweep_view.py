@@ -14,8 +14,8 @@ from mergefs.core.cache import UnitCache
 from mergefs.core.errors import SpecError
 from mergefs.engine.manifest import ManifestWriter, read_sweep_manifest
 from mergefs.engine.replay import replay
-from mergefs.mount.sweepsession import SweepSession
-from mergefs.mount.sweepview import SweepView
+from mergefs.mount.session import MountSession
+from mergefs.mount.view import View
 from mergefs.spec.variants import load_variants
 
 
@@ -35,8 +35,9 @@ def test_methods_by_budgets_equal_merges_and_replay(tmp_path: Path, fam: Family)
     assert names == ["method-task-arithmetic_budget-20pct", "method-task-arithmetic_budget-full",
                      "method-ties_budget-20pct", "method-ties_budget-full"]
     manifest = ManifestWriter(tmp_path / "sweep.jsonl")
-    sweep = SweepSession(spec, manifest, 8 << 20)
-    view = SweepView(sweep, UnitCache(8 << 20))
+    sweep = MountSession(spec, load_variants(spec), manifest, sweep=True,
+                         source_cache_bytes=8 << 20)
+    view = View(sweep, UnitCache(8 << 20))
     try:
         keys = {n: {s.key for path, _, wf in view.weight_files() if path.startswith(n + "/")
                     for s in wf.segments if s.merged} for n in names}

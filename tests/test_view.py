@@ -24,14 +24,14 @@ import pytest
 from families import Family, make_family
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from viewcases import CASES, materialise, tree, write_case_spec
+from viewcases import CASES, materialise, open_view, session_of, tree, write_case_spec
 
 from mergefs.core.cache import UnitCache
-from mergefs.engine.session import Session
 from mergefs.core.errors import SourceChanged
 from mergefs.engine.manifest import ManifestWriter
-from mergefs.spec.load import load_spec
+from mergefs.engine.session import Session
 from mergefs.mount.view import View
+from mergefs.spec.load import load_spec
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"  # 96 x 48 fp32: 36 blocks of 512 bytes
 
@@ -51,14 +51,15 @@ class Views:
              cache_dir: Path | None = None, **kw: Any) -> View:
         spec = load_spec(spec_path)
         session = Session(spec, manifest=ManifestWriter(manifest) if manifest else None)
-        view = View(session, UnitCache(cache_bytes, cache_dir, session.plan.plan_hash), **kw)
+        view = open_view(session, UnitCache(cache_bytes, cache_dir, session.plan.plan_hash),
+                         **kw)
         self.opened.append(view)
         return view
 
     def close(self) -> None:
         for v in self.opened:
             v.close()
-            v.session.close()
+            session_of(v).close()
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def module_views() -> Iterator[Views]:
 
 
 def weight_files(view: View) -> list[str]:
-    return [f.name for f in view.engine.out_files]
+    return [f.name for f in session_of(view).engine.out_files]
 
 
 def all_files(view: View) -> list[str]:
@@ -104,7 +105,7 @@ def test_every_file_equals_materialised(request: pytest.FixtureRequest, tmp_path
     spec = write_case_spec(tmp_path / "spec.yaml", fam, case, index_dir)
     out = materialise(spec, tmp_path / "out")
     view = views.open(spec)
-    assert view.engine.units_merged == 0  # building the view merges nothing
+    assert session_of(view).engine.units_merged == 0  # building the view merges nothing
     visible = [p for p in all_files(view) if not p.startswith(".mergefs/")]
     assert sorted(visible) == sorted(tree(out))
     for rel in visible:
@@ -197,8 +198,8 @@ def test_single_flight_in_view(tmp_path: Path, index_dir: Path, family_f32: Fami
     ref = (materialise(spec, tmp_path / "out") / "model.safetensors").read_bytes()
     view = views.open(spec, readahead_units=0)
     calls: list[Any] = []
-    view.engine.merge_unit = slow(view.engine.merge_unit, 0.3, calls)  # type: ignore[method-assign]
-    t = view.engine.out_tensors[TENSOR]
+    session_of(view).engine.merge_unit = slow(session_of(view).engine.merge_unit, 0.3, calls)  # type: ignore[method-assign]
+    t = session_of(view).engine.out_tensors[TENSOR]
     start = t.start + 100  # inside the tensor's first unit
     barrier = threading.Barrier(8)
     results: list[bytes] = []
@@ -216,7 +217,7 @@ def test_single_flight_in_view(tmp_path: Path, index_dir: Path, family_f32: Fami
     assert len(calls) == 1
     c = view.cache.stats()
     assert (c.misses, c.merges, c.waits + c.hits) == (1, 1, 7)
-    assert view.engine.units_merged == 1
+    assert session_of(view).engine.units_merged == 1
 
 
 def test_single_flight_cache_and_shared_error() -> None:
@@ -317,9 +318,9 @@ def test_persistent_cache_reused_and_corruption_detected(tmp_path: Path, index_d
     first = views.open(spec, cache_dir=cdir, readahead_units=0)
     read_all(first)
     first.cache.flush()
-    n_units = first.engine.units_merged  # merged units; the int tensor passes through
+    n_units = session_of(first).engine.units_merged  # merged units; the int tensor passes through
     assert n_units > 20 and first.cache.stats().disk_writes == n_units
-    plan_dir = cdir / first.session.plan.plan_hash
+    plan_dir = cdir / session_of(first).plan.plan_hash
     entries = sorted(plan_dir.glob("*.bin"))
     assert len(entries) == n_units and not list(plan_dir.glob(".*.tmp"))
 
@@ -327,7 +328,7 @@ def test_persistent_cache_reused_and_corruption_detected(tmp_path: Path, index_d
     read_all(second)
     second.cache.flush()
     s = second.cache.stats()
-    assert (s.disk_hits, second.engine.units_merged) == (n_units, 0)
+    assert (s.disk_hits, session_of(second).engine.units_merged) == (n_units, 0)
 
     # corrupt one entry's payload, truncate another, give a third a wrong key
     blob = bytearray(entries[0].read_bytes())
@@ -339,10 +340,10 @@ def test_persistent_cache_reused_and_corruption_detected(tmp_path: Path, index_d
     read_all(third)  # never serves the bad entries: merges those three again
     third.cache.flush()
     s = third.cache.stats()
-    assert (s.disk_corrupt, third.engine.units_merged, s.disk_hits) == (3, 3, n_units - 3)
+    assert (s.disk_corrupt, session_of(third).engine.units_merged, s.disk_hits) == (3, 3, n_units - 3)
     fourth = views.open(spec, cache_dir=cdir, readahead_units=0)
     read_all(fourth)  # the re-merged entries were written back, verified
-    assert fourth.engine.units_merged == 0
+    assert session_of(fourth).engine.units_merged == 0
 
 
 def test_persistent_cache_keyed_by_plan(tmp_path: Path, index_dir: Path, family_f32: Family,
@@ -356,7 +357,7 @@ def test_persistent_cache_keyed_by_plan(tmp_path: Path, index_dir: Path, family_
     va.read_path("model.safetensors")
     va.cache.flush()
     vb = views.open(b, cache_dir=cdir)
-    assert va.session.plan.plan_hash != vb.session.plan.plan_hash
+    assert session_of(va).plan.plan_hash != session_of(vb).plan.plan_hash
     assert vb.read_path("model.safetensors") == want_b
     assert vb.cache.stats().disk_hits == 0
 
@@ -386,13 +387,13 @@ def test_persistent_cache_write_failures_leave_no_entry(tmp_path: Path,
 
 def expected_reads(view: View, name: str) -> dict[str, int]:
     """Physical bytes a full read of tensor ``name`` must cost, from the plan (fp32 family)."""
-    lay = view.session.index.layout
+    lay = session_of(view).index.layout
     t = lay.tensor_index()[name]
     blocks = list(lay.blocks_of(t))
     bb = lay.block_bytes()
-    out = {"base": view.session.base.tensors[name].size_bytes}
-    for i, label in enumerate(view.engine.labels):
-        out[label] = int(sum(bb[b] for b in blocks if view.session.plan.selected[i, b]))
+    out = {"base": session_of(view).base.tensors[name].size_bytes}
+    for i, label in enumerate(session_of(view).engine.labels):
+        out[label] = int(sum(bb[b] for b in blocks if session_of(view).plan.selected[i, b]))
     return out
 
 
@@ -403,7 +404,7 @@ def test_reading_one_tensor_reads_only_its_planned_blocks(tmp_path: Path, index_
     ref = (materialise(spec, tmp_path / "out") / "model.safetensors").read_bytes()
     manifest = tmp_path / "m.jsonl"
     view = views.open(spec, manifest=manifest, readahead_units=8)
-    t = view.engine.out_tensors[TENSOR]
+    t = session_of(view).engine.out_tensors[TENSOR]
     fh = view.open_path("model.safetensors")
     for off in range(t.start, t.end, 700):  # sequential: readahead runs, inside the tensor
         assert view.read(fh, off, min(700, t.end - off)) == ref[off:min(off + 700, t.end)]
@@ -490,7 +491,7 @@ def test_attributes_stable_and_known_without_merging(tmp_path: Path, index_dir: 
     s1 = snapshot(v1)
     v1.read_path(weight_files(v1)[1])
     assert snapshot(v1) == s1 == snapshot(v2)
-    assert v2.engine.units_merged == 0
+    assert session_of(v2).engine.units_merged == 0
     for a in s1.values():
         if isinstance(a, tuple):
             continue
@@ -514,10 +515,10 @@ def test_changed_sources_are_refused(tmp_path: Path, views: Views) -> None:
     with pytest.raises(SourceChanged):
         view.read_path("config.json")
 
-    lay = view.session.index.layout
+    lay = session_of(view).index.layout
     b = next(b for b in lay.blocks_of(lay.tensor_index()[TENSOR])
-             if view.session.plan.selected[0, b])
-    loc = view.session.experts[0].tensors[TENSOR]
+             if session_of(view).plan.selected[0, b])
+    loc = session_of(view).experts[0].tensors[TENSOR]
     pos = loc.start + int(lay.elem_start[b]) * 4 + 3
     path = fam.experts[0] / "model.safetensors"
     with open(path, "r+b") as f:  # flip one byte of a planned block of the expert's tensor
@@ -525,8 +526,8 @@ def test_changed_sources_are_refused(tmp_path: Path, views: Views) -> None:
         old = f.read(1)
         f.seek(pos)
         f.write(bytes([old[0] ^ 0x01]))
-    t = view.engine.out_tensors[TENSOR]
-    u0, _ = view.engine.unit_out_range(TENSOR, b, b + 1)
+    t = session_of(view).engine.out_tensors[TENSOR]
+    u0, _ = session_of(view).engine.unit_out_range(TENSOR, b, b + 1)
     with pytest.raises(SourceChanged):
         view.read_path("model.safetensors", t.start + u0, 16)
     assert view.stats()["read_errors"] == 2
@@ -539,15 +540,15 @@ def test_read_cached_serves_only_what_is_in_memory(tmp_path: Path, index_dir: Pa
     spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", index_dir)
     ref = (materialise(spec, tmp_path / "out") / "model.safetensors").read_bytes()
     view = views.open(spec, readahead_units=0)
-    t = view.engine.out_tensors[TENSOR]
+    t = session_of(view).engine.out_tensors[TENSOR]
     fh = view.open_path("model.safetensors")
     try:
-        header_len = len(view.engine.out_files[0].header)
+        header_len = len(session_of(view).engine.out_files[0].header)
         assert view.read_cached(fh, 0, header_len) == ref[:header_len]  # header: in memory
         start, size = t.start + 100, 3000  # spans several 512-byte units
-        merged_before = view.engine.units_merged
+        merged_before = session_of(view).engine.units_merged
         assert view.read_cached(fh, start, size) is None
-        assert view.engine.units_merged == merged_before  # the fast path never merges
+        assert session_of(view).engine.units_merged == merged_before  # the fast path never merges
         assert view.read(fh, start, size) == ref[start:start + size]
         hits = view.cache.stats().hits
         assert view.read_cached(fh, start, size) == ref[start:start + size]

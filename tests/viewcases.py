@@ -47,6 +47,21 @@ def write_case_spec(path: Path, fam: Family, case: str, index_dir: Path, *,
                       model_parameters=model_params[:n] if model_params else None, extra=top)
 
 
+def session_of(view: Any) -> Any:
+    """The engine session of a plain spec's view (its one variant, served at the root)."""
+    from mergefs.mount.session import ROOT
+
+    return view.mount.variants[ROOT].session
+
+
+def open_view(session: Any, cache: Any, **kw: Any) -> Any:
+    """A view over a session the caller opened (and closes): a plain mount without FUSE."""
+    from mergefs.mount.session import MountSession
+    from mergefs.mount.view import View
+
+    return View(MountSession.of(session), cache, **kw)
+
+
 def tree(root: Path, skip_hidden: bool = True) -> dict[str, Path]:
     """Every file under ``root`` by relative path (hidden entries skipped)."""
     out = {}

@@ -6,9 +6,9 @@ Runs in the CLI's main thread; talks to the mount's server only through the moun
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
-import argparse
 import os
 import signal
 import time

@@ -3,21 +3,29 @@
 A :class:`WeightFile` tiles one output file (``Engine.out_files``) into segments: the
 synthesized header, then each tensor's merge units in file order (block runs from
 ``Engine.units``, one unit per tensor for whole-tensor operators) and the tensors that pass
-through from the base. :class:`UnitReader` serves ``[start, end)`` of such a file: it fetches
-exactly the units that range overlaps through the :class:`~mergefs.core.cache.UnitCache` (a miss
-merges the unit once, however many readers wait), reads pass-through tensors' bytes from the
-base as needed (checked against chunk hashes taken when the reader was built: they have no index
-hashes), and, when a :class:`Stream` continues, merges the next units in the background.
-A stream that began inside a tensor reads ahead only within that tensor, so reading one tensor
-never reads another tensor's sources. Units merged ahead are pushed into the kernel's page
-cache once the mount enables it (:mod:`mergefs.mount.pages`).
+through from the base. A :class:`UnitReader` serves ``[start, end)`` of one variant's files
+(:mod:`mergefs.mount.session`; a plain spec is a mount of one variant): it fetches exactly the
+units that range overlaps through the :class:`~mergefs.core.cache.UnitCache` (a miss merges the
+unit once, however many readers wait), reads pass-through tensors' bytes from the base as needed
+(checked against chunk hashes taken when the variant opened: they have no index hashes), and,
+when a :class:`Stream` continues, merges the next units in the background. A stream that began
+inside a tensor reads ahead only within that tensor, so reading one tensor never reads another
+tensor's sources. The reader tells its owner how far reads have reached and which units it
+merged ahead (``reached``, ``merged_ahead``: the view hands it the page pusher's,
+:mod:`mergefs.mount.pages`, which imports this module, not the other way round).
+
+A sweep variant's reader also records, for its manifest, the units served to it from another
+variant's merge (:class:`~mergefs.mount.session.VariantRecorder`), so its in-memory fast path
+serves only units already recorded for it (the first serving of a shared unit takes the worker
+path); a plain spec's session records its own merges, and every cached unit is served fast.
 
 The per-request cost is O(1): a bisect to the first segment, a slice of the unit's bytes (no
 copy when the range lies in one unit), and a readahead decision only when a sequential reader
 enters a unit it has not entered before; nothing on the in-memory path takes a lock.
 
 Everything here blocks (merges, disk reads, waits for other threads): worker threads only,
-except :meth:`UnitReader.read_cached`, which never blocks and is the trio thread's fast path.
+except :func:`assemble` and :meth:`UnitReader.read_cached`, which never block: the trio thread's
+fast path.
 """
 
 from __future__ import annotations
@@ -34,18 +42,17 @@ from typing import Any
 import xxhash
 
 from mergefs.core.cache import UnitCache
-from mergefs.sources.base import ReadRange
-from mergefs.engine.merger import Engine
-from mergefs.engine.layout import OutFile
-from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged
-from mergefs.mount.pages import PagePusher
+from mergefs.engine.layout import OutFile
+from mergefs.engine.merger import Engine
+from mergefs.mount.session import PASSTHROUGH_CHUNK, KeyFn, VariantState
+from mergefs.sources.base import ReadRange
+from mergefs.sources.blockcache import SourceBlockCache
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 STREAM_SLACK = 1 << 20  # reads this close to a stream's run continue it
-PASSTHROUGH_CHUNK = 1 << 20  # pass-through tensors are hashed and verified in chunks this big
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,7 @@ class WeightFile:
         return bisect.bisect_right(self.starts, offset) - 1
 
 
-def weight_file(engine: Engine, f: OutFile,
-                key_of: Callable[[str, int, int], str] | None = None) -> WeightFile:
+def weight_file(engine: Engine, f: OutFile, key_of: KeyFn | None = None) -> WeightFile:
     """The header and every merge unit of an output file, in file order, tiling it exactly;
     ``key_of(tensor, b0, b1)``: the units' cache keys (default: by tensor and blocks)."""
     segs = [Segment(0, len(f.header), None, -1, -1, 0, len(f.header))]
@@ -154,14 +160,60 @@ class Stream:
         return False, start
 
 
-class UnitReader:
-    """Serves byte ranges of weight files from merge units; reads ahead for streams."""
+def assemble(wf: WeightFile, start: int, end: int, lookup: Callable[[str], bytes | None]
+             ) -> bytes | memoryview | None:
+    """Bytes ``[start, min(end, size))`` of ``wf`` from its header and the units ``lookup``
+    finds in memory, or None if one is missing (or a pass-through tensor is in the range). A
+    range inside one unit is a memoryview slice of its bytes. Never blocks if ``lookup`` does
+    not: the read path's fast path and the page pusher share it."""
+    end = min(end, wf.size_bytes)
+    if start >= end:
+        return b""
+    segs = wf.segments
+    i = wf.index_at(start)
+    parts: list[memoryview] = []
+    while i < len(segs) and segs[i].start < end:
+        seg = segs[i]
+        if seg.tensor is None:
+            data = wf.out.header
+        elif not seg.merged:
+            return None
+        else:
+            got = lookup(seg.key)
+            if got is None or len(got) != seg.end - seg.start:
+                return None
+            data = got
+        parts.append(memoryview(data)[max(start, seg.start) - seg.start:
+                                      min(end, seg.end) - seg.start])
+        i += 1
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def __init__(self, session: Session, cache: UnitCache, *, readahead_units: int = 4,
-                 readahead_threads: int = 2, readahead_pending: int = 16) -> None:
-        self.session = session
-        self.engine = session.engine
+
+def _ignore(wf: WeightFile, n: int) -> None:
+    """The default of a reader's ``reached`` and ``merged_ahead``."""
+
+
+class UnitReader:
+    """Serves byte ranges of one variant's weight files from merge units; reads ahead for
+    streams. ``source_cache``: the mount's shared source blocks, dropped when a source changed
+    (so that a source restored to its indexed bytes is served again). ``reached(wf, end)``: a
+    read of ``wf`` reached byte ``end`` (any thread, the trio thread included: must not
+    block). ``merged_ahead(wf, k)``: segment ``k`` was merged ahead of readers and is in the
+    cache (a readahead thread)."""
+
+    def __init__(self, variant: VariantState, cache: UnitCache, *,
+                 source_cache: SourceBlockCache | None = None,
+                 reached: Callable[[WeightFile, int], None] = _ignore,
+                 merged_ahead: Callable[[WeightFile, int], None] = _ignore,
+                 readahead_units: int = 4, readahead_threads: int = 2,
+                 readahead_pending: int = 16) -> None:
+        self.session = variant.session
+        self.engine = variant.session.engine
+        self.recorder = variant.recorder
         self.cache = cache
+        self.source_cache = source_cache
+        self._reached = reached
+        self._merged_ahead = merged_ahead
         self.readahead_units = readahead_units
         self.readahead_threads = max(1, readahead_threads)
         self._pending_max = readahead_pending
@@ -169,18 +221,13 @@ class UnitReader:
                                         thread_name_prefix="mergefs-readahead")
         self._lock = threading.Lock()
         self._pending: set[str] = set()
-        self.pages = PagePusher(self)
-        self._frontier: dict[int, int] = {}  # id(WeightFile) -> furthest byte a reader reached
         self.readahead_scheduled = 0
         self.readahead_errors = 0
-        # Pass-through (non-float) tensors have no index hashes: hash them now, when the mount
-        # starts, so that bytes changed later fail their read instead of being served beside
-        # units merged from the old bytes (usually a few small integer buffers).
-        self._passthrough_hashes = {t.name: self._chunk_hashes(t.name)
-                                    for t in self.engine.out_tensors.values()
-                                    if t.layout_index is None and t.end > t.start
-                                    and self.engine.unit_of.get(t.name, t.name)
-                                    not in self.engine.derived}
+        recorded = None if self.recorder is None else self.recorder.recorded
+        #: the fast path's cache lookup: a sweep variant's only finds units recorded for it
+        self._fast_lookup: Callable[[str], bytes | None] = cache.peek if recorded is None \
+            else (lambda key: cache.peek(key) if key in recorded else None)
+        self._passthrough_hashes = variant.passthrough  # taken when the variant opened
 
     def read(self, wf: WeightFile, start: int, end: int, stream: Stream | None = None
              ) -> bytes | memoryview:
@@ -220,40 +267,14 @@ class UnitReader:
         else None. No disk, no merge, no lock, no waiting: the FUSE adapter calls it on the trio
         thread (and only there: see :meth:`UnitCache.peek`) and falls back to :meth:`read` on a
         worker thread. A range inside one unit is a memoryview slice of the cached bytes."""
-        out = self._assemble(wf, start, end, self.cache.peek)
+        out = assemble(wf, start, end, self._fast_lookup)
         if out is not None and stream is not None and len(out):
             self._noted(wf, stream, start, start + len(out), wf.index_at(start + len(out) - 1))
         return out
 
-    def _assemble(self, wf: WeightFile, start: int, end: int,
-                  lookup: Callable[[str], bytes | None]) -> bytes | memoryview | None:
-        """Bytes ``[start, min(end, size))`` from the header and units in memory, or None."""
-        end = min(end, wf.size_bytes)
-        if start >= end:
-            return b""
-        segs = wf.segments
-        i = wf.index_at(start)
-        parts: list[memoryview] = []
-        while i < len(segs) and segs[i].start < end:
-            seg = segs[i]
-            if seg.tensor is None:
-                data = wf.out.header
-            elif not seg.merged:
-                return None
-            else:
-                got = lookup(seg.key)
-                if got is None or len(got) != seg.end - seg.start:
-                    return None
-                data = got
-            parts.append(memoryview(data)[max(start, seg.start) - seg.start:
-                                          min(end, seg.end) - seg.start])
-            i += 1
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
     def _noted(self, wf: WeightFile, stream: Stream, start: int, end: int, last: int) -> None:
         """After a read that ended in segment ``last``: readahead, once per unit entered."""
-        if end > self._frontier.get(id(wf), 0):
-            self._frontier[id(wf)] = end  # (a racy max: a hint for the page pusher)
+        self._reached(wf, end)
         continues, run_start = stream.note(start, end)
         if (continues and last != stream.decided and self.readahead_units > 0
                 and end < wf.size_bytes):
@@ -265,18 +286,24 @@ class UnitReader:
         if seg.tensor is None:
             return wf.out.header
         name, b0, b1 = seg.tensor, seg.b0, seg.b1
-        data = self.cache.get(seg.key, lambda: self.engine.merge_unit(name, b0, b1))
+        try:
+            data = self.cache.get(seg.key, lambda: self.engine.merge_unit(name, b0, b1))
+        except SourceChanged:
+            self._source_changed()
+            raise
         if len(data) != seg.end - seg.start:
             raise MergefsError(f"{wf.out.name}: unit {name!r} [{b0}, {b1}) has {len(data)} "
                                f"bytes, expected {seg.end - seg.start}")
+        if self.recorder is not None:
+            self.recorder.note_served(seg.key, name, b0, b1, seg.start - seg.tensor_start,
+                                      seg.end - seg.tensor_start, data)
         return data
 
-    def _chunk_hashes(self, name: str) -> list[int]:
-        base = self.session.base
-        loc = base.tensors[name]
-        return [xxhash.xxh3_64_intdigest(base.read_ranges([ReadRange(
-                    loc.file, loc.start + c0, min(loc.end, loc.start + c0 + PASSTHROUGH_CHUNK))])[0])
-                for c0 in range(0, loc.size_bytes, PASSTHROUGH_CHUNK)]
+    def _source_changed(self) -> None:
+        """The shared source blocks may hold changed bytes: dropped, so that a source restored
+        to its indexed bytes is served again (as the unit cache never kept a failed merge)."""
+        if self.source_cache is not None:
+            self.source_cache.clear()
 
     def _passthrough(self, name: str, lo: int, hi: int) -> memoryview:
         """Bytes ``[lo, hi)`` of a tensor that is not merged: the base's, read as needed (whole
@@ -290,6 +317,7 @@ class UnitReader:
         for k in range(k0, k1):
             a = (k - k0) * PASSTHROUGH_CHUNK
             if xxhash.xxh3_64_intdigest(data[a:a + PASSTHROUGH_CHUNK]) != hashes[k]:
+                self._source_changed()
                 raise SourceChanged(f"{base.path_of(loc.file)}: bytes of {name!r} changed since "
                                     "the mount started")
         base.check_unchanged()
@@ -347,7 +375,7 @@ class UnitReader:
 
     def _readahead_one(self, wf: WeightFile, k: int, limit: int) -> None:
         seg = wf.segments[k]
-        self._prefetch(wf, k + self.readahead_units, limit)
+        self.prefetch(wf, k + self.readahead_units, limit)
         try:
             data = self.segment_bytes(wf, seg)
         except Exception as exc:  # noqa: BLE001 - the reader's own read reports it
@@ -359,13 +387,18 @@ class UnitReader:
             with self._lock:
                 self._pending.discard(seg.key)
         del data
-        self.pages.push(wf, k)
+        self._merged_ahead(wf, k)
 
-    def frontier(self, wf: WeightFile) -> int:
-        """The furthest byte of ``wf`` any read has reached so far (0 if none)."""
-        return self._frontier.get(id(wf), 0)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on the readahead threads (the warm-up's merges); False once the
+        reader is closing."""
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # pool shut down: closing
+            return False
+        return True
 
-    def _prefetch(self, wf: WeightFile, k: int, limit: int) -> None:
+    def prefetch(self, wf: WeightFile, k: int, limit: int) -> None:
         """Ask the kernel to start reading the sources of segment ``k`` if it starts before
         ``limit`` (the readahead's bound: the planned ranges only, ``POSIX_FADV_WILLNEED``, no
         wait), so that disk reads run ahead of the merges."""
@@ -386,6 +419,6 @@ class UnitReader:
                     "units_pending": len(self._pending), "errors": self.readahead_errors}
 
     def close(self) -> None:
-        """Stop readahead and warm-up: running merges finish, queued ones are dropped."""
-        self.pages.stop()
+        """Stop readahead (stop the warm-up first: :meth:`PagePusher.stop`): running merges
+        finish, queued ones are dropped."""
         self._pool.shutdown(wait=True, cancel_futures=True)

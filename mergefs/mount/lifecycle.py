@@ -2,14 +2,15 @@
 
 ``run_mount`` checks the mountpoint, makes sure the block index exists (with a progress bar),
 then serves in the foreground or forks a daemon and returns once the mount answers. Serving
-(:func:`serve`) opens the session (its manifest is written live to the spec's ``manifest`` path,
-one flushed line per record, so even a killed process leaves whole lines), builds the cache and
-the view, then runs trio: ``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM ->
-``pyfuse3.terminate()``; SIGHUP -> a sweep mount's reload, in a worker thread), a readiness
-probe, ``await pyfuse3.main()``, and ``pyfuse3.close()`` in a ``finally``. When the main loop
-ends (signal or external unmount) the manifest gets its totals record and is closed. A sweep
-spec is served the same way by :func:`serve_sweep` (:mod:`mergefs.mount.sweepsession`,
-:mod:`mergefs.mount.sweepview`); its client side (``mergefs reload``) is :mod:`mergefs.mount.control`.
+(:func:`serve`, a plain spec and a sweep alike: a plain spec is a sweep of one variant at the
+root) opens the :class:`~mergefs.mount.session.MountSession` (its manifest is written live to
+the spec's ``manifest`` path, one flushed line per record, so even a killed process leaves whole
+lines), builds the cache and the :class:`~mergefs.mount.view.View`, then runs trio:
+``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM -> ``pyfuse3.terminate()``; SIGHUP -> a sweep
+mount's reload, in a worker thread), a readiness probe, ``await pyfuse3.main()``, and
+``pyfuse3.close()`` in a ``finally``. When the main loop ends (signal or external unmount) the
+manifest gets its totals and is closed. The client side of ``mergefs reload`` and the sweep's
+``mergefs stats`` table are :mod:`mergefs.mount.control`.
 
 Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
 before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
@@ -34,27 +35,27 @@ from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
-import xxhash
 
-from mergefs.methods import kernels
 from mergefs.core.cache import UnitCache
-from mergefs.engine.session import Session, prepare_family
-from mergefs.engine.merger import may_use_kernels
 from mergefs.core.errors import MergefsError
-from mergefs.mount.fuse import Operations, mount_options, notify_store
+from mergefs.core.progress import byte_progress
+from mergefs.core.sizes import human_bytes, parse_size
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.merger import may_use_kernels
+from mergefs.engine.output import check_writes, pid_alive
+from mergefs.engine.session import prepare_family
 from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
 from mergefs.index.layout import build_layout
-from mergefs.engine.manifest import ManifestWriter
-from mergefs.engine.output import check_writes, pid_alive
-from mergefs.core.progress import byte_progress
-from mergefs.spec.model import Spec
-from mergefs.core.sizes import human_bytes, parse_size
+from mergefs.methods import kernels
+from mergefs.mount.control import read_stats, server_pid, sweep_stats_table
+from mergefs.mount.fuse import Operations, mount_options, notify_store
+from mergefs.mount.session import ROOT, MountSession
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
-from mergefs.mount.control import read_stats, server_pid
+from mergefs.spec.model import Spec
+from mergefs.spec.variants import Variant
 
 if TYPE_CHECKING:
     from mergefs.sources.local import Checkpoint
-    from mergefs.spec.variants import Variant
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ def forks_safely(spec: Spec) -> bool:
 def run_mount(args: argparse.Namespace, spec: Spec,
               variants: Sequence[tuple[Variant, Spec]] | None = None) -> int:
     """Mount ``spec``; with ``variants`` (a sweep spec's, ``spec`` the first one's), mount
-    every variant as a directory of one sweep mount (:mod:`mergefs.mount.sweepview`)."""
+    every variant as a directory of one sweep mount (:func:`serve`)."""
     cfg = make_config(args, spec)
     explicit = getattr(args, "manifest", None)
     if explicit:
@@ -231,9 +232,7 @@ def run_mount(args: argparse.Namespace, spec: Spec,
         opened = None
 
     def serve_it(ready: Callable[[], None]) -> dict[str, Any]:
-        if variants is not None:
-            return serve_sweep(spec.source, variants, cfg, ready, manifest, opened)
-        return serve(spec, cfg, ready, manifest, opened)
+        return serve(spec, cfg, ready, manifest, opened, variants)
 
     what = spec.source if variants is None else f"{spec.source} ({len(variants)} variants)"
     if args.foreground:
@@ -311,73 +310,45 @@ def _redirect_output(log_file: Path) -> None:
 
 
 def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
-          manifest: ManifestWriter | None = None, opened: Opened | None = None
-          ) -> dict[str, Any]:
-    """Mount, serve until unmounted or signalled, then finalise the manifest; returns totals.
-    ``opened``: the family and index :func:`ensure_index` opened (owned from here on)."""
+          manifest: ManifestWriter | None = None, opened: Opened | None = None,
+          variants: Sequence[tuple[Variant, Spec]] | None = None) -> dict[str, Any]:
+    """Mount, serve until unmounted or signalled, then finalise the manifest; returns the
+    totals. ``variants``: a sweep spec's (``spec`` the first one's), each served in its own
+    directory, SIGHUP (``mergefs reload``) adding those the changed spec file lists; without,
+    ``spec`` is served at the root. ``opened``: the family and index :func:`ensure_index`
+    opened (owned from here on)."""
+    sweep = variants is not None
+    found = list(variants) if variants is not None else [(Variant(ROOT, {}, dict(spec.raw)), spec)]
     # load the compiled kernels (numba import, disk cache) on a thread from now on: the mount
     # is ready before they are (listing, config.json and headers need no merge) and the first
     # unit merged waits for them (kernels.supports); only methods with a kernel form use them
-    if may_use_kernels(spec):
+    if any(may_use_kernels(s) for _, s in found):
         kernels.start_warm_up()
     if manifest is None:
         manifest = ManifestWriter.for_run(spec.manifest)
     try:
-        if opened is not None:
-            session = Session(spec, manifest=manifest, family=(opened.base, opened.experts),
-                              index=opened.index, reset_counters=True)
-        else:
-            session = Session(spec, manifest=manifest)
+        mount = MountSession(
+            spec.source, found, manifest, sweep=sweep, strict=cfg.strict,
+            source_cache_bytes=cfg.source_cache_bytes,
+            family=None if opened is None else (opened.base, opened.experts),
+            index=None if opened is None else opened.index)
         try:
-            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, session.plan.plan_hash)
-            view = View(session, cache, readahead_units=cfg.readahead_units)
+            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, mount.cache_namespace)
+            view = View(mount, cache, readahead_units=cfg.readahead_units)
             try:
                 trio.run(_serve_fuse, view, cfg, ready)
             finally:
                 view.close()
-            totals = session.finish()
+            totals = mount.finish()
         finally:
-            session.close()
+            mount.close()
     finally:
         manifest.close()
     stats = view.stats()
-    log.info("unmounted %s: served %d weight bytes; read %d expert bytes of %d; cache %d hits, "
-             "%d misses", cfg.mountpoint, stats["served_bytes"]["weights"],
-             stats["expert_bytes_read"], stats["total_expert_bytes"], stats["cache"]["hits"],
-             stats["cache"]["misses"])
-    return totals
-
-
-def serve_sweep(spec_path: str, variants: Sequence[tuple[Variant, Spec]], cfg: MountConfig,
-                ready: Callable[[], None], manifest: ManifestWriter,
-                opened: Opened | None = None) -> dict[str, Any]:
-    """Serve every variant of a sweep spec from one mount; SIGHUP (``mergefs reload``) adds
-    the variants the changed spec file lists. Returns the sweep's totals. ``opened``: the
-    first variant's family and index (:func:`ensure_index`; owned from here on)."""
-    from mergefs.mount.sweepsession import SweepSession
-    from mergefs.mount.sweepview import SweepView
-
-    try:
-        sweep = SweepSession(spec_path, manifest, cfg.source_cache_bytes, strict=cfg.strict,
-                             found=variants,
-                             family=None if opened is None else (opened.base, opened.experts),
-                             index=None if opened is None else opened.index)
-        try:
-            cache = UnitCache(cfg.cache_bytes, cfg.cache_dir,
-                              xxhash.xxh3_64_hexdigest(f"sweep\x00{sweep.index.key}".encode()))
-            view = SweepView(sweep, cache, readahead_units=cfg.readahead_units)
-            try:
-                trio.run(_serve_fuse, view, cfg, ready)
-            finally:
-                view.close()
-            totals = sweep.finish()
-        finally:
-            sweep.close()
-    finally:
-        manifest.close()
-    log.info("unmounted %s: %d variants; read %d source bytes (%d expert bytes)",
-             cfg.mountpoint, len(totals["variants"]), sum(totals["physical_bytes_read"].values()),
-             totals["expert_bytes_read"])
+    log.info("unmounted %s: %d variants; served %d weight bytes; read %d source bytes (%d "
+             "expert bytes); cache %d hits, %d misses", cfg.mountpoint, len(mount.variants),
+             stats["served_bytes"]["weights"], sum(stats["physical_bytes_read"].values()),
+             stats["expert_bytes_read"], stats["cache"]["hits"], stats["cache"]["misses"])
     return totals
 
 
@@ -410,12 +381,11 @@ async def _watch_signals(signals: Any, view: View) -> None:
     opens and plans the new variants) and is ignored, logged, by any other mount."""
     async for signum in signals:
         if signum == signal.SIGHUP:
-            reload = getattr(view, "reload", None)
-            if reload is None:
+            if not view.mount.sweep:
                 log.warning("received SIGHUP: not a sweep mount, nothing to reload")
                 continue
             log.info("received SIGHUP: reloading the spec")
-            await trio.to_thread.run_sync(reload)
+            await trio.to_thread.run_sync(view.reload)
             continue
         log.info("received %s: unmounting", signal.Signals(signum).name)
         pyfuse3.terminate()
@@ -610,8 +580,6 @@ def run_stats(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     if data.get("kind") == "sweep":
-        from mergefs.mount.control import sweep_stats_table
-
         Console().print(sweep_stats_table(args, data))
         return 0
 

@@ -1,14 +1,16 @@
 """Merged units pushed into the kernel's page cache ahead of readers, and the mount's warm-up.
 
-A :class:`PagePusher` belongs to a :class:`~mergefs.mount.files.UnitReader`. Once the mount is up,
-the FUSE layer hands it a *store* function (``pyfuse3.notify_store`` behind it; this module
-never imports pyfuse3) and the inode of each weight file. From then on every unit merged
-*ahead* of a reader (readahead, warm-up) is pushed into the kernel's page cache of its file, so
-the reader's next reads are page-cache hits that never reach the mount process.
+A mount has one :class:`PagePusher` over its unit cache; the view tells it the inode of each
+weight file (of every variant) and hands its ``note_reached`` and ``push`` to every
+:class:`~mergefs.mount.files.UnitReader`. Once the mount is up, the FUSE layer hands it a
+*store* function (``pyfuse3.notify_store`` behind it; this module never imports pyfuse3). From
+then on every unit merged *ahead* of a reader (readahead, warm-up) is pushed into the kernel's
+page cache of its file, so the reader's next reads are page-cache hits that never reach the
+mount process.
 
 What is pushed is exactly what a read of the same range returns: the bytes are assembled from
 the header and the units in memory by the same code that serves reads
-(``UnitReader._assemble``), at their offsets in the file. Only whole pages are pushed, plus the
+(:func:`~mergefs.mount.files.assemble`), at their offsets in the file. Only whole pages are pushed, plus the
 file's last partial page (the kernel marks a page up to date only when a store covers all of
 it, or ends at the end of the file): a page that straddles a unit boundary is pushed when the
 units on both sides are in memory. Nothing beyond the file's size is pushed (a store there
@@ -21,10 +23,11 @@ from a worker thread waits a little at worst; a store from the trio thread, or f
 that serves the read of those pages, could wait for itself. Demand-read units are therefore
 never pushed (the kernel reads them).
 
-Warm-up (``mergefs mount --warm``): a thread merges every unit of every weight file in file
-order, at most ``readahead_threads + 1`` at a time on the readahead pool, and pushes each one;
-it stops once it has merged as many bytes as the unit cache holds (warming more would evict
-what it warmed first from the cache), and at unmount.
+Warm-up (``mergefs mount --warm``): a thread per reader (one per variant) merges every unit of
+its weight files in file order, at most ``readahead_threads + 1`` at a time on that reader's
+readahead pool, and pushes each one; it stops once it has merged its budget (the view gives each
+variant an equal share of the unit cache: warming more would evict what it warmed first), and at
+unmount.
 """
 
 from __future__ import annotations
@@ -35,36 +38,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
+
+from mergefs.core.cache import UnitCache
+from mergefs.mount.files import UnitReader, WeightFile, assemble
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 QUEUE_UNITS = 256  # pushes queued for the store thread (references only: units stay cached)
 StoreFn = Callable[[int, int, "bytes | memoryview"], None]  # (inode, offset, data)
-
-
-class WeightFile(Protocol):
-    """What a pusher reads of a :class:`mergefs.mount.files.WeightFile` (which imports this
-    module: the pusher is part of its reader)."""
-
-    out: Any
-    segments: Any
-    size_bytes: int
-
-
-class UnitReader(Protocol):
-    """What a pusher uses of its :class:`mergefs.mount.files.UnitReader`."""
-
-    cache: Any
-    frontier: Any
-    readahead_threads: int
-    segment_bytes: int
-    _pool: Any
-
-    def _assemble(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def _prefetch(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _ceil_page(n: int) -> int:
@@ -74,14 +57,16 @@ def _ceil_page(n: int) -> int:
 class PagePusher:
     """Pushes units merged ahead of readers into the kernel page cache (see the module doc)."""
 
-    def __init__(self, reader: UnitReader) -> None:
-        self.reader = reader
+    def __init__(self, cache: UnitCache) -> None:
+        self.cache = cache
         self._lock = threading.Condition()
         self._store: StoreFn | None = None
         self._inodes: dict[int, int] = {}  # id(WeightFile) -> inode
+        self._frontier: dict[int, int] = {}  # id(WeightFile) -> furthest byte a read reached
         self._active = 0  # store calls running now
         self._stopping = threading.Event()
-        self._warm_thread: threading.Thread | None = None
+        self._warm_threads: list[threading.Thread] = []
+        self._warm_t0: float | None = None
         self.stored_bytes = 0
         self.store_calls = 0
         self.store_errors = 0
@@ -95,10 +80,15 @@ class PagePusher:
         self._thread: threading.Thread | None = None
 
     # -- enabling ----------------------------------------------------------------------------
-    def enable(self, store: StoreFn, inodes: dict[int, int]) -> None:
-        """Start pushing: ``store(inode, offset, data)``; ``inodes`` maps ``id(WeightFile)``."""
+    def add_inodes(self, inodes: dict[int, int]) -> None:
+        """The inodes of weight files (``id(WeightFile) -> inode``): only files known here are
+        pushed (a reload adds its variants' files)."""
         with self._lock:
-            self._inodes = dict(inodes)
+            self._inodes.update(inodes)
+
+    def enable(self, store: StoreFn) -> None:
+        """Start pushing through ``store(inode, offset, data)``."""
+        with self._lock:
             self._store = store
             if self._thread is None:
                 self._thread = threading.Thread(target=self._store_loop, daemon=True,
@@ -123,24 +113,34 @@ class PagePusher:
         return self._store is not None
 
     # -- pushing -----------------------------------------------------------------------------
+    def note_reached(self, wf: WeightFile, end: int) -> None:
+        """A read of ``wf`` reached byte ``end`` (a reader's ``reached``; the trio thread too:
+        no lock, a racy max that is only a hint: pushes of units a reader passed are skipped)."""
+        if end > self._frontier.get(id(wf), 0):
+            self._frontier[id(wf)] = end
+
+    def frontier(self, wf: WeightFile) -> int:
+        """The furthest byte of ``wf`` any read has reached so far (0 if none)."""
+        return self._frontier.get(id(wf), 0)
+
     def span(self, wf: WeightFile, k: int, data: bytes) -> tuple[int, bytes | memoryview] | None:
         """(offset, bytes) to push for segment ``k`` whose bytes are ``data``: its whole pages,
         widened over a boundary page when the neighbour's bytes are in memory; None if the unit
         covers no whole page."""
         seg = wf.segments[k]
-        quiet = self.reader.cache.cached
+        quiet = self.cache.cached
         a = seg.start & ~(PAGE - 1)
         b = min(wf.size_bytes, _ceil_page(seg.end))
         head: bytes | memoryview = b""
         tail: bytes | memoryview = b""
         if a < seg.start:
-            got = self.reader._assemble(wf, a, seg.start, quiet)
+            got = assemble(wf, a, seg.start, quiet)
             if got is None:
                 a = _ceil_page(seg.start)
             else:
                 head = got
         if b > seg.end:
-            got = self.reader._assemble(wf, seg.end, b, quiet)
+            got = assemble(wf, seg.end, b, quiet)
             if got is None:
                 b = seg.end & ~(PAGE - 1)
             else:
@@ -172,11 +172,11 @@ class PagePusher:
                     return
                 wf, k = item
                 seg = wf.segments[k]
-                if seg.end <= self.reader.frontier(wf):  # the reader got there first
+                if seg.end <= self.frontier(wf):  # the reader got there first
                     with self._lock:
                         self.store_skipped += 1
                     continue
-                data = self.reader.cache.cached(seg.key)
+                data = self.cache.cached(seg.key)
                 if data is not None:
                     self._store_now(wf, k, data)
             finally:
@@ -220,21 +220,24 @@ class PagePusher:
         return False
 
     # -- warm-up -----------------------------------------------------------------------------
-    def start_warm(self, files: list[WeightFile], budget_bytes: int,
+    def start_warm(self, reader: UnitReader, files: list[WeightFile], budget_bytes: int,
                    lookup: Callable[[WeightFile], None]) -> None:
-        """Merge and push every unit of ``files`` in file order, in a background thread, up to
-        ``budget_bytes`` of merged units. ``lookup(wf)`` makes the kernel know the file's inode
-        (a stat through the mount) before its units are pushed."""
-        t = threading.Thread(target=self._warm, args=(files, budget_bytes, lookup),
+        """Merge (through ``reader``, on its threads) and push every unit of ``files`` in file
+        order, in a background thread, up to ``budget_bytes`` of merged units. ``lookup(wf)``
+        makes the kernel know the file's inode (a stat through the mount) before its units are
+        pushed. Called once per reader (variant); the threads run side by side."""
+        t = threading.Thread(target=self._warm, args=(reader, files, budget_bytes, lookup),
                              name="mergefs-warm", daemon=True)
-        self._warm_thread = t
+        with self._lock:
+            if self._warm_t0 is None:
+                self._warm_t0 = time.monotonic()
+            self._warm_threads.append(t)
         t.start()
 
-    def _warm(self, files: list[WeightFile], budget_bytes: int,
+    def _warm(self, reader: UnitReader, files: list[WeightFile], budget_bytes: int,
               lookup: Callable[[WeightFile], None]) -> None:
-        t0 = time.monotonic()
-        slots = threading.Semaphore(self.reader.readahead_threads + 1)
-        in_flight = self.reader.readahead_threads + 1
+        in_flight = reader.readahead_threads + 1
+        slots = threading.Semaphore(in_flight)
         total = 0
         stopped = "done"
         try:
@@ -260,24 +263,24 @@ class PagePusher:
                         stopped = "stopped by unmount"
                         return
                     total += size
-                    try:
-                        self.reader._pool.submit(self._warm_one, wf, k, slots)
-                    except RuntimeError:  # pool shut down: closing
+                    if not reader.submit(self._warm_one, reader, wf, k, slots):  # closing
                         slots.release()
                         stopped = "stopped by unmount"
                         return
         finally:
             for _ in range(in_flight):  # wait for the last merges
                 slots.acquire()
-            self.warm_seconds = round(time.monotonic() - t0, 3)
+            with self._lock:  # since the first warm-up thread started (all of them)
+                self.warm_seconds = round(time.monotonic() - (self._warm_t0 or 0.0), 3)
             log.info("warm-up %s: %d units, %d bytes merged and pushed in %.1f s", stopped,
                      self.warm_units, self.warm_bytes, self.warm_seconds)
 
-    def _warm_one(self, wf: WeightFile, k: int, slots: threading.Semaphore) -> None:
+    def _warm_one(self, reader: UnitReader, wf: WeightFile, k: int,
+                  slots: threading.Semaphore) -> None:
         seg = wf.segments[k]
-        self.reader._prefetch(wf, k + 2 * (self.reader.readahead_threads + 1), wf.size_bytes)
+        reader.prefetch(wf, k + 2 * (reader.readahead_threads + 1), wf.size_bytes)
         try:
-            data = self.reader.segment_bytes(wf, seg)
+            data = reader.segment_bytes(wf, seg)
             self.push(wf, k)
             with self._lock:
                 self.warm_units += 1
@@ -290,12 +293,14 @@ class PagePusher:
             slots.release()
 
     def wait_warm(self, timeout_seconds: float | None = None) -> bool:
-        """Wait for the warm-up thread (tests, tools); True when it has finished."""
-        t = self._warm_thread
-        if t is None:
-            return True
-        t.join(timeout_seconds)
-        return not t.is_alive()
+        """Wait for the warm-up threads (tests, tools); True when they have finished."""
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        for t in list(self._warm_threads):
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self._warming()
+
+    def _warming(self) -> bool:
+        return any(t.is_alive() for t in list(self._warm_threads))
 
     def stop(self) -> None:
         """Stop the warm-up (merges running finish) and pushing."""
@@ -311,13 +316,15 @@ class PagePusher:
     def stats(self) -> dict[str, Any]:
         """``stored_bytes``/``store_calls``: bytes and calls pushed into the kernel page cache;
         ``store_errors``: failed pushes; ``store_dropped``: pushes not queued (queue full);
-        ``store_skipped``: queued pushes of units a reader had read past by then; ``warm``: units and bytes the warm-up merged, failures,
-        and its duration (None while running or when not asked for)."""
+        ``store_skipped``: queued pushes of units a reader had read past by then; ``warm``:
+        units and bytes the warm-up merged, failures, and its duration (None while running or
+        when not asked for)."""
+        running = self._warming()
         with self._lock:
             return {"enabled": self._store is not None, "stored_bytes": self.stored_bytes,
                     "store_calls": self.store_calls, "store_errors": self.store_errors,
                     "store_dropped": self.store_dropped, "store_skipped": self.store_skipped,
                     "warm": {"units": self.warm_units, "bytes": self.warm_bytes,
-                             "errors": self.warm_errors, "seconds": self.warm_seconds,
-                             "running": self._warm_thread is not None
-                             and self._warm_thread.is_alive()}}
+                             "errors": self.warm_errors,
+                             "seconds": None if running else self.warm_seconds,
+                             "running": running}}

@@ -1,27 +1,38 @@
-"""The virtual merged model directory, independent of FUSE (the adapter is ``mergefs.mount.fuse``).
+"""The virtual directory of a mount, independent of FUSE (the adapter is ``mergefs.mount.fuse``).
 
-A :class:`View` over an opened :class:`~mergefs.engine.session.Session` looks like a Hugging Face model
-directory:
+A :class:`View` over a :class:`~mergefs.mount.session.MountSession` shows each variant it serves
+as a Hugging Face model directory (what ``from_pretrained`` loads), byte-identical to ``mergefs
+merge`` of that variant:
 
 - the base's non-weight files (config, tokenizer, ...), passed through from the base directory
-  (a file that changed since the mount started is refused with :class:`SourceChanged`);
+  (a file that changed since the mount started is refused with :class:`SourceChanged`), or
+  rewritten by the merge;
 - weight files mirroring the base's sharding (``Engine.out_files``): a synthesized safetensors
   header followed by the merged tensors, byte-identical to ``Engine.materialise``;
-- ``model.safetensors.index.json`` when the base is sharded;
-- a hidden ``.mergefs/`` directory with ``stats.json`` (live counters, see :meth:`View.stats`)
-  and ``manifest.jsonl`` (the session's manifest so far, complete lines only).
+- ``model.safetensors.index.json`` when the base is sharded.
 
-Every size, inode number and attribute is fixed when the view is built, without merging
-anything, except the two files under ``.mergefs/``, whose content is snapshotted when opened
-(their size reads as 0: open them with direct I/O). ``read(fh, offset, size)`` maps a byte range
-of a weight file to the header and the merge units it overlaps and merges only those
-(:class:`~mergefs.mount.files.UnitReader`, through the :class:`~mergefs.core.cache.UnitCache`), returning
-exactly those bytes; each open handle is a :class:`~mergefs.mount.files.Stream`, so a sequential
-reader gets the next units merged in the background.
+A plain spec's one model is that directory at the mount's root; a sweep's variants are one
+directory each, ``MNT/<variant>/``, beside ``MNT/variants.json`` (every variant: name, the
+settings it varies, its full resolved spec, its plan, removed flag). Either way the root has a
+hidden ``.mergefs/`` directory with ``stats.json`` (live counters, :mod:`mergefs.mount.stats`)
+and ``manifest.jsonl`` (the mount's manifest so far, complete lines only). :meth:`View.reload`
+adds the variants a sweep's changed spec file lists as new directories while readers of the
+others keep reading; variants the file no longer lists keep being served (and are flagged
+``removed`` in variants.json) until unmounted: a reader of one is never cut off.
 
-Thread use: ``lookup``, ``getattr``, ``readdir``, ``release`` and ``attr`` only touch in-memory
-tables and are safe on the trio thread. ``open`` (snapshots, may read the manifest file) and
-``read`` (merges, disk reads, waits for other threads) block: run them in worker threads.
+Every size, inode number and attribute is fixed when a file is added, without merging
+anything, except the dynamic files (``.mergefs/*``, ``variants.json``), whose content is
+snapshotted when opened (their size reads as 0: open them with direct I/O). ``read(fh, offset,
+size)`` maps a byte range of a weight file to the header and the merge units it overlaps and
+merges only those (the variant's :class:`~mergefs.mount.files.UnitReader`, through the mount's
+one :class:`~mergefs.core.cache.UnitCache`), returning exactly those bytes; each open handle is a
+:class:`~mergefs.mount.files.Stream`, so a sequential reader gets the next units merged in the
+background.
+
+Thread use: ``lookup``, ``getattr``, ``readdir``, ``release``, ``attr`` and ``read_cached`` only
+touch in-memory tables and are safe on the trio thread. ``open`` (snapshots, may read the
+manifest file), ``read`` (merges, disk reads, waits for other threads) and ``reload`` (opens
+and plans variants) block: run them in worker threads.
 """
 
 from __future__ import annotations
@@ -33,20 +44,19 @@ import os
 import stat
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from mergefs.core.version import __version__
 from mergefs.core.cache import UnitCache
-from mergefs.sources.base import INDEX_NAME
-from mergefs.engine.merger import Engine
-from mergefs.engine.session import Session
 from mergefs.core.errors import MergefsError, SourceChanged
-from mergefs.mount.pages import StoreFn
+from mergefs.engine.merger import Engine
 from mergefs.mount.files import Stream, UnitReader, WeightFile, weight_file
+from mergefs.mount.pages import PagePusher, StoreFn
+from mergefs.mount.session import KeyFn, MountSession, VariantState
+from mergefs.mount.stats import ReadCounters, stats_document
+from mergefs.sources.base import INDEX_NAME
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +64,7 @@ ROOT_INODE = 1
 STATE_DIR = ".mergefs"
 STATS_NAME = "stats.json"
 MANIFEST_NAME = "manifest.jsonl"
-STATS_SCHEMA = 1
-LAST_ERRORS = 10  # read errors kept (newest last) for `mergefs stats`
+VARIANTS_NAME = "variants.json"
 
 Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest", "variants"]
 #: kinds whose content changes while mounted: snapshotted at open, size 0 (direct I/O)
@@ -90,7 +99,7 @@ class _Node:
     static: bytes | None = None
     source: Path | None = None  # passthrough: the base's file
     reader: UnitReader | None = None  # weights: the reader that serves it
-    variant: str = ""  # a sweep mount's variant the node belongs to ("" elsewhere)
+    variant: str | None = None  # the variant the node belongs to (None: the mount's own files)
 
 
 @dataclass
@@ -100,8 +109,8 @@ class _Handle:
     stream: Stream = field(default_factory=Stream)
 
 
-def model_entries(engine: Engine, weights_mtime_ns: int,
-                  key_of: Callable[[str, int, int], str] | None = None) -> Entries:
+def model_entries(engine: Engine, weights_mtime_ns: int, key_of: KeyFn | None = None
+                  ) -> Entries:
     """The files of a merged model directory by relative path: the base's non-weight files
     (passed through, or rewritten by the merge), the merge's weight files and shard index;
     ``key_of``: the cache keys of merge units (:func:`~mergefs.mount.files.weight_file`)."""
@@ -142,53 +151,58 @@ def model_entries(engine: Engine, weights_mtime_ns: int,
 
 
 class View:
-    """The virtual directory over a session. Thread-safe."""
+    """The virtual directory over a mount session. Thread-safe."""
 
-    def __init__(self, session: Session, cache: UnitCache, *, readahead_units: int = 4,
+    def __init__(self, mount: MountSession, cache: UnitCache, *, readahead_units: int = 4,
                  readahead_threads: int = 2, readahead_pending: int = 16) -> None:
-        self.session = session
-        self.engine = session.engine
+        self.mount = mount
         self.cache = cache
-        self.units = UnitReader(session, cache, readahead_units=readahead_units,
-                                readahead_threads=readahead_threads,
-                                readahead_pending=readahead_pending)
-        self._lock = threading.Lock()
+        self._reader_options = {"readahead_units": readahead_units,
+                                "readahead_threads": readahead_threads,
+                                "readahead_pending": readahead_pending}
+        self.pages = PagePusher(cache)
+        self.readers: dict[str, UnitReader] = {}  # by variant
+        self.counters = ReadCounters()
+        self.reload_state: dict[str, Any] = {"generation": 0, "last": None}
+        self._lock = threading.Lock()  # handles
+        self._insert_lock = threading.Lock()  # the tree's inserts (a reload adds variants)
         self._handles: dict[int, _Handle] = {}
         self._fh = itertools.count(1)
         self.started_unix = time.time()
         self._started = time.monotonic()
-        self._read_base = session.source_bytes()
-        self._blocks_base = self.engine.blocks_merged
-        self._units_base = self.engine.units_merged
-        self.served_weight_bytes = 0
-        self.served_other_bytes = 0
-        self.read_calls = 0
-        self._fast_read_calls = 0  # read_cached's own counters (one thread, no lock)
-        self._fast_served_bytes = 0
-        self.passthrough_file_bytes_read = 0
-        self.read_errors = 0
-        self.last_errors: deque[dict[str, Any]] = deque(maxlen=LAST_ERRORS)
         self._nodes: dict[int, _Node] = {}
-        self._build()
+        self._weights_mtime = max((i.mtime_ns for c in [mount.base, *mount.experts]
+                                   for i in c.identities.values()), default=0)
+        self._nodes[ROOT_INODE] = _Node(ROOT_INODE, "", "", ROOT_INODE, "dir",
+                                        mtime_ns=self._weights_mtime)
+        self._by_path = {"": ROOT_INODE}
+        self._next_inode = itertools.count(ROOT_INODE + 1)
+        mount_ns = int(self.started_unix * 1e9)
+        state: Entries = {f"{STATE_DIR}/{STATS_NAME}": ("stats", {"mtime_ns": mount_ns}),
+                          f"{STATE_DIR}/{MANIFEST_NAME}": ("manifest", {"mtime_ns": mount_ns})}
+        if mount.sweep:
+            state[VARIANTS_NAME] = ("variants", {"mtime_ns": mount_ns})
+        self._insert(state, self._weights_mtime)
+        for st in mount.variants.values():
+            self._add(st)
         self._warn_large_units()
 
     # -- building the tree ------------------------------------------------------------------
-    def _build(self) -> None:
-        sources = [self.session.base, *self.session.experts]
-        weights_mtime = max((i.mtime_ns for c in sources for i in c.identities.values()),
-                            default=0)
-        mount_ns = int(self.started_unix * 1e9)
-        entries = model_entries(self.engine, weights_mtime)
-        entries[f"{STATE_DIR}/{STATS_NAME}"] = ("stats", {"mtime_ns": mount_ns})
-        entries[f"{STATE_DIR}/{MANIFEST_NAME}"] = ("manifest", {"mtime_ns": mount_ns})
-        self._nodes[ROOT_INODE] = _Node(ROOT_INODE, "", "", ROOT_INODE, "dir",
-                                        mtime_ns=weights_mtime)
-        self._by_path = {"": ROOT_INODE}
-        self._next_inode = itertools.count(ROOT_INODE + 1)
-        self._insert(entries, weights_mtime, reader=self.units)
+    def _add(self, st: VariantState) -> None:
+        """Serve a variant: its model directory at ``st.name`` (a plain spec's: the root)."""
+        reader = UnitReader(st, self.cache, source_cache=self.mount.source_cache,
+                            reached=self.pages.note_reached, merged_ahead=self.pages.push,
+                            **self._reader_options)
+        entries = model_entries(st.session.engine, self._weights_mtime, st.key_of)
+        with self._insert_lock:
+            self.readers[st.name] = reader
+            self._insert(entries, self._weights_mtime, prefix=st.name, reader=reader,
+                         variant=st.name)
+            self.pages.add_inodes({id(n.weights): n.inode for n in list(self._nodes.values())
+                                   if n.weights is not None and n.reader is reader})
 
     def _insert(self, entries: Entries, dir_mtime_ns: int, prefix: str = "",
-                reader: UnitReader | None = None, variant: str = "") -> None:
+                reader: UnitReader | None = None, variant: str | None = None) -> None:
         """Add ``entries`` (paths relative to ``prefix``) to the tree, in path order (inode
         numbers are stable across mounts); parents first. A new node becomes visible to
         lookups only once it is complete: entries of the root are linked last (the caller
@@ -237,6 +251,38 @@ class View:
             log.warning("the largest merge unit (%d bytes) exceeds the cache (%d bytes): every "
                         "read of it merges it again; raise --cache-size", largest,
                         self.cache.capacity_bytes)
+
+    # -- variants ---------------------------------------------------------------------------
+    def reload(self) -> dict[str, Any]:
+        """Re-read a sweep's spec file and add its new variants (blocking: a worker thread).
+        Returns the outcome (also in stats.json ``reload.last``); an invalid spec changes
+        nothing."""
+        gen = self.reload_state["generation"] + 1
+        try:
+            opened, removed = self.mount.reload()
+            for st in opened:
+                self._add(st)
+                self.mount.publish(st)
+        except Exception as exc:  # a reload must never take the mount down (logged)
+            why = str(exc) if isinstance(exc, MergefsError) else f"{type(exc).__name__}: {exc}"
+            log.error("reload of %s failed, the mount is unchanged: %s", self.mount.spec_path,
+                      why, exc_info=not isinstance(exc, MergefsError))
+            last: dict[str, Any] = {"ok": False, "error": why, "added": [], "removed": []}
+        else:
+            added = [st.name for st in opened]
+            log.info("reloaded %s: %d variants added (%s), %d no longer listed (still served "
+                     "until unmounted: %s)", self.mount.spec_path, len(added),
+                     ", ".join(added) or "-", len(removed), ", ".join(removed) or "-")
+            last = {"ok": True, "error": None, "added": added, "removed": removed}
+        last["unix_time"] = round(time.time(), 3)
+        self.reload_state = {"generation": gen, "last": last}
+        return last
+
+    def variants_doc(self) -> dict[str, Any]:
+        """The content of a sweep's ``variants.json``."""
+        return {"schema": 1, "spec": str(self.mount.spec_path),
+                "reload_generation": self.reload_state["generation"],
+                "variants": [st.describe() for st in list(self.mount.variants.values())]}
 
     # -- namespace (in memory; safe on the trio thread) --------------------------------------
     def lookup(self, parent: int, name: str) -> Attr | None:
@@ -289,6 +335,8 @@ class View:
         """The content of a dynamic file now (blocking)."""
         if n.kind == "stats":
             return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
+        if n.kind == "variants":
+            return (json.dumps(self.variants_doc(), indent=1, sort_keys=True) + "\n").encode()
         return self._manifest_bytes()
 
     def release(self, fh: int) -> None:
@@ -302,9 +350,8 @@ class View:
     def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         """Exactly the bytes ``[offset, offset + size)`` of the file (fewer at its end); a
         memoryview (no copy) when they lie in one merge unit."""
-        with self._lock:
-            h = self._handles[fh]
-            self.read_calls += 1
+        h = self._handles[fh]  # (one atomic dict lookup; KeyError: not open)
+        self.counters.called()
         n = h.node
         if offset < 0 or size < 0:
             raise ValueError("negative offset or size")
@@ -320,23 +367,10 @@ class View:
                 assert blob is not None
                 data = blob[offset:offset + size]
         except Exception as exc:
-            with self._lock:
-                self.read_errors += 1
-                self.last_errors.append({
-                    "unix_time": round(time.time(), 3), "path": n.path, "offset": offset,
-                    "size": size, "error": str(exc) if isinstance(exc, MergefsError)
-                    else f"{type(exc).__name__}: {exc}"})
+            self.counters.failed(n.path, offset, size, exc, time.time())
             raise
-        with self._lock:
-            if n.kind == "weights":
-                self.served_weight_bytes += len(data)
-            else:
-                self.served_other_bytes += len(data)
-            self._served(n, len(data))
+        self.counters.served(n.variant, n.kind == "weights", len(data))
         return data
-
-    def _served(self, n: _Node, nbytes: int) -> None:
-        """Called with ``_lock`` held after each read of a node (per-variant counters)."""
 
     def read_cached(self, fh: int, offset: int, size: int) -> bytes | memoryview | None:
         """The bytes of a weight-file read if they are all in memory, else None; never blocks
@@ -348,13 +382,8 @@ class View:
         assert h.node.weights is not None and h.node.reader is not None
         data = h.node.reader.read_cached(h.node.weights, offset, offset + size, h.stream)
         if data is not None:
-            self._fast_read_calls += 1
-            self._fast_served_bytes += len(data)
-            self._fast_served(h.node, len(data))
+            self.counters.served_fast(h.node.variant, len(data))
         return data
-
-    def _fast_served(self, n: _Node, nbytes: int) -> None:
-        """Called on the trio thread only, after a read served from memory (no lock)."""
 
     def read_path(self, path: str, offset: int = 0, size: int | None = None) -> bytes:
         """Convenience for tests and tools: open, read, release."""
@@ -379,12 +408,11 @@ class View:
         for st in (before, after):
             if st.st_size != n.size_bytes or st.st_mtime_ns != n.mtime_ns:
                 raise SourceChanged(f"{n.source}: changed since the mount started")
-        with self._lock:
-            self.passthrough_file_bytes_read += len(data)
+        self.counters.passthrough(len(data))
         return data
 
     def _manifest_bytes(self) -> bytes:
-        m = self.session.manifest
+        m = self.mount.manifest
         if m is None:
             return b""
         if m.path is None:
@@ -395,99 +423,52 @@ class View:
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """The content of ``.mergefs/stats.json``. Byte counters count since the view was built.
-
-        - ``served_bytes.weights`` / ``.other``: bytes ``read`` returned from weight files / from
-          every other file (passthrough files, shard index, ``.mergefs/``);
-        - ``physical_bytes_read[source]``: bytes ``pread`` returned from that source's weight
-          files (``base``, or the expert's label: its shortest unique trailing path
-          components); ``expert_bytes_read`` is their sum over experts; index
-          building is not counted;
-        - ``passthrough_file_bytes_read``: bytes read from the base's non-weight files;
-        - ``units_merged`` / ``blocks_merged``: merge units produced by the engine / blocks
-          they cover;
-        - ``cache``: :class:`~mergefs.core.cache.CacheStats` (hits, misses, waits, evictions,
-          bytes cached, merges in flight, disk tier);
-        - ``readahead.units_scheduled``: units queued for background merging; ``units_pending``
-          queued or running now; ``errors``: failed readahead merges (the reader sees the error);
-        - ``kernel_pages``: units merged ahead and pushed into the kernel page cache
-          (:meth:`~mergefs.mount.pages.PagePusher.stats`: bytes, calls, errors, the warm-up);
-        - ``read_calls``, ``read_errors`` (reads that raised), ``last_errors`` (the newest
-          ten: time, path, offset, size, cause), ``open_handles``;
-        - plan facts: ``plan_hash``, ``budget_bytes``, ``planned_expert_bytes``,
-          ``total_expert_bytes``; sizes: ``weight_file_bytes`` (the virtual weight files),
-          ``base_tensor_bytes`` (the base's tensors).
-
-        The only paths are the spec's own: the spec file and the base and expert paths.
-        """
-        s = self.session
-        now = s.source_bytes()
-        physical = {k: v - self._read_base.get(k, 0) for k, v in now.items()}
-        plan = s.plan
+        """The content of ``.mergefs/stats.json`` (:func:`~mergefs.mount.stats.stats_document`).
+        Byte counters count since the view was built; source bytes since the mount session
+        opened its variants."""
         with self._lock:
-            counters = {
-                "served_bytes": {"weights": self.served_weight_bytes + self._fast_served_bytes,
-                                 "other": self.served_other_bytes},
-                "read_calls": self.read_calls + self._fast_read_calls,
-                "read_errors": self.read_errors,
-                "last_errors": list(self.last_errors),
-                "passthrough_file_bytes_read": self.passthrough_file_bytes_read,
-                "open_handles": len(self._handles),
-            }
-        return {
-            "schema": STATS_SCHEMA,
-            "mergefs_version": __version__,
-            "pid": os.getpid(),
-            "spec": s.spec.source,
-            "method": s.spec.method,
-            "sources": {"base": s.spec.base,
-                        **{lab: e.path for lab, e in zip(self.engine.labels, s.spec.experts)}},
-            "plan_hash": plan.plan_hash,
-            "budget_bytes": plan.budget_bytes,
-            "planned_expert_bytes": plan.planned_bytes,
-            "total_expert_bytes": plan.total_expert_bytes,
-            "weight_file_bytes": sum(f.size_bytes for f in self.engine.out_files),
-            "base_tensor_bytes": sum(t.size_bytes for t in s.base.tensors.values()),
-            "physical_bytes_read": physical,
-            "expert_bytes_read": sum(v for k, v in physical.items() if k != "base"),
-            "units_merged": self.engine.units_merged - self._units_base,
-            "blocks_merged": self.engine.blocks_merged - self._blocks_base,
-            "cache": self.cache.stats().to_json(),
-            "readahead": self.units.stats(),
-            "kernel_pages": self.units.pages.stats(),
-            "uptime_seconds": round(time.monotonic() - self._started, 3),
-            **counters,
-        }
+            handles = len(self._handles)
+        return stats_document(
+            self.mount, self.cache, self.counters.to_json(handles), self.counters.by_variant(),
+            self.mount.source_bytes(), time.monotonic() - self._started,
+            {name: r.stats() for name, r in list(self.readers.items())}, self.pages.stats(),
+            self.reload_state)
 
     # -- the kernel page cache ----------------------------------------------------------------
     def weight_files(self) -> list[tuple[str, int, WeightFile]]:
         """(path, inode, weight file) of every weight file, in path order."""
-        return [(n.path, n.inode, n.weights) for n in sorted(list(self._nodes.values()),
-                                                             key=lambda n: n.path)
+        nodes = list(self._nodes.values())  # a snapshot: a reload may add nodes meanwhile
+        return [(n.path, n.inode, n.weights) for n in sorted(nodes, key=lambda n: n.path)
                 if n.weights is not None]
 
     def enable_page_store(self, store: StoreFn) -> None:
         """Push units merged ahead of readers into the kernel page cache through
         ``store(inode, offset, data)`` (the FUSE layer's ``notify_store``)."""
-        self.units.pages.enable(store, {id(wf): ino for _, ino, wf in self.weight_files()})
+        self.pages.enable(store)
 
     def start_warm(self, lookup: Callable[[str], None], budget_bytes: int | None = None) -> None:
-        """Merge (and push, when enabled) every unit of every weight file in the background, up
-        to ``budget_bytes`` (default: the cache's capacity). ``lookup(path)`` stats the file
-        through the mount so that the kernel knows its inode."""
-        names = {id(wf): path for path, _, wf in self.weight_files()}
-        self.units.pages.start_warm(
-            [wf for _, _, wf in self.weight_files()],
-            self.cache.capacity_bytes if budget_bytes is None else budget_bytes,
-            lambda wf: lookup(names[id(wf)]))
+        """Merge (and push, when enabled) every unit of every weight file in the background,
+        each variant up to its share of ``budget_bytes`` (default: the cache's capacity).
+        ``lookup(path)`` stats the file through the mount so that the kernel knows its inode."""
+        files = self.weight_files()
+        names = {id(wf): path for path, _, wf in files}
+        total = self.cache.capacity_bytes if budget_bytes is None else budget_bytes
+        readers = list(self.readers.values())
+        share = total // max(1, len(readers))
+        by_reader = {id(n.weights): n.reader for n in list(self._nodes.values())
+                     if n.weights is not None}
+        for reader in readers:
+            mine = [wf for _, _, wf in files if by_reader[id(wf)] is reader]
+            self.pages.start_warm(reader, mine, share, lambda wf: lookup(names[id(wf)]))
 
     def disable_pages(self, timeout_seconds: float = 5.0) -> bool:
         """Stop pushing into the kernel page cache; False if a store is still waiting."""
-        return self.units.pages.disable(timeout_seconds)
+        return self.pages.disable(timeout_seconds)
 
     def close(self) -> None:
-        """Stop background readahead (running merges finish; queued ones are dropped), then
-        finish the cache's queued disk writes."""
-        self.units.close()
+        """Stop the warm-up and background readahead (running merges finish; queued ones are
+        dropped), then finish the cache's queued disk writes."""
+        self.pages.stop()
+        for reader in list(self.readers.values()):
+            reader.close()
         self.cache.close()
-
