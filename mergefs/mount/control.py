@@ -1,4 +1,4 @@
-"""The client side of a sweep mount: ``mergefs reload MNT`` and the ``mergefs stats`` table.
+"""The client side of a mount: ``mergefs stats MNT`` and ``mergefs reload MNT`` (a sweep's).
 
 Runs in the CLI's main thread; talks to the mount's server only through the mount itself
 (``.mergefs/stats.json``) and a signal (SIGHUP).
@@ -18,6 +18,65 @@ from typing import Any
 from mergefs.core.errors import MergefsError
 from mergefs.core.sizes import human_bytes
 from mergefs.mount.view import STATE_DIR, STATS_NAME
+
+
+# -- stats ---------------------------------------------------------------------------------
+def _pct(a: float, b: float) -> str:
+    return f"  ({100 * a / b:.1f}%)" if b else ""
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    data = read_stats(args.mountpoint)
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    if data.get("kind") == "sweep":
+        Console().print(sweep_stats_table(args, data))
+        return 0
+
+    c = data["cache"]
+    read = data["physical_bytes_read"]
+    table = Table(title=f"mergefs {args.mountpoint}  ({data['method']}, plan "
+                        f"{data['plan_hash'][:16]})", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    full = data["base_tensor_bytes"] + data["total_expert_bytes"]
+    table.add_row("weight bytes served", f"{human_bytes(data['served_bytes']['weights'])} (weight "
+                  f"files: {human_bytes(data['weight_file_bytes'])})")
+    table.add_row("source bytes read / full merge", f"{human_bytes(sum(read.values()))} of "
+                  f"{human_bytes(full)}{_pct(sum(read.values()), full)}")
+    table.add_row("base bytes read", f"{human_bytes(read.get('base', 0))}")
+    table.add_row("expert bytes read", f"{human_bytes(data['expert_bytes_read'])} of "
+                  f"{human_bytes(data['total_expert_bytes'])}"
+                  f"{_pct(data['expert_bytes_read'], data['total_expert_bytes'])}")
+    for label, n in sorted(read.items()):
+        if label != "base":
+            table.add_row(f"  {label}", human_bytes(n))
+    table.add_row("expert bytes planned (budget)", f"{human_bytes(data['planned_expert_bytes'])} "
+                  f"({human_bytes(data['budget_bytes'])})")
+    table.add_row("units / blocks merged", f"{data['units_merged']} / {data['blocks_merged']}")
+    table.add_row("cache", f"{human_bytes(c['bytes_cached'])} of {human_bytes(c['capacity_bytes'])}, "
+                  f"{c['entries']} units")
+    table.add_row("cache hits / misses / waits", f"{c['hits']} / {c['misses']} / {c['waits']}")
+    table.add_row("cache evictions", str(c["evictions"]))
+    table.add_row("merges in flight", str(c["merges_in_flight"]))
+    if c["disk_hits"] or c["disk_writes"] or c["disk_corrupt"]:
+        table.add_row("disk cache hits / writes / corrupt",
+                      f"{c['disk_hits']} / {c['disk_writes']} / {c['disk_corrupt']}")
+    table.add_row("readahead units", str(data["readahead"]["units_scheduled"]))
+    table.add_row("read errors", str(data["read_errors"]))
+    for e in data.get("last_errors", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["unix_time"]))
+        table.add_row(f"  {when} {e['path']} @{e['offset']}", e["error"])
+    if data.get("read_errors"):
+        table.add_row("", "a reader of a mapped file gets SIGBUS on such an error: see the log "
+                      "and the README")
+    table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
+    Console().print(table)
+    return 0
 
 
 def sweep_stats_table(args: argparse.Namespace, data: dict[str, Any]) -> Any:
@@ -98,7 +157,6 @@ def server_pid(mountpoint: Path) -> int | None:
     return pid if b"mergefs" in cmdline and pid != os.getpid() else None
 
 
-# -- stats ---------------------------------------------------------------------------------
 def read_stats(mountpoint: str | Path) -> dict[str, Any]:
     p = Path(mountpoint) / STATE_DIR / STATS_NAME
     try:

@@ -1,4 +1,4 @@
-"""The mount lifecycle, in one place: ``mergefs mount``, ``mergefs umount``, ``mergefs stats``.
+"""The mount lifecycle, in one place: ``mergefs mount``, from the checks to the last record.
 
 ``run_mount`` checks the mountpoint, makes sure the block index exists (with a progress bar),
 then serves in the foreground or forks a daemon and returns once the mount answers. Serving
@@ -9,8 +9,9 @@ lines), builds the cache and the :class:`~mergefs.mount.view.View`, then runs tr
 ``pyfuse3.init``, a signal watcher (SIGINT/SIGTERM -> ``pyfuse3.terminate()``; SIGHUP -> a sweep
 mount's reload, in a worker thread), a readiness probe, ``await pyfuse3.main()``, and
 ``pyfuse3.close()`` in a ``finally``. When the main loop ends (signal or external unmount) the
-manifest gets its totals and is closed. The client side of ``mergefs reload`` and the sweep's
-``mergefs stats`` table are :mod:`mergefs.mount.control`.
+manifest gets its totals and is closed. ``mergefs umount`` is :mod:`mergefs.mount.umount`,
+``mergefs stats`` and ``mergefs reload`` are :mod:`mergefs.mount.control` (the CLI and the API
+call ``run_umount``, ``run_stats`` and ``is_mounted`` from here: ``__all__``).
 
 Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
 before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
@@ -20,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
 import stat
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,20 +40,25 @@ from mergefs.core.progress import byte_progress
 from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.merger import may_use_kernels
-from mergefs.engine.output import check_writes, pid_alive
+from mergefs.engine.output import check_writes
 from mergefs.engine.session import prepare_family
 from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
-from mergefs.mount.control import read_stats, server_pid, sweep_stats_table
+from mergefs.mount.control import run_stats
 from mergefs.mount.fuse import Operations, mount_options, notify_store
 from mergefs.mount.session import ROOT, MountSession
+from mergefs.mount.umount import is_mounted, mount_device, run_umount
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
 from mergefs.spec.model import Spec
 from mergefs.spec.variants import Variant
 
 if TYPE_CHECKING:
     from mergefs.sources.local import Checkpoint
+
+__all__ = ["MountConfig", "Opened", "check_mountpoint", "default_cache_bytes", "ensure_index",
+           "forks_safely", "is_mounted", "make_config", "mount_device", "run_mount",
+           "run_stats", "run_umount", "serve", "set_read_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,6 @@ DEFAULT_CACHE_CAP = 8 << 30
 # requests: 128 KiB by default; 1-4 MiB gives 1 MiB requests (libfuse 3.14's max_pages 256) and
 # a few of them in flight.
 READ_AHEAD_KB = 4096
-UMOUNT_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -122,29 +124,6 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
 
 
 # -- mountpoints ---------------------------------------------------------------------------
-def _unescape(field: str) -> str:
-    """/proc/self/mountinfo escapes space, tab, newline and backslash as octal."""
-    out, k = [], 0
-    while k < len(field):
-        if field[k] == "\\" and k + 3 < len(field) and field[k + 1:k + 4].isdigit():
-            out.append(chr(int(field[k + 1:k + 4], 8)))
-            k += 4
-        else:
-            out.append(field[k])
-            k += 1
-    return "".join(out)
-
-
-def is_mounted(path: str | Path) -> bool:
-    """Whether something is mounted at ``path`` (also true for a dead FUSE mount)."""
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            return any(_unescape(line.split()[4]) == target for line in f if line.strip())
-    except OSError:
-        return os.path.ismount(target)
-
-
 def check_mountpoint(path: str | Path) -> Path:
     """An absolute, existing, empty directory with nothing mounted on it, or MergefsError."""
     p = Path(os.path.abspath(path))
@@ -411,23 +390,6 @@ async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[],
     ready()
 
 
-def mount_device(mountpoint: Path) -> tuple[int, int] | None:
-    """The (major, minor) device of the mount at ``mountpoint``, from /proc/self/mountinfo (no
-    request through the mount, which may not be answering)."""
-    target = os.path.realpath(mountpoint)
-    found = None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and _unescape(fields[4]) == target:
-                    major, minor = fields[2].split(":")
-                    found = (int(major), int(minor))  # the last one is on top
-    except (OSError, ValueError):
-        return None
-    return found
-
-
 def set_read_ahead(mountpoint: Path, kb: int) -> bool:
     """Set the mount's readahead window (``/sys/class/bdi/<major:minor>/read_ahead_kb``; root
     only); log a line and carry on when not permitted."""
@@ -456,171 +418,3 @@ def _abort_connection(mountpoint: Path) -> None:
         Path(f"/sys/fs/fuse/connections/{dev[1]}/abort").write_text("1\n")
     except OSError as exc:
         log.warning("cannot abort the FUSE connection of %s: %s", mountpoint, exc)
-
-
-def holders(mountpoint: Path) -> list[tuple[int, str]]:
-    """Processes using files under ``mountpoint`` (open, mapped, or as cwd/root), as umount(8)
-    would find them: ``(pid, command)`` from /proc, sorted by pid. Unreadable processes (not
-    ours, without root) are skipped."""
-    root = str(mountpoint).rstrip("/")
-    inside = (lambda p: p == root or p.startswith(root + "/"))
-    found: list[tuple[int, str]] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        pid = int(entry.name)
-        base = f"/proc/{pid}"
-        if _uses(base, inside):
-            try:
-                cmd = " ".join(Path(f"{base}/cmdline").read_bytes().decode(errors="replace")
-                               .replace("\0", " ").split())
-                name = cmd[:80] or Path(f"{base}/comm").read_text().strip()
-            except OSError:
-                name = "?"
-            found.append((pid, name))
-    return sorted(found)
-
-
-def _uses(base: str, inside: Callable[[str], bool]) -> bool:
-    try:
-        for link in ("cwd", "root", "exe"):
-            try:
-                if inside(os.readlink(f"{base}/{link}")):
-                    return True
-            except OSError:
-                pass
-        try:
-            for fd in os.scandir(f"{base}/fd"):
-                try:
-                    if inside(os.readlink(fd.path)):
-                        return True
-                except OSError:
-                    pass
-        except OSError:
-            pass
-        with open(f"{base}/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split(None, 5)
-                if len(fields) == 6 and inside(fields[5].rstrip("\n").removesuffix(" (deleted)")):
-                    return True
-    except OSError:
-        return False
-    return False
-
-
-def _is_dead(mnt: Path) -> bool:
-    try:
-        os.stat(mnt / STATE_DIR)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
-    return False
-
-
-def run_umount(args: argparse.Namespace) -> int:
-    mnt = Path(os.path.realpath(args.mountpoint))
-    if not is_mounted(mnt):
-        raise MergefsError(f"{mnt}: not mounted")
-    pid = server_pid(mnt)
-    lazy_wanted = bool(getattr(args, "lazy", False))
-    first = _fusermount(["-u", str(mnt)])
-    if first.returncode != 0:
-        dead = _is_dead(mnt)
-        users = [] if dead else holders(mnt)
-        if not dead and not lazy_wanted:
-            if users:
-                who = ", ".join(f"pid {p} ({c})" for p, c in users[:5])
-                more = f" and {len(users) - 5} more" if len(users) > 5 else ""
-                raise MergefsError(f"{mnt}: busy: in use by {who}{more}; close them first (a "
-                                   "model loaded from the mount keeps its files mapped while "
-                                   "it lives), or `mergefs umount --lazy` to detach anyway")
-            raise MergefsError(f"{mnt}: cannot unmount: "
-                               f"{first.stderr.strip() or 'fusermount3 failed'}")
-        lazy = _fusermount(["-u", "-z", str(mnt)])
-        if lazy.returncode != 0:
-            raise MergefsError(f"{mnt}: cannot unmount: "
-                               f"{(lazy.stderr or first.stderr).strip() or 'fusermount3 failed'}")
-        if not dead:
-            who = ", ".join(f"pid {p}" for p, _ in users) or "its open files"
-            print(f"mergefs: detached {mnt} lazily; the server"
-                  f"{f' (pid {pid})' if pid else ''} keeps serving {who} until the last user "
-                  "closes, then records the manifest's totals and exits")
-            return 0
-        log.info("%s: its process had died: detached", mnt)
-    if pid is not None:  # wait for the server to write the manifest's totals and exit
-        deadline = time.monotonic() + UMOUNT_WAIT_SECONDS
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(pid):
-            log.warning("mount process %d still running after %.0fs", pid, UMOUNT_WAIT_SECONDS)
-    print(f"mergefs: unmounted {mnt}")
-    return 0
-
-
-def _fusermount(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(["fusermount3", *argv], capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        raise MergefsError("fusermount3 not found (install the fuse3 package)") from None
-
-
-def _alive(pid: int) -> bool:
-    return pid_alive(pid)
-
-
-def _pct(a: float, b: float) -> str:
-    return f"  ({100 * a / b:.1f}%)" if b else ""
-
-
-def run_stats(args: argparse.Namespace) -> int:
-    data = read_stats(args.mountpoint)
-    if args.json:
-        print(json.dumps(data, indent=1, sort_keys=True))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    if data.get("kind") == "sweep":
-        Console().print(sweep_stats_table(args, data))
-        return 0
-
-    c = data["cache"]
-    read = data["physical_bytes_read"]
-    table = Table(title=f"mergefs {args.mountpoint}  ({data['method']}, plan "
-                        f"{data['plan_hash'][:16]})", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    full = data["base_tensor_bytes"] + data["total_expert_bytes"]
-    table.add_row("weight bytes served", f"{human_bytes(data['served_bytes']['weights'])} (weight "
-                  f"files: {human_bytes(data['weight_file_bytes'])})")
-    table.add_row("source bytes read / full merge", f"{human_bytes(sum(read.values()))} of "
-                  f"{human_bytes(full)}{_pct(sum(read.values()), full)}")
-    table.add_row("base bytes read", f"{human_bytes(read.get('base', 0))}")
-    table.add_row("expert bytes read", f"{human_bytes(data['expert_bytes_read'])} of "
-                  f"{human_bytes(data['total_expert_bytes'])}"
-                  f"{_pct(data['expert_bytes_read'], data['total_expert_bytes'])}")
-    for label, n in sorted(read.items()):
-        if label != "base":
-            table.add_row(f"  {label}", human_bytes(n))
-    table.add_row("expert bytes planned (budget)", f"{human_bytes(data['planned_expert_bytes'])} "
-                  f"({human_bytes(data['budget_bytes'])})")
-    table.add_row("units / blocks merged", f"{data['units_merged']} / {data['blocks_merged']}")
-    table.add_row("cache", f"{human_bytes(c['bytes_cached'])} of {human_bytes(c['capacity_bytes'])}, "
-                  f"{c['entries']} units")
-    table.add_row("cache hits / misses / waits", f"{c['hits']} / {c['misses']} / {c['waits']}")
-    table.add_row("cache evictions", str(c["evictions"]))
-    table.add_row("merges in flight", str(c["merges_in_flight"]))
-    if c["disk_hits"] or c["disk_writes"] or c["disk_corrupt"]:
-        table.add_row("disk cache hits / writes / corrupt",
-                      f"{c['disk_hits']} / {c['disk_writes']} / {c['disk_corrupt']}")
-    table.add_row("readahead units", str(data["readahead"]["units_scheduled"]))
-    table.add_row("read errors", str(data["read_errors"]))
-    for e in data.get("last_errors", [])[-5:]:
-        when = time.strftime("%H:%M:%S", time.localtime(e["unix_time"]))
-        table.add_row(f"  {when} {e['path']} @{e['offset']}", e["error"])
-    if data.get("read_errors"):
-        table.add_row("", "a reader of a mapped file gets SIGBUS on such an error: see the log "
-                      "and the README")
-    table.add_row("uptime", f"{data['uptime_seconds']:.1f} s")
-    Console().print(table)
-    return 0
-

@@ -232,8 +232,7 @@ class MountSession:
         """``found``: the variants (a plain spec: one, named :data:`ROOT`). ``sweep``: record
         and key them as a sweep's. ``manifest``: where records go (None: nowhere, a plain spec
         only). ``source_cache_bytes``: a sweep's shared source-block cache (0: none; a
-        plain spec has none).
-        ``family`` and ``index``: the first variant's, if the caller opened them already (the
+        plain spec has none). ``family`` and ``index``: the first variant's, if the caller opened them already (the
         mount's ``ensure_index``; the session then owns and closes them)."""
         found = list(found)
         if not found or (not sweep and [v.name for v, _ in found] != [ROOT]):
@@ -242,18 +241,10 @@ class MountSession:
                     c.close()
             raise MergefsError(f"{spec_path}: no variants" if not found else
                                f"{spec_path}: a plain mount serves one model at its root")
-        self.spec_path = Path(spec_path)
-        self.sweep = sweep
-        self.strict = strict
-        self.started = time.monotonic()
-        self._lock = threading.Lock()  # serialises reloads
-        self._merged_here: set[str] = set()  # unit keys merged in this mount (VariantRecorder)
-        self.variants: dict[str, VariantState] = {}
-        self.first = found[0][1]
-        self.manifest = manifest
-        self.source_cache: SourceBlockCache | None = None
-        self.base, self.experts = family if family is not None else prepare_family(self.first)
-        self.labels = expert_labels([e.path for e in self.first.experts])
+        first = found[0][1]
+        self._attach(spec_path, first, manifest,
+                     family if family is not None else prepare_family(first),
+                     sweep=sweep, strict=strict)
         try:
             self.index = index if index is not None else load_or_build(
                 self.base, self.experts, self.first.block_size, self.first.index_dir)[0]
@@ -274,18 +265,31 @@ class MountSession:
         """A plain mount's session over a :class:`Session` the caller opened and keeps (and
         finishes and closes): a view without a mount, for tests and tools."""
         self = cls.__new__(cls)
-        self.spec_path = Path(session.spec.source)
-        self.sweep, self.strict = False, False
-        self.started = session.started
-        self._lock, self._merged_here = threading.Lock(), set()
-        self.first, self.manifest, self.source_cache = session.spec, session.manifest, None
-        self.base, self.experts, self.index = session.base, session.experts, session.index
-        self.labels = list(session.engine.labels)
-        self.variants = {ROOT: VariantState(ROOT, {}, session.spec, session,
-                                            passthrough_hashes(session))}
+        self._attach(session.spec.source, session.spec, session.manifest,
+                     (session.base, session.experts), sweep=False, strict=False)
+        self.index = session.index
+        self.variants[ROOT] = VariantState(ROOT, {}, session.spec, session,
+                                           passthrough_hashes(session))
         for c in [self.base, *self.experts]:  # as a mount: serving reads from here on
             c.counters.reset()
         return self
+
+    def _attach(self, spec_path: str | Path, first: Spec, manifest: ManifestWriter | None,
+                family: tuple[Checkpoint, list[Checkpoint]], *, sweep: bool, strict: bool
+                ) -> None:
+        """The state both constructors set before opening variants."""
+        self.spec_path = Path(spec_path)
+        self.sweep = sweep
+        self.strict = strict
+        self.started = time.monotonic()
+        self._lock = threading.Lock()  # serialises reloads
+        self._merged_here: set[str] = set()  # unit keys merged in this mount (VariantRecorder)
+        self.variants: dict[str, VariantState] = {}
+        self.first = first
+        self.manifest = manifest
+        self.source_cache: SourceBlockCache | None = None
+        self.base, self.experts = family
+        self.labels = expert_labels([e.path for e in first.experts])
 
     # -- opening ---------------------------------------------------------------------------
     def _install_cache(self, capacity_bytes: int) -> SourceBlockCache | None:
