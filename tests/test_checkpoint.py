@@ -579,3 +579,51 @@ def test_gap_allowance_is_never_overspent_by_concurrent_takers():
     assert not allowance.take(97) and allowance.take(0)
     with pytest.raises(ValueError, match="limit_bytes"):
         GapAllowance(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# What callers outside sources/ ask of any source (remote sources: tests/test_remote.py)
+
+
+def test_local_source_files_aux_and_advice(single_dir):
+    root, _ = single_dir
+    ckpt = open_source(root)
+    try:
+        root = Path(ckpt.root)
+        assert ckpt.extra_dir() == root
+        assert ckpt.local_files() == [(str(root), root / rel)
+                                      for rel in (*ckpt.files, *ckpt.extra_files)]
+        assert list(ckpt.file_ctimes()) == [str(root / "model.safetensors")]
+        ckpt.will_need([ReadRange("model.safetensors", 0, 64)])  # advice: nothing read
+        assert (ckpt.counters.bytes_read, ckpt.counters.reads) == (0, 0)
+        ckpt.check_unchanged_for_reuse()
+        assert ckpt.read_aux("derived.bin") is None and ckpt.aux_reader("derived.bin") is None
+        ckpt.check_writable_aux("a derived file", "nothing")
+        where = ckpt.write_aux("derived.bin", b"bytes", "derived file")
+        assert where == str(root / "derived.bin") and ckpt.read_aux("derived.bin") == b"bytes"
+        aux = ckpt.aux_reader("derived.bin")
+        assert aux is not None and (aux.where, aux.path, aux.fetch) == (where, root / "derived.bin",
+                                                                        None)
+        assert not any(p.name.startswith(".derived.bin.tmp") for p in root.iterdir())
+        (root / "model.safetensors").write_bytes(b"replaced")
+        with pytest.raises(SourceChanged):
+            ckpt.check_unchanged_for_reuse()
+    finally:
+        ckpt.close()
+
+
+def test_bare_file_aux_files_live_beside_it(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    save_file(sample_tensors(3), path)
+    ckpt = open_source(path)
+    try:
+        assert ckpt.extra_dir() == tmp_path and ckpt.extra_files == ()
+        assert ckpt.local_files() == [(str(path), path)]
+        assert ckpt.write_aux("weights.x", b"1", "x") == str(tmp_path / "weights.x")
+        (tmp_path / "weights.y").mkdir()  # the rename over a directory fails
+        with pytest.raises(SourceError, match="weights.y: cannot write the derived file"):
+            ckpt.write_aux("weights.y", b"1", "derived file")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors",
+                                                               "weights.x", "weights.y"]
+    finally:
+        ckpt.close()

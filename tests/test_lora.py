@@ -252,3 +252,21 @@ def test_adapter_on_another_model_reads_and_counts_that_model(fam: Family, adapt
     assert src.counters.bytes_read >= sum(loc.size_bytes for loc in src.tensors.values()
                                           if loc.dtype == "F32")
     assert base.counters.bytes_read == 0
+
+
+def test_lora_files_are_the_models_and_the_adapters(fam: Family, adapter: Path) -> None:
+    """An output directory must hold neither the model's files nor the adapter's; the
+    non-weight files (a tokenizer merge reads them by directory) are the model's."""
+    base = open_source(fam.base)
+    src = open_source(hub.join_lora(str(fam.experts[0]), str(adapter)), None, base)
+    try:
+        model = Path(fam.experts[0]).absolute()
+        files = [p for _, p in src.local_files()]
+        assert model / "model.safetensors" in files and model / "config.json" in files
+        assert {adapter / "adapter_model.safetensors", adapter / "adapter_config.json"} <= {
+            Path(p).absolute() for p in files}
+        assert src.extra_dir() == model and src.file_ctimes().keys() == {
+            str(model / "model.safetensors"), str(src.root / "adapter_model.safetensors")}
+    finally:
+        src.close()
+        base.close()

@@ -585,6 +585,65 @@ def test_publish_to_http_is_refused(tmp_path: Path, fam: Family, http: RangeHTTP
     assert "HTTP sources are read-only" in capsys.readouterr().err
 
 
+def test_remote_sources_have_no_local_files_and_send_no_advice(
+        tmp_path: Path, fam: Family, http: RangeHTTPServer) -> None:
+    """What callers outside sources/ ask of a source, answered by a remote one: no local files,
+    ctimes or non-weight directory; prefetch advice and the check before reuse send nothing;
+    publishing beside an HTTP source is refused, beside a writable store it round trips."""
+    from mergefs.sources import open_source
+    from mergefs.sources.base import ReadRange
+
+    src = open_source(f"{http.url}/fam/expert-0")
+    assert (src.local_files(), src.file_ctimes(), src.extra_dir()) == ([], {}, None)
+    assert src.reads_gap_bytes and src.prefers_published_index
+    before = src.counters.snapshot()
+    src.will_need([ReadRange(src.files[0], 0, 64)])
+    src.check_unchanged_for_reuse()
+    assert src.counters.snapshot() == before
+    with pytest.raises(SourceError, match="cannot publish a delta sidecar here: HTTP sources "
+                       "are read-only, and so are slices over remote models"):
+        src.check_writable_aux("a delta sidecar", "compress a local copy")
+    copy = tmp_path / "copy"
+    shutil.copytree(fam.experts[0], copy)
+    src = open_source(f"file://{copy}")
+    src.check_writable_aux("a delta sidecar", "compress a local copy")
+    assert src.aux_reader("derived.bin") is None and src.read_aux("derived.bin") is None
+    where = src.write_aux("derived.bin", b"0123456789", "derived file")
+    assert where == f"file://{copy}/derived.bin" and src.read_aux("derived.bin") == b"0123456789"
+    aux = src.aux_reader("derived.bin")
+    assert aux is not None and (aux.where, aux.path) == (where, None) and aux.fetch is not None
+    assert aux.fetch(2, 5) == b"234" and aux.coalesce_gap_bytes == src.options.gap_bytes
+
+
+def test_a_role_over_a_remote_model_has_no_derived_files(tmp_path: Path, fam: Family,
+                                                          http: RangeHTTPServer) -> None:
+    """A recipe's role over a local and a remote model: its local model's files are guarded
+    and advised, its reads may fetch gap bytes, and no sidecar is read or written beside it."""
+    from mergefs.recipe.family import open_family
+    from mergefs.sources.base import ReadRange
+    from mergefs.spec.load import parse_spec
+
+    cfg = {"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": str(fam.experts[0]), "layer_range": [0, 1]}]},
+        {"sources": [{"model": f"{http.url}/fam/expert-1", "layer_range": [0, 1]}]}]}
+    role, experts = open_family(parse_spec(cfg, tmp_path))
+    try:
+        assert experts == [] and role.is_remote and role.reads_gap_bytes
+        assert not role.prefers_published_index
+        local = Path(fam.experts[0]).absolute()
+        assert [p for _, p in role.local_files()][0] == local / "model.safetensors"
+        assert list(role.file_ctimes()) == [str(local / "model.safetensors")]
+        sent = len(http.log.requests())
+        role.will_need([ReadRange(f, 0, 64) for f in role.files])
+        role.check_unchanged_for_reuse()
+        assert len(http.log.requests()) == sent  # advice and the reuse check go to the local model
+        assert role.aux_reader("mergefs-delta.x.safetensors") is None
+        with pytest.raises(SourceError, match="slices over remote models"):
+            role.check_writable_aux("an index sidecar", "publish from a local copy")
+    finally:
+        role.close()
+
+
 # -- credentials and spec validation ------------------------------------------------------------
 def test_credentials_are_never_written(tmp_path: Path, fam: Family, s3: CountingMotoServer,
                                        caplog: pytest.LogCaptureFixture,

@@ -4,12 +4,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 import numpy as np
 import xxhash
 from mergefs.deltas.codes import DELTA_VERSION, DeltaError, EXACT_VERSIONS, TensorLevels
-from mergefs.deltas.sidecar import DeltaSidecar, delta_name, open_remote_sidecar, open_sidecar
+from mergefs.deltas.sidecar import DeltaSidecar, delta_name, open_beside
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +18,8 @@ def _digest(arr: np.ndarray) -> str:
 
 
 def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSidecar]:
-    """Delta sidecars beside the (local) experts that match this base, layout and expert bytes.
+    """Delta sidecars beside the experts (``aux_reader``) that match this base, layout and
+    expert bytes.
 
     A sidecar matches when its base key, block size, layout hash and expert identity match and
     the content hashes of the base blocks and of the expert's blocks equal the index's (so it
@@ -36,22 +36,12 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
         if isinstance(e, LoraCheckpoint):
             continue  # adapters are read as exact factors
         name = delta_name(sidecar.sidecar_name(e, key, lay.block_size))
-        path: Path | str
         try:
-            if e.is_remote:
-                if not hasattr(e, "aux_reader"):
-                    continue  # a recipe role over several models: no sidecar of its own
-                got = e.aux_reader(name)
-                if got is None:
-                    continue
-                url, fetch = got
-                path = url
-                sc = open_remote_sidecar(url, fetch, e.options.gap_bytes)
-            else:
-                path = sidecar._local_path(e, name)
-                if not path.is_file():
-                    continue
-                sc = open_sidecar(path)
+            aux = e.aux_reader(name)
+            if aux is None:
+                continue
+            path = aux.where
+            sc = open_beside(aux)
         except (DeltaError, OSError, KeyError, ValueError, TypeError) as exc:
             log.warning("ignoring delta sidecar %s: unreadable: %s", name, exc)
             continue

@@ -35,7 +35,6 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -51,7 +50,6 @@ from mergefs.deltas.sidecar import delta_name
 from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
 from mergefs.core.dtypes import decode_f32
-from mergefs.core.errors import SourceError
 from mergefs.index.blocks import BlockIndex
 
 log = logging.getLogger(__name__)
@@ -456,20 +454,23 @@ def _digest(arr: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arr, dtype="<u8").tobytes())
 
 
-def sidecar_path(base: Checkpoint, expert: Checkpoint, block_size: int) -> Path:
+def check_writable(experts: Sequence[Checkpoint]) -> None:
+    """Refuse, before anything is read, experts beside which no delta sidecar can be written."""
+    for e in experts:
+        e.check_writable_aux("a delta sidecar", "compress a local, file:// or s3:// copy")
+
+
+def write_sidecar(base: Checkpoint, expert: Checkpoint, block_size: int, data: bytes) -> str:
+    """Write ``expert``'s delta sidecar beside it; returns where it went (a path or a URL)."""
     name = delta_name(sidecar.sidecar_name(expert, sidecar.base_key(base), block_size))
-    return sidecar._local_path(expert, name)
+    return expert.write_aux(name, data, "delta sidecar")
 
 
 def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             on_tensor: Callable[[str], None] | None = None) -> list[str]:
     """Write every expert's delta sidecar beside it (local, ``file://`` or ``s3://``); returns
     where each went."""
-    for e in experts:  # fail before computing anything
-        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
-            raise SourceError(f"{e.root}: cannot publish a delta sidecar here: HTTP sources are "
-                              "read-only, and so are slices over remote models (compress a "
-                              "local, file:// or s3:// copy)")
+    check_writable(experts)  # fail before computing anything
     from mergefs.sources.lora import LoraCheckpoint
 
     written = []
@@ -480,14 +481,7 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             continue
         with one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
-        if e.is_remote:
-            name = delta_name(sidecar.sidecar_name(e, sidecar.base_key(base),
-                                                      index.layout.block_size))
-            where = e.write_aux(name, data)  # type: ignore[attr-defined]
-        else:
-            path = sidecar_path(base, e, index.layout.block_size)
-            sidecar.write_beside(path, data, "delta sidecar")
-            where = str(path)
+        where = write_sidecar(base, e, index.layout.block_size, data)
         log.info("delta sidecar %s: %d bytes", where, len(data))
         written.append(where)
     return written

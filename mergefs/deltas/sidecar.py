@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 import xxhash
 from mergefs.core import format as fmt
-from mergefs.sources.base import GapAllowance
+from mergefs.sources.base import AuxFile, GapAllowance
 from mergefs.core.errors import SourceChanged
 from mergefs.deltas.codes import DeltaError, Level, META_KEY, READABLE_VERSIONS, TensorLevels
 from mergefs.deltas.reconstruct import shared_value
@@ -311,6 +311,15 @@ def open_remote_sidecar(url: str, fetch: Callable[[int, int], bytes],
     sc.fetch = fetch
     sc.coalesce_gap_bytes = coalesce_gap_bytes
     return sc
+
+
+def open_beside(aux: AuxFile) -> DeltaSidecar:
+    """A sidecar found beside a source (``Checkpoint.aux_reader``): a local file is read by
+    pread (:func:`open_sidecar`), a remote one by its ranged fetch (:func:`open_remote_sidecar`)."""
+    if aux.path is not None:
+        return open_sidecar(aux.path)
+    assert aux.fetch is not None
+    return open_remote_sidecar(aux.where, aux.fetch, aux.coalesce_gap_bytes)
 
 
 def _parse(path: Path | str, fetch: Callable[[int, int], bytes]) -> DeltaSidecar:

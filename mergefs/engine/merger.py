@@ -519,7 +519,8 @@ class Engine:
 
     def prefetch(self, name: str, b0: int, b1: int) -> None:
         """Ask the kernel to start reading a unit's base range and planned expert runs
-        (``POSIX_FADV_WILLNEED``: no wait, no bytes beyond the plan; local sources only)."""
+        (``Checkpoint.will_need``: no wait, no bytes beyond the plan; nothing for remote
+        sources)."""
         lay = self.layout
         wanted = [(self.base, self._range(self.base, name, int(lay.elem_start[b0]),
                                           int(lay.elem_end[b1 - 1])))]
@@ -528,9 +529,7 @@ class Engine:
                                          int(lay.elem_end[r1 - 1])))
                        for r0, r1 in _runs(row, b0, b1)]
         for src, rng in wanted:
-            if not src.is_remote:
-                os.posix_fadvise(src.fds()[rng.file], rng.start, rng.end - rng.start,
-                                 os.POSIX_FADV_WILLNEED)
+            src.will_need([rng])
 
     # -- materialising ---------------------------------------------------------------------
     def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,

@@ -96,23 +96,15 @@ def check_outside(outdir: str | Path, **paths: str | Path | None) -> None:
 
 
 def check_source_files(outdir: str | Path, sources: Iterable[Any]) -> None:
-    """Refuse an output directory that holds any file of an opened local source (checkpoint),
-    e.g. a Hub snapshot whose weight files are symlinks into it."""
+    """Refuse an output directory that holds any file on this machine of an opened source
+    (``local_files``: a recipe's role, each of its models'), e.g. a Hub snapshot whose weight
+    files are symlinks into it."""
     out = _real(outdir)
-    flat: list[Any] = []
-    for src in sources:  # a recipe's role (mergefs.recipe.outputs.RoleSource): each of its models
-        flat += list(getattr(src, "members", None) or [src])
-    for src in flat:
-        root = getattr(src, "root", None)
-        if root is None or getattr(src, "is_remote", False):
-            continue
-        root = Path(root)
-        rels = [*getattr(src, "files", ()), *getattr(src, "extra_files", ())]
-        for rel in rels:
-            p = root / rel if root.is_dir() else root
+    for src in sources:
+        for owner, p in src.local_files():
             if _inside(_real(p), out):
                 raise UnsafePath(f"{outdir}: output directory holds {_real(p)}, a file of the "
-                                 f"source {root}; choose another output directory (--force "
+                                 f"source {owner}; choose another output directory (--force "
                                  "never overrides this)")
 
 

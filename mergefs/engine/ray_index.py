@@ -27,7 +27,7 @@ from typing import Any
 
 from mergefs.core.version import __version__
 from mergefs.sources.local import Checkpoint
-from mergefs.core.errors import MergefsError, SourceError
+from mergefs.core.errors import MergefsError
 from mergefs.engine.ray_merge import (
     TASK_OPTIONS, completed, connect, identities, open_checked, placements, refuse_unsupported,
     same_version, worker_id,
@@ -155,16 +155,11 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                    address: str | None = None) -> list[str]:
     """``compress.publish`` with one Ray task per expert: each task reads its expert and the
     base and encodes the sidecar; the driver writes each file beside its expert."""
-    from mergefs.deltas.sidecar import delta_name
-    from mergefs.index import published as sidecar
-    from mergefs.deltas.publish import sidecar_path
+    from mergefs.deltas.publish import check_writable, write_sidecar
     from mergefs.sources.lora import LoraCheckpoint
 
     refuse_unsupported(spec)
-    for e in experts:  # as compress.publish: refused before anything is read
-        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
-            raise SourceError(f"{e.root}: cannot publish a delta sidecar here: HTTP sources are "
-                              "read-only (compress a local, file:// or s3:// copy)")
+    check_writable(experts)  # as compress.publish: refused before anything is read
     ray = connect(address)
     job = ray.put(CompressJob(spec, index, identities(base, experts), __version__))
     task, place = ray.remote(compress_expert), placements(ray)
@@ -173,14 +168,7 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
     written: dict[int, str] = {}
     for i, (data, who) in completed(ray, todo, lambda i: f"the delta sidecar of "
                                     f"{experts[i].root}"):
-        e = experts[i]
-        if e.is_remote:
-            where = e.write_aux(delta_name(sidecar.sidecar_name(  # type: ignore[attr-defined]
-                e, sidecar.base_key(base), index.layout.block_size)), data)
-        else:
-            path = sidecar_path(base, e, index.layout.block_size)
-            sidecar.write_beside(path, data, "delta sidecar")
-            where = str(path)
+        where = write_sidecar(base, experts[i], index.layout.block_size, data)
         log.info("delta sidecar %s: %d bytes (node %s, pid %s)", where, len(data),
                  who["node"], who["pid"])
         written[i] = where

@@ -170,8 +170,9 @@ def open_checked(spec: Any, expected: list[dict[str, object]]
                  ) -> tuple[Checkpoint, list[Checkpoint]]:
     """The spec's family on this worker, refused if it differs from what the driver opened.
 
-    A family this process opened before for the same run is reused after a fresh check of its
-    local files (size and mtime; remote reads carry the opened ETag in every request).
+    A family this process opened before for the same run is reused after a fresh check of what
+    its reads would not notice (``check_unchanged_for_reuse``: local files' size and mtime;
+    remote reads carry the opened ETag in every request).
     """
     from mergefs.engine.session import prepare_family
 
@@ -179,8 +180,7 @@ def open_checked(spec: Any, expected: list[dict[str, object]]
     got = _OPENED.get(key)
     if got is not None:
         for c in [got[0], *got[1]]:
-            if not c.is_remote:
-                c.check_unchanged()
+            c.check_unchanged_for_reuse()
         return got
     base, experts = prepare_family(spec)
     try:

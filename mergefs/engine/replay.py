@@ -339,18 +339,17 @@ def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_b
     if "levels" not in h:
         return None, {}
     from mergefs.deltas.codes import DeltaError
-    from mergefs.deltas.sidecar import open_remote_sidecar, open_sidecar
+    from mergefs.deltas.sidecar import open_beside, open_sidecar
     from mergefs.plan.levels import levels_from_runs
 
     def one(i: int, where: str) -> Any:
         if "://" not in where:
             return open_sidecar(Path(where))
         e = experts[i]
-        name = where.rsplit("/", 1)[-1]
-        got = e.aux_reader(name) if hasattr(e, "aux_reader") else None
-        if got is None or got[0] != where:
+        got = e.aux_reader(where.rsplit("/", 1)[-1])
+        if got is None or got.where != where:
             raise DeltaError(f"{where}: not found beside {e.root}")
-        return open_remote_sidecar(*got, e.options.gap_bytes)
+        return open_beside(got)
 
     try:
         levels = levels_from_runs(h["levels"], n_blocks)

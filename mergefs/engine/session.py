@@ -120,10 +120,11 @@ class Session:
         return {self.engine.labels[i]: sc.gap_bytes for i, sc in sorted(self.deltas.items())}
 
     def gap_bytes_record(self) -> dict[str, Any]:
-        """Totals keys of a merge with remote experts: ``expert_gap_bytes_allowed``, the gap
-        bytes coalesced reads of experts and their sidecars may fetch beyond the plan (the
-        budget's slack; None: no limit, a full budget), and ``expert_gap_bytes_read``, those
-        they fetched (in ``expert_bytes_read``; dropped, in no plan)."""
+        """Totals keys of a merge with experts whose reads may fetch gap bytes (remote ones:
+        ``reads_gap_bytes``): ``expert_gap_bytes_allowed``, the gap bytes coalesced reads of
+        experts and their sidecars may fetch beyond the plan (the budget's slack; None: no
+        limit, a full budget), and ``expert_gap_bytes_read``, those they fetched (in
+        ``expert_bytes_read``; dropped, in no plan)."""
         allowance = self.engine.gap_allowance
         return {"expert_gap_bytes_allowed": allowance.limit_bytes,
                 "expert_gap_bytes_read": allowance.spent_bytes}
@@ -151,7 +152,7 @@ class Session:
         vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan
         if vocab:
             extra["expert_bytes_vocabulary"] = vocab
-        if any(e.is_remote for e in self.experts):  # gaps: see gap_bytes_record
+        if any(e.reads_gap_bytes for e in self.experts):  # see gap_bytes_record
             extra.update(self.gap_bytes_record())
         return {
             **extra,

@@ -36,7 +36,7 @@ from mergefs.sources.local import Checkpoint
 from mergefs.core.format import DTYPES
 from mergefs.index.build import BuildReport, ChunkRunner, Pass
 from mergefs.index.store import (
-    ExpertPiece, PieceStore, base_key, ctimes_of, dtype_digest, expert_key, pair_key,
+    ExpertPiece, PieceStore, base_key, dtype_digest, expert_key, pair_key,
 )
 from mergefs.index.published import ExpertStats
 from mergefs.index.layout import BlockLayout, build_layout
@@ -211,8 +211,8 @@ class _Family:
         self.report, self.on_bytes, self.runner = report, on_bytes, runner
         bs = layout.block_size
         # before reading: a change during the build shows at the next load
-        self.base_ctimes = ctimes_of(base)
-        self.ctimes = [ctimes_of(e) for e in experts]
+        self.base_ctimes = base.file_ctimes()
+        self.ctimes = [e.file_ctimes() for e in experts]
         self.bkey = base_key(base, bs)
         self.keys = [expert_key(base, e, bs) for e in experts]
         self.first = [self.keys.index(k) for k in self.keys]  # the same expert twice: once
@@ -254,7 +254,7 @@ class _Family:
         """Build the missing pieces: from sidecars, by reading, then the missing pairs."""
         missing = [i for i in self.uniq if i not in self.pieces]
         found: dict[int, ExpertStats] = {}
-        if sidecars and any(self.experts[i].is_remote for i in missing):
+        if sidecars and any(self.experts[i].prefers_published_index for i in missing):
             got = sidecar.find(self.base, [self.experts[i] for i in missing], self.layout)
             found = {missing[k]: s for k, s in got.items()}
         to_read = [i for i in missing if i not in found]

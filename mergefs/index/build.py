@@ -11,7 +11,6 @@ Blocking I/O; never on the trio thread.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -255,11 +254,7 @@ class Pass:
         if not self.full:
             return
         for src in [self.base, *(self.experts[i] for i in self.own)]:
-            if src.is_remote:
-                continue
-            r = source_ranges(src, self.layout, b0, b1)
-            os.posix_fadvise(src.fds()[r.file], r.start, r.end - r.start,
-                             os.POSIX_FADV_WILLNEED)
+            src.will_need([source_ranges(src, self.layout, b0, b1)])
 
     def _read(self, requests: list[tuple[Checkpoint, list[ReadRange]]]
               ) -> list[list[memoryview]]:

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +35,7 @@ from safetensors.numpy import load, save
 from mergefs.core import format as fmt
 from mergefs.index.stats import ORDER_VERSION
 from mergefs.sources.local import Checkpoint
-from mergefs.core.errors import MergefsError, SourceError
+from mergefs.core.errors import MergefsError
 
 log = logging.getLogger(__name__)
 
@@ -86,25 +83,6 @@ def sidecar_name(expert: Checkpoint, key: str, block_size: int) -> str:
     return f"{stem}.{name}"
 
 
-def write_beside(path: Path, data: bytes, what: str) -> None:
-    """Write a file beside an expert (or in the index) atomically and durably: a temporary
-    name, fsync, then rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise SourceError(f"{path}: cannot write the {what}: {exc.strerror}") from None
-
-
-def _local_path(expert: Checkpoint, name: str) -> Path:
-    return Path(expert.root) / name if expert.is_dir else Path(expert.root).parent / name
-
-
 def encode(stats: ExpertStats, key: str, layout: Any, expert: Checkpoint) -> bytes:
     meta = {"mergefs_sidecar_version": SIDECAR_VERSION, "summation_order": ORDER_VERSION,
             "base_key": key,
@@ -122,22 +100,15 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: Any) -> list
     if not index.has_gram:
         raise MergefsError("refusing to publish an index assembled from sidecars; rebuild it")
     for e in experts:  # fail before writing anything
-        if e.is_remote and not getattr(getattr(e, "store", None), "writable", False):
-            raise SourceError(f"{e.root}: cannot publish an index sidecar here: HTTP sources are "
-                              "read-only, and so are slices over remote models (publish from a "
-                              "local, file:// or s3:// copy of the model)")
+        e.check_writable_aux("an index sidecar",
+                             "publish from a local, file:// or s3:// copy of the model")
     key = base_key(base)
     written = []
     for i, e in enumerate(experts):
         stats = ExpertStats(index.base_hash, index.expert_hash[i], index.norms[i], index.zero[i])
         data = encode(stats, key, index.layout, e)
-        name = sidecar_name(e, key, index.layout.block_size)
-        if e.is_remote:
-            written.append(e.write_aux(name, data))  # type: ignore[attr-defined]
-        else:
-            path = _local_path(e, name)
-            write_beside(path, data, "index sidecar")
-            written.append(str(path))
+        written.append(e.write_aux(sidecar_name(e, key, index.layout.block_size), data,
+                                   "index sidecar"))
     return written
 
 
@@ -190,7 +161,8 @@ def _identity_mismatch(recorded_json: str, expert: Checkpoint) -> str | None:
 
 
 def find(base: Checkpoint, experts: Sequence[Checkpoint], layout: Any) -> dict[int, ExpertStats]:
-    """Sidecars of the remote experts that match base key, layout and expert identity.
+    """Sidecars of the experts worth them (``prefers_published_index``: remote ones) that match
+    base key, layout and expert identity.
 
     The base block hashes are not checked here (that needs the base's bytes): see
     :func:`mergefs.index.blocks.load_or_build`.
@@ -200,16 +172,16 @@ def find(base: Checkpoint, experts: Sequence[Checkpoint], layout: Any) -> dict[i
     def one(i: int) -> ExpertStats | None:
         e = experts[i]
         name = sidecar_name(e, key, layout.block_size)
-        data = e.read_aux(name)  # type: ignore[attr-defined]
+        data = e.read_aux(name)
         if data is None:
             log.info("no index sidecar for %s (%s): reading it in full to plan", e.root, name)
             return None
         return _decode(f"{e.root} ({name})", data, key, layout, e)
 
-    remote = [i for i, e in enumerate(experts) if e.is_remote]
-    if not remote:
+    wanted = [i for i, e in enumerate(experts) if e.prefers_published_index]
+    if not wanted:
         return {}
-    with ThreadPoolExecutor(max_workers=min(8, len(remote)),
+    with ThreadPoolExecutor(max_workers=min(8, len(wanted)),
                             thread_name_prefix="mergefs-sidecar") as pool:
-        found = list(pool.map(one, remote))
-    return {i: s for i, s in zip(remote, found) if s is not None}
+        found = list(pool.map(one, wanted))
+    return {i: s for i, s in zip(wanted, found) if s is not None}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +37,9 @@ from safetensors.numpy import load, save
 
 from mergefs.core import format as fmt
 from mergefs.index.stats import ORDER_VERSION
-from mergefs.sources.local import Checkpoint
+from mergefs.sources.local import Checkpoint, write_beside
 from mergefs.core.errors import SourceError
-from mergefs.index.published import layout_hash, write_beside
+from mergefs.index.published import layout_hash
 
 if TYPE_CHECKING:
     from mergefs.index.layout import BlockLayout
@@ -110,20 +109,6 @@ def pair_key(base_hash: np.ndarray, a: ExpertPiece, b: ExpertPiece, block_size: 
                  "pair": pair})
 
 
-def ctimes_of(src: Checkpoint) -> dict[str, int]:
-    """Status-change time of every local weight file of ``src``. ``utime`` cannot set it back,
-    so a file rewritten in place with its size, header and mtime kept still shows as changed."""
-    out: dict[str, int] = {}
-    if src.is_remote:
-        return out
-    for f in src.files:
-        try:
-            out[str(src.path_of(f))] = os.stat(src.path_of(f)).st_ctime_ns
-        except OSError:
-            pass  # opening it will say what is wrong
-    return out
-
-
 class PieceStore:
     """The pieces of one base and block layout under ``index_dir``."""
 
@@ -171,7 +156,7 @@ class PieceStore:
                 raise TypeError("not a mapping")
         except (ValueError, TypeError) as exc:  # another writer's or version's: not trusted
             return f"its index piece has an unreadable ctime_ns record ({exc})"
-        for path, now in ctimes_of(src).items():
+        for path, now in src.file_ctimes().items():
             if recorded.get(path, now) != now:
                 return (f"{path} was modified since the last index (its status-change time "
                         "moved while size, mtime and header stayed the same)")

@@ -140,7 +140,7 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
     with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
         dirs: dict[str, str] = {}
         for k, (path, c) in enumerate(opened.items()):
-            if c.is_remote:  # its tokenizer files, fetched for transformers to load
+            if c.extra_dir() is None:  # its tokenizer files, fetched for transformers to load
                 d = Path(tmp) / str(k)
                 for rel in c.extra_files:  # top level only: what transformers reads
                     if "/" not in rel and rel in tokenizers.TOKENIZER_FILES | {CONFIG_NAME}:

@@ -30,7 +30,7 @@ import xxhash
 from mergefs.spec import settings
 from mergefs.sources.local import Checkpoint
 from mergefs.sources.base import Counters
-from mergefs.sources.base import GapAllowance, ReadRange, TensorLoc
+from mergefs.sources.base import AuxFile, GapAllowance, ReadRange, TensorLoc, aux_read_only
 from mergefs.core.errors import SpecError
 from mergefs.spec.model import REFERENCE, SliceDef, SliceSource, Spec
 
@@ -401,7 +401,12 @@ class RoleSource:
     takes each unit from. Files are the models' own (``k:name`` when the role spans several
     models); non-weight files are the first model's. Remote models (HTTP, S3, uncached Hub
     ids) are read by ranges as anywhere else; a role with any remote model is remote (no file
-    descriptors, no page-cache advice)."""
+    descriptors). Derived files (sidecars) live beside the first model when every model is
+    local; beside a role with any remote model none are read or written. No index statistics
+    are published for a role (one sidecar per model)."""
+
+    #: sidecars are published per model, and a role may span several: none to fetch
+    prefers_published_index = False
 
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
@@ -412,6 +417,7 @@ class RoleSource:
                 members.append(u.models[role])
         self.members = [sources[p] for p in members]
         self.is_remote = any(c.is_remote for c in self.members)
+        self.reads_gap_bytes = any(c.reads_gap_bytes for c in self.members)
         self._multi = len(self.members) > 1
         rank = {p: k for k, p in enumerate(members)}
 
@@ -465,9 +471,46 @@ class RoleSource:
     def copy_extra(self, rel: str, dst: Path) -> None:
         self.members[0].copy_extra(rel, dst)
 
+    def extra_dir(self) -> Path | None:
+        return self.members[0].extra_dir()  # the non-weight files are the first model's
+
+    def local_files(self) -> list[tuple[str, Path]]:
+        return [f for c in self.members for f in c.local_files()]
+
+    def file_ctimes(self) -> dict[str, int]:
+        return {p: t for c in self.members for p, t in c.file_ctimes().items()}
+
+    def check_unchanged_for_reuse(self) -> None:
+        for c in self.members:
+            c.check_unchanged_for_reuse()
+
+    def will_need(self, ranges: Iterable[ReadRange]) -> None:
+        for r in ranges:
+            c, f = self._where[r.file]
+            c.will_need([ReadRange(f, r.start, r.end)])
+
     def read_aux(self, name: str) -> bytes | None:
         """No index sidecar: one is published per model, and a role may span several."""
         return None
+
+    def _beside(self) -> Checkpoint | None:
+        """The model whose directory holds the role's derived files: the first, if every model
+        is local (beside a role over remote models nothing is read or written)."""
+        return None if self.is_remote else self.members[0]
+
+    def aux_reader(self, name: str) -> AuxFile | None:
+        beside = self._beside()
+        return beside.aux_reader(name) if beside is not None else None
+
+    def check_writable_aux(self, what: str, instead: str) -> None:
+        if self._beside() is None:
+            raise aux_read_only(self.root, what, instead)
+
+    def write_aux(self, name: str, data: bytes, what: str) -> str:
+        beside = self._beside()
+        if beside is None:  # callers ask check_writable_aux first, before any work
+            raise aux_read_only(self.root, what, "publish from local copies of its models")
+        return beside.write_aux(name, data, what)
 
     def read_itemsize(self, name: str) -> int:
         k, src = self._role_sources[name]

@@ -1,8 +1,12 @@
 """Where bytes come from: one source interface over local files, object stores and LoRA adapters.
 
 Every source is a :class:`~mergefs.sources.local.Checkpoint` (tensor map, non-weight files, file
-identities, ``read_ranges`` with counters); :func:`open_source` is the one place that decides, from
-the reference, which kind opens it:
+identities, ``read_ranges`` with counters) and answers, each kind in its own way, what code outside
+``sources/`` needs: prefetch advice (``will_need``), files derived beside it (``read_aux``,
+``aux_reader``, ``check_writable_aux``, ``write_aux``), its files on this machine
+(``local_files``, ``file_ctimes``, ``extra_dir``), the check before reuse
+(``check_unchanged_for_reuse``), ``reads_gap_bytes`` and ``prefers_published_index``.
+:func:`open_source` is the one place that decides, from the reference, which kind opens it:
 
 - ``model+adapter`` or a bare PEFT adapter directory: :mod:`mergefs.sources.lora`;
 - a URL (``s3://``, ``https://``, ``file://``...): :mod:`mergefs.sources.remote` (fsspec);

@@ -3,12 +3,11 @@
 from __future__ import annotations
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 from mergefs.core import format as fmt
-if TYPE_CHECKING:
-    pass
+from mergefs.core.errors import SourceError
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,6 +50,29 @@ class FileIdentity:
         if self.etag is not None:
             out["etag"] = self.etag
         return out
+
+
+@dataclass(frozen=True)
+class AuxFile:
+    """A file beside a source's weights (a delta sidecar), as a reader of its byte ranges needs it.
+
+    ``where`` is what messages and manifests name: a path or a URL. A file on this machine has
+    ``path`` (read it by pread) and no ``fetch``; a remote one has ``fetch(start, end)``, its
+    bytes by ranged requests pinned to the version seen when it was found (a replaced object
+    fails the read), and ``coalesce_gap_bytes``: fetches at most this far apart may share one
+    request.
+    """
+
+    where: str
+    path: Path | None = None
+    fetch: Callable[[int, int], bytes] | None = None
+    coalesce_gap_bytes: int = 0
+
+
+def aux_read_only(root: object, what: str, instead: str) -> SourceError:
+    """The error of a source beside which nothing can be written (``check_writable_aux``)."""
+    return SourceError(f"{root}: cannot publish {what} here: HTTP sources are read-only, and so "
+                       f"are slices over remote models ({instead})")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import xxhash
 from mergefs.core import format as fmt
 from mergefs.core.errors import SourceChanged, SourceError
 from mergefs.sources.base import (
-    Counters, FileIdentity, GapAllowance, INDEX_NAME, PICKLE_SUFFIXES, ReadRange, SIDECAR_RE,
-    SINGLE_NAME, TensorLoc, coalesce, slice_runs,
+    AuxFile, Counters, FileIdentity, GapAllowance, INDEX_NAME, PICKLE_SUFFIXES, ReadRange,
+    SIDECAR_RE, SINGLE_NAME, TensorLoc, coalesce, slice_runs,
 )
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,43 @@ def _refuse_pickle(path: Path) -> None:
     )
 
 
+def write_beside(path: Path, data: bytes, what: str) -> None:
+    """Write a file beside a source (or in the index) atomically and durably: a temporary
+    name, fsync, then rename. ``what`` names the file in the error."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{path}: cannot write the {what}: {exc.strerror}") from None
+
+
 class RangeCache(Protocol):
     def read(self, src: Checkpoint, ranges: Sequence[ReadRange]) -> list[memoryview]: ...
 
 
 class Checkpoint:
-    """One source: tensor map, non-weight files, identities, and the only way to read bytes."""
+    """One source: tensor map, non-weight files, identities, and the only way to read bytes.
 
+    Every source is one of these or a subclass (:mod:`mergefs.sources.remote`,
+    :mod:`mergefs.sources.lora`; a recipe's role, :class:`mergefs.recipe.outputs.RoleSource`,
+    has the same interface). Code outside ``sources/`` asks a source what it needs (the methods
+    under "what callers ask of any source"), never which kind it is.
+    """
+
+    #: read over a network (``read_many`` batches such reads; code outside ``sources/`` asks
+    #: the attributes and methods below instead)
     is_remote = False
+    #: coalesced reads may fetch bytes between the requested ranges, taken from a
+    #: :class:`GapAllowance` (local reads are exact preads: never)
+    reads_gap_bytes = False
+    #: index statistics published beside it (:meth:`read_aux`) are worth fetching instead of
+    #: reading its bytes to index it (a local file is read at disk speed: no)
+    prefers_published_index = False
 
     def __init__(
         self,
@@ -146,6 +175,76 @@ class Checkpoint:
                     f"{st.st_mtime_ns != ident.mtime_ns})"
                 )
 
+    # -- what callers ask of any source ------------------------------------------------------
+    def check_unchanged_for_reuse(self) -> None:
+        """Before reusing this opened source (a worker's next task): raise SourceChanged if it
+        changed in a way its reads would not notice. Local files: :meth:`check_unchanged`."""
+        self.check_unchanged()
+
+    def will_need(self, ranges: Iterable[ReadRange]) -> None:
+        """Ask the kernel to start reading ``ranges`` (``POSIX_FADV_WILLNEED`` on the file:
+        no wait, nothing read or counted here)."""
+        fds = self.fds()
+        for r in ranges:
+            os.posix_fadvise(fds[r.file], r.start, r.end - r.start, os.POSIX_FADV_WILLNEED)
+
+    def local_files(self) -> list[tuple[str, Path]]:
+        """Every file on this machine this source reads or copies (weights, non-weight files),
+        each with the source it belongs to as messages name it (an output directory must hold
+        none of them)."""
+        root = Path(self.root)
+        return [(str(root), root / rel if root.is_dir() else root)
+                for rel in (*self.files, *self.extra_files)]
+
+    def file_ctimes(self) -> dict[str, int]:
+        """Status-change time of every weight file on this machine, by path (``utime`` cannot
+        set it back: a file rewritten in place with size, header and mtime kept shows)."""
+        out: dict[str, int] = {}
+        for f in self.files:
+            try:
+                out[str(self.path_of(f))] = os.stat(self.path_of(f)).st_ctime_ns
+            except OSError:
+                pass  # opening it will say what is wrong
+        return out
+
+    def extra_dir(self) -> Path | None:
+        """The directory on this machine that ``extra_files`` are relative to (what a library
+        that loads a model by directory reads), or None when they are not on this machine (read
+        them with :meth:`read_extra`). A bare ``.safetensors`` file has none: its directory."""
+        return self.root if self.is_dir else self.root.parent
+
+    def _aux_path(self, name: str) -> Path:
+        return Path(self.root) / name if self.is_dir else Path(self.root).parent / name
+
+    def read_aux(self, name: str) -> bytes | None:
+        """A small file beside the weights (an index sidecar), or None if there is none."""
+        path = self._aux_path(name)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SourceError(f"{path}: cannot read: {exc.strerror}") from None
+
+    def aux_reader(self, name: str) -> AuxFile | None:
+        """A large file beside the weights (a delta sidecar), to be read by ranges; None if
+        there is none. Local: its path (read by pread)."""
+        path = self._aux_path(name)
+        return AuxFile(str(path), path=path) if path.is_file() else None
+
+    def check_writable_aux(self, what: str, instead: str) -> None:
+        """Raise SourceError, before any work, if ``what`` (a file, e.g. "a delta sidecar")
+        cannot be written beside the weights (:meth:`write_aux`); ``instead`` says what to do.
+        Local: nothing to check (a failed write says why)."""
+
+    def write_aux(self, name: str, data: bytes, what: str) -> str:
+        """Write a file named ``name`` beside the weights (atomically, :func:`write_beside`);
+        returns where it went. ``what`` names it in an error."""
+        path = self._aux_path(name)
+        write_beside(path, data, what)
+        return str(path)
+
+    # -- reading ------------------------------------------------------------------------------
     def _fd(self, file: str) -> int:
         with self._fd_lock:
             fd = self._fds.get(file)

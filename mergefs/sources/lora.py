@@ -271,6 +271,14 @@ class LoraCheckpoint(Checkpoint):
     def copy_extra(self, rel: str, dst: Path) -> None:
         self.model.copy_extra(rel, dst)
 
+    def extra_dir(self) -> Path | None:
+        return self.model.extra_dir()  # the non-weight files are the model's
+
+    def local_files(self) -> list[tuple[str, Path]]:
+        """The model's files and the adapter's (its weights and its config)."""
+        return [*self.model.local_files(), (str(self.root), self.root / ADAPTER_WEIGHTS),
+                (str(self.root), self.root / ADAPTER_CONFIG)]
+
     def identity_json(self) -> dict[str, object]:
         return {"root": self._name, "files": [self.identities[f].to_json() for f in self.files],
                 "adapter_config_xxh3": self._config_xxh3}

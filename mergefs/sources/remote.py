@@ -26,15 +26,16 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from mergefs.core import format as fmt
 from mergefs.sources.base import (
-    INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_RE, SINGLE_NAME, FileIdentity, GapAllowance, ReadRange,
-    TensorLoc, coalesce, slice_runs,
+    INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_RE, SINGLE_NAME, AuxFile, FileIdentity, GapAllowance,
+    ReadRange, TensorLoc, aux_read_only, coalesce, slice_runs,
 )
 from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import SourceChanged, SourceError
@@ -64,6 +65,8 @@ class RemoteCheckpoint(Checkpoint):
     """A checkpoint whose files are objects behind a URL. ``root`` is the URL (a str)."""
 
     is_remote = True
+    reads_gap_bytes = True  # runs coalesce across gaps of up to ``options.gap_bytes``
+    prefers_published_index = True  # reading it all to index it costs requests and transfer
 
     def __init__(self, url: str, is_dir: bool, store: Store, options: RemoteOptions,
                  files: Sequence[str], tensors: dict[str, TensorLoc],
@@ -101,6 +104,10 @@ class RemoteCheckpoint(Checkpoint):
                 raise SourceChanged(f"{self.path_of(f)}: object replaced since it was opened "
                                     f"(size {was.size_bytes} -> {now.size_bytes}, "
                                     f"ETag {was.etag} -> {now.etag})")
+
+    def check_unchanged_for_reuse(self) -> None:
+        """Nothing to check: every ranged read carries the ETag seen when it was opened
+        (``If-Match``, or the response's ETag checked), so a replaced object fails the read."""
 
     async def _info(self, url: str) -> ObjectInfo:
         return await retrying(url, self.options, self.counters, lambda: self.store.info(url))
@@ -140,11 +147,12 @@ class RemoteCheckpoint(Checkpoint):
 
         return run(self.store, whole)
 
-    def aux_reader(self, name: str) -> tuple[str, Callable[[int, int], bytes]] | None:
+    def aux_reader(self, name: str) -> AuxFile | None:
         """A large file beside the weights (a delta sidecar) read by ranges: its URL and
-        ``fetch(start, end)``, pinned to the ETag seen now (a replaced object fails the read);
-        None if there is none. The sidecar counts its own bytes (``DeltaSidecar.bytes_read``),
-        as for a local sidecar; the requests count in this source's ``requests``."""
+        ``fetch(start, end)``, pinned to the ETag seen now (a replaced object fails the read),
+        coalescing as this source's reads do; None if there is none. The sidecar counts its own
+        bytes (``DeltaSidecar.bytes_read``), as for a local sidecar; the requests count in this
+        source's ``requests``."""
         url = self.sibling_url(name)
         try:
             info = run(self.store, self._info, url)
@@ -159,15 +167,34 @@ class RemoteCheckpoint(Checkpoint):
             data: bytes = run(self.store, self._get, url, start, end, info.etag)
             return data
 
-        return url, fetch
+        return AuxFile(url, fetch=fetch, coalesce_gap_bytes=self.options.gap_bytes)
 
-    def write_aux(self, name: str, data: bytes) -> str:
+    def check_writable_aux(self, what: str, instead: str) -> None:
+        """Refused on a store that cannot write (HTTP)."""
+        if not self.store.writable:
+            raise aux_read_only(self.root, what, instead)
+
+    def write_aux(self, name: str, data: bytes, what: str) -> str:
+        """PUT ``name`` beside the weights (one object: atomic on the store); its URL. The
+        store's errors name the URL (``what`` is for local files' errors)."""
         url = self.sibling_url(name)
         run(self.store, retrying, url, self.options, self.counters,
              lambda: self.store.put(url, data))
         return url
 
+    def local_files(self) -> list[tuple[str, Path]]:
+        return []  # none on this machine
+
+    def file_ctimes(self) -> dict[str, int]:
+        return {}  # objects have no status-change time; the ETag pins them
+
+    def extra_dir(self) -> Path | None:
+        return None  # objects: read_extra fetches them
+
     # -- reading ----------------------------------------------------------------------------
+    def will_need(self, ranges: Iterable[ReadRange]) -> None:
+        """Nothing: no page cache to warm; reads are requests sent when the bytes are wanted."""
+
     def _fd(self, file: str) -> int:
         raise SourceError(f"{self.path_of(file)}: a remote object has no file descriptor")
 
