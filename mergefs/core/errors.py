@@ -25,3 +25,7 @@ class BudgetError(MergefsError):
 
 class ManifestError(MergefsError):
     """A manifest is malformed or cannot be replayed."""
+
+
+class DependencyMissing(MergefsError):
+    """An optional dependency a command needs is not installed (names it and the extra)."""

@@ -11,7 +11,8 @@ from typing import Any
 
 from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
 from mergefs.methods.base import (
-    REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit,
+    REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
+    require_torch,
 )
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "Method",
     "ParamDef",
     "Scope",
+    "TorchUse",
     "Unit",
     "describe_methods",
     "get",
+    "require_torch",
 ]
 
 _ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
@@ -48,7 +51,8 @@ def _param_row(p: ParamDef) -> dict[str, Any]:
 
 
 def describe_methods() -> list[dict[str, Any]]:
-    """One JSON-able row per method: name, family, parameters with defaults, capabilities."""
+    """One JSON-able row per method: name, family, parameters with defaults, capabilities, and
+    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`)."""
     rows = []
     for m in _ALL:
         c = m.caps
@@ -60,6 +64,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "additive_bound": c.additive,
             "blockwise": blockwise_note(m),
             "random": c.random,
+            "needs_torch": m.torch_use.note,
         })
     return rows
 

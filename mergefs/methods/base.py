@@ -9,16 +9,64 @@ buffers, op for op as mergekit 0.1.5 evaluates the same formula: mergekit's resu
 by those kernels (fused multiply-add in ``addcmul``, reduction orders that change with the number
 of inputs and the SIMD width, Sleef transcendentals), which numpy does not reproduce in general.
 Elementwise methods also have numpy kernels equal to torch's (:mod:`.exact`) and use them, so
-torch is imported only by the methods that need it.
+torch is imported only by the methods that need it: each declares when (:class:`TorchUse`), and
+imports it first through :func:`require_torch`, which turns a missing torch into one line.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from types import ModuleType
 from typing import Any
+
+from mergefs.core.errors import DependencyMissing
+
+#: the oldest torch the methods accept (pyproject's ``torch`` extra: ``torch>=2.0``)
+TORCH_MIN = (2, 0)
+
+
+def require_torch(method: str) -> ModuleType:
+    """torch, for ``method``: every method's first torch import goes through here. Raises
+    :class:`DependencyMissing` in one line, naming the extra, when torch is missing (or older
+    than :data:`TORCH_MIN`, or fails to import). Cheap once torch is imported; any thread."""
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":  # torch is there but one of its own imports is not
+            raise DependencyMissing(f"{method} needs torch, which fails to import: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        raise DependencyMissing(f"{method} needs torch (pip install 'mergefs[torch]', "
+                                "or any torch>=2.0 you already use)") from None
+    except ImportError as exc:
+        raise DependencyMissing(f"{method} needs torch, which fails to import: "
+                                f"{str(exc).splitlines()[0]}") from exc
+    release = re.match(r"(\d+)\.(\d+)", getattr(torch, "__version__", ""))
+    if release is None or (int(release[1]), int(release[2])) < TORCH_MIN:
+        raise DependencyMissing(f"{method} needs torch>=2.0, found "
+                                f"{getattr(torch, '__version__', 'an unversioned torch')} "
+                                "(pip install 'mergefs[torch]')")
+    return torch
+
+
+@dataclass(frozen=True)
+class TorchUse:
+    """Whether merging a unit imports torch: ``when(n_inputs, params, tensor_size)`` with the
+    unit's number of inputs, its global parameters (defaults filled in) and the elements of its
+    whole tensor; the method's merge dispatches on the same predicate. ``note`` says it in words
+    for ``mergefs methods`` and docs/operators.md: "no", "yes" or "only ..."."""
+
+    note: str
+    when: Callable[[int, Mapping[str, Any], int], bool] = field(compare=False)
+
+
+#: the method never imports torch (numpy kernels equal to torch's, :mod:`.exact`)
+NO_TORCH = TorchUse("no", lambda n, g, size: False)
+#: the method's arithmetic is torch's CPU kernels
+TORCH = TorchUse("yes", lambda n, g, size: True)
 
 
 class Scope(str, Enum):
@@ -188,6 +236,8 @@ class Method:
     #: parameters (None: the method merges the unit itself)
     fused: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], Fused | None] = \
         field(compare=False, default=lambda g, per: None)
+    #: when ``merge`` imports torch (tests/test_install.py runs every method without torch)
+    torch_use: TorchUse = TORCH
 
     def param(self, name: str) -> ParamDef | None:
         return next((p for p in self.params if p.name == name), None)
@@ -202,6 +252,11 @@ class Method:
 
     def elementwise(self, n_inputs: int, params: Mapping[str, Any]) -> bool:
         return bool(self.caps.elementwise(n_inputs, params))
+
+    def needs_torch(self, n_inputs: int, params: Mapping[str, Any], tensor_size: int) -> bool:
+        """Whether merging a unit of ``n_inputs`` inputs of a tensor of ``tensor_size``
+        elements with global ``params`` (defaults filled in) imports torch."""
+        return bool(self.torch_use.when(n_inputs, params, tensor_size))
 
 
 # -- parameter shorthands shared by the method modules --------------------------------------------

@@ -35,6 +35,10 @@ the method registry (`mergefs/methods/`), which spec validation, the planner, th
   (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch.
   Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
   scalars converted to float32 by the kernel.
+- torch is not a dependency of mergefs: the `torch` column below (and `mergefs methods`) says
+  which methods need it, and when. Without torch those fail with one line naming the extra
+  (`pip install 'mergefs[torch]'`; any torch>=2.0 already installed, CUDA builds included, is
+  used as it is). The bytes equal mergekit's run on the same torch.
 - Parameters use mergekit's names and defaults. Per-model parameters sit under
   `models[].parameters`; a global value of a per-model name is every model's default. Lists
   (gradients) and `{filter, value}` settings are not supported yet and are rejected.
@@ -67,8 +71,8 @@ bytes.
 
 `inputs`: how many models besides the base (for linear, karcher and passthrough: all inputs).
 
-| method | base | inputs | bound | block-wise |
-|---|---|---|---|---|
+| method | base | inputs | bound | block-wise | torch |
+|---|---|---|---|---|---|
 """
 
 RANDOM = """\
@@ -146,7 +150,7 @@ def render() -> str:
         inputs = f"{c.min_inputs}..{c.max_inputs if c.max_inputs is not None else 'n'}"
         block = blockwise_note(m)
         rows.append(f"| {m.name} | {c.base.value} | {inputs} | "
-                    f"{'yes' if c.additive else 'no'} | {block} |")
+                    f"{'yes' if c.additive else 'no'} | {block} | {m.torch_use.note} |")
     families: dict[str, list[Method]] = {}
     for m in _ALL:
         families.setdefault(m.family, []).append(m)

@@ -14,7 +14,8 @@ import numpy as np
 from mergefs.methods import exact, prng
 from mergefs.methods import sparsify as sp
 from mergefs.methods.base import (
-    INT8_MASK, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Unit, flag, weight,
+    INT8_MASK, TORCH, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
+    flag, require_torch, weight,
 )
 
 #: Sums over the input axis are sequential (input order, from +0.0) in torch's CPU kernels for
@@ -83,9 +84,9 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
     return base + mixed
 
 
-def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool) -> Any:
-    import torch
-
+def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "gta") -> Any:
+    """The arithmetic in torch, as mergekit runs it (``name``: the row, for require_torch)."""
+    torch = require_torch(name)
     u = u.torch()
     base = u.base
     assert base is not None
@@ -128,18 +129,45 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool) -> Any:
     return base + mixed
 
 
-def _merge(sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-def]
+def _numpy_path(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any],
+                tensor_size: int) -> bool:
+    """Whether ``_merge_numpy`` merges a unit of ``n`` inputs of a tensor of ``tensor_size``
+    elements (else ``_merge_torch``): no sparsifier, or DARE without rescale, up to
+    SEQUENTIAL_SUM_MAX models; task arithmetic with more models where :func:`_torch_order`
+    holds and torch's sum order is modelled for the tensor's size."""
+    if n < 1:
+        return False
+    if (sparsifier is None or (sparsifier == "random" and not g["rescale"])) \
+            and n <= SEQUENTIAL_SUM_MAX:
+        return True
+    return _torch_order(sparsifier, consensus, n, g) and \
+        exact.torch_sum_tail(tensor_size, n) is not None  # torch's sum order, modelled
+
+
+def _merge(name: str, sparsifier: str | None, consensus: bool):  # type: ignore[no-untyped-def]
     def merge(u: Unit) -> Any:
-        if u.inputs and (sparsifier is None or (sparsifier == "random"
-                                                and not u.params["rescale"])) \
-                and len(u.inputs) <= SEQUENTIAL_SUM_MAX:
+        if _numpy_path(sparsifier, consensus, len(u.inputs), u.params,
+                       u.tensor_size or (u.base.size if u.base is not None else 0)):
             return _merge_numpy(u, sparsifier, consensus)
-        if u.inputs and _torch_order(sparsifier, consensus, len(u.inputs), u.params) and \
-                exact.torch_sum_tail(u.tensor_size or u.base.size, len(u.inputs)) is not None:
-            return _merge_numpy(u, sparsifier, consensus)  # torch's sum order, modelled
-        return _merge_torch(u, sparsifier, consensus)
+        return _merge_torch(u, sparsifier, consensus, name)
 
     return merge
+
+
+def _torch_use(sparsifier: str | None, consensus: bool) -> TorchUse:
+    """When a row imports torch (:func:`_numpy_path`), in words."""
+    def when(n: int, g: Mapping[str, Any], tensor_size: int) -> bool:
+        return not _numpy_path(sparsifier, consensus, n, g, tensor_size)
+
+    if sparsifier is None and not consensus:
+        return TorchUse(
+            f"only with more than {SEQUENTIAL_SUM_MAX} models and normalize, more than "
+            f"{exact.TORCH_SUM_MAX} models, more than {SEQUENTIAL_SUM_MAX} models off x86-64, "
+            "or 8 or more models on a one-element tensor", when)
+    if sparsifier == "random":
+        return TorchUse(f"only with rescale: true (the default) or more than "
+                        f"{SEQUENTIAL_SUM_MAX} models", when)
+    return TORCH
 
 
 def _torch_order(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any]) -> bool:
@@ -224,9 +252,10 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
                           additive=sparsifier is None and not consensus,
                           random=sparsifier in ("random", "della_magprune"),
                           elementwise=elementwise, zero_delta_is_base=True),
-        merge=_merge(sparsifier, consensus), coefficients=_coefficients,
+        merge=_merge(name, sparsifier, consensus), coefficients=_coefficients,
         check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
-        arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused)
+        arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused,
+        torch_use=_torch_use(sparsifier, consensus))
 
 
 METHODS = (

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from mergefs.methods import exact
-from mergefs.methods.base import BasePolicy, Capabilities, Fused, Method, Scope, Unit, flag, weight
+from mergefs.methods.base import (
+    BasePolicy, Capabilities, Fused, Method, Scope, TorchUse, Unit, flag, require_torch, weight,
+)
 
 ARITHMETIC = """\
 Inputs `W_m` are the models in `models:` order, then `base_model` if it is set and not listed
@@ -26,9 +28,15 @@ when normalize, else 1): the additive bound holds. Elementwise.
 """
 
 
+def _needs_torch(n: int, g: Mapping[str, Any], tensor_size: int) -> bool:
+    """Beyond SMALL_SUM_MAX inputs torch vectorises the weight sum: not modelled in numpy."""
+    return n > exact.SMALL_SUM_MAX
+
+
 def _merge(u: Unit) -> Any:
     w = u.per_input("weight")
-    if len(w) > exact.SMALL_SUM_MAX:
+    if _needs_torch(len(w), u.params, u.tensor_size):
+        require_torch("linear")
         return _merge_torch(u.torch())
     w32 = [np.float32(x) for x in w]
     result = np.zeros_like(u.inputs[0])
@@ -83,5 +91,7 @@ METHODS = (
         caps=Capabilities(base=BasePolicy.IGNORED, min_inputs=1, max_inputs=None,
                           additive=True, elementwise=lambda n, g: True),
         merge=_merge, coefficients=_coefficients, check=_check, fused=_fused,
-        summary="weighted average sum w_m W_m / sum w_m (model soup)", arithmetic=ARITHMETIC),
+        summary="weighted average sum w_m W_m / sum w_m (model soup)", arithmetic=ARITHMETIC,
+        torch_use=TorchUse(f"only with more than {exact.SMALL_SUM_MAX} models (the base "
+                           "included)", _needs_torch)),
 )

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from mergefs.methods import exact
-from mergefs.methods.base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from mergefs.methods.base import (
+    BasePolicy, Capabilities, Method, ParamDef, Scope, TorchUse, Unit, require_torch,
+)
 from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
 
 RAM = """\
@@ -27,8 +29,8 @@ whole tensor. Whole tensor.
 
 
 def _prepare(u: Unit) -> tuple[Any, Any, Any, Any, Any]:
-    u = u.torch()
-    import torch
+    """``u`` holds torch tensors (``u.torch()``)."""
+    import torch  # imported by the caller through require_torch
 
     assert u.base is not None
     tv = torch.stack([x - u.base for x in u.inputs], dim=0).view(len(u.inputs), -1)
@@ -41,7 +43,7 @@ def _ram(u: Unit) -> Any:
     """numpy for up to 4 models (torch's sums over the models are sequential there)."""
     base = u.base
     assert base is not None
-    if not u.inputs or len(u.inputs) > SEQUENTIAL_SUM_MAX:
+    if _ram_needs_torch(len(u.inputs), u.params, u.tensor_size):
         return _ram_torch(u)
     tv = [x - base for x in u.inputs]
     nz = [np.abs(d) > np.float32(u.params["epsilon"]) for d in tv]
@@ -57,6 +59,7 @@ def _ram(u: Unit) -> Any:
 
 def _ram_torch(u: Unit) -> Any:
     """The same in torch: more than 4 models (and the numpy kernel's reference in the tests)."""
+    require_torch("ram")
     u = u.torch()
     assert u.base is not None
     if not u.inputs:
@@ -68,6 +71,7 @@ def _ram_torch(u: Unit) -> Any:
 
 
 def _ramplus(u: Unit) -> Any:
+    require_torch("ramplus_tl")
     u = u.torch()
     assert u.base is not None
     if not u.inputs:
@@ -93,12 +97,20 @@ def _elementwise(n: int, g: Mapping[str, Any]) -> bool:
     return n <= SEQUENTIAL_SUM_MAX
 
 
+def _ram_needs_torch(n: int, g: Mapping[str, Any], tensor_size: int) -> bool:
+    """ram's numpy kernel: up to SEQUENTIAL_SUM_MAX models (torch's sums over them are
+    sequential there)."""
+    return not 1 <= n <= SEQUENTIAL_SUM_MAX
+
+
 METHODS = (
     Method(
         name="ram", family="ram", params=(_eps(),),
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
                           elementwise=_elementwise, zero_delta_is_base=True),
-        merge=_ram, summary="average overlapping deltas, keep unique ones", arithmetic=RAM),
+        merge=_ram, summary="average overlapping deltas, keep unique ones", arithmetic=RAM,
+        torch_use=TorchUse(f"only with more than {SEQUENTIAL_SUM_MAX} models",
+                           _ram_needs_torch)),
     Method(
         name="ramplus_tl", family="ram",
         params=(ParamDef("r", "float", Scope.GLOBAL, 0.1, doc="unique-delta boost"),

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from mergefs.methods.base import BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
+from mergefs.methods.base import (
+    NO_TORCH, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, require_torch,
+)
 
 NEARSWAP = """\
 `w = clamp(t / max(|W0 - W_1|, 1e-6), 0, 1)`; `M = w W_1 + (1 - w) W0` (torch float32; `t / x` is
@@ -40,6 +42,7 @@ def _nearswap(u: Unit) -> Any:
 
 def _nearswap_torch(u: Unit) -> Any:
     """The same in torch (the numpy kernel's reference in the tests)."""
+    require_torch("nearswap")
     u = u.torch()
     a, b = u.base, u.inputs[0]
     assert a is not None
@@ -53,8 +56,8 @@ def _passthrough(u: Unit) -> Any:
 
 
 def _arcee_fusion(u: Unit) -> Any:
+    torch = require_torch("arcee_fusion")
     u = u.torch()
-    import torch
     import torch.nn.functional as F
 
     base, x = u.base, u.inputs[0]
@@ -77,14 +80,14 @@ METHODS = (
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=1,
                           elementwise=lambda n, g: True),
         merge=_nearswap, summary="take the model's value where it is within t of the base",
-        arithmetic=NEARSWAP),
+        arithmetic=NEARSWAP, torch_use=NO_TORCH),
     Method(
         name="passthrough", family="simple",
         params=(ParamDef("scale", "float?", Scope.MODEL, None, doc="multiply by this"),),
         caps=Capabilities(base=BasePolicy.IGNORED, min_inputs=1, max_inputs=1,
                           elementwise=lambda n, g: True),
         merge=_passthrough, summary="one model's tensors, optionally scaled",
-        arithmetic=PASSTHROUGH),
+        arithmetic=PASSTHROUGH, torch_use=NO_TORCH),
     Method(
         name="arcee_fusion", family="simple",
         params=(),

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mergefs.methods.base import (
-    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight,
+    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, require_torch, weight,
 )
 
 CHUNK_ELEMENTS = 1 << 20  # mergekit's chunking of the norm and dot reductions
@@ -32,8 +32,8 @@ Whole tensor.
 
 
 def _slerp(u: Unit) -> Any:
+    torch = require_torch("slerp")
     u = u.torch()
-    import torch
 
     assert u.base is not None
     t = torch.tensor([u.params["t"]], dtype=torch.float32).reshape(-1, 1)
@@ -87,6 +87,7 @@ def _nuslerp_rows(t: float, a: Any, b: Any, row_wise: bool, flatten: bool) -> An
 
 
 def _nuslerp(u: Unit) -> Any:
+    require_torch("nuslerp")
     u = u.torch()
     w = u.per_input("weight")
     total = sum(w)

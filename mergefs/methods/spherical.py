@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mergefs.methods.base import (
-    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, weight,
+    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, require_torch, weight,
 )
 
 MULTISLERP = """\
@@ -30,8 +30,8 @@ Whole tensor, torch float32.
 
 
 def _multislerp(u: Unit) -> Any:
+    torch = require_torch("multislerp")
     u = u.torch()
-    import torch
 
     base = u.base
     if len(u.inputs) == 1:
@@ -66,8 +66,8 @@ def _multislerp(u: Unit) -> Any:
 
 
 def _karcher(u: Unit) -> Any:
+    torch = require_torch("karcher")
     u = u.torch()
-    import torch
 
     xs = list(u.inputs)
     if len(xs) == 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mergefs.methods.base import (
-    INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag,
+    INT8_MASK, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, require_torch,
 )
 
 MODEL_STOCK = """\
@@ -25,8 +25,8 @@ Sign consensus mask as ties; `e_i = mean(D_i^2)` normalised by their sum (unifor
 
 
 def _model_stock(u: Unit) -> Any:
+    torch = require_torch("model_stock")
     u = u.torch()
-    import torch
 
     assert u.base is not None
     w0, ws = u.base, list(u.inputs)
@@ -53,8 +53,8 @@ def _model_stock(u: Unit) -> Any:
 
 
 def _sce(u: Unit) -> Any:
+    torch = require_torch("sce")
     u = u.torch()
-    import torch
 
     base = u.base
     assert base is not None
