@@ -38,6 +38,7 @@ from mergefs.deltas.codes import BLAS_VERSIONS, DELTA_VERSION, DeltaError, Level
 from mergefs.deltas.reconstruct import exact_level, grid_of, one_blas_thread, reconstruct
 
 from mergefs.deltas.sidecar import DeltaSidecar
+from mergefs.deltas import intgemm
 #: level kind -> the compiled loop's code
 KIND_CODE = {"lowrank": 0, "quant": 1, "rows": 2, "vq": 3, "ulp": 4, "sparse": 5}
 
@@ -393,7 +394,6 @@ def _int_route() -> Any:
     BLAS has done :data:`SWITCH_MACS` multiply-adds; else None (the same bits either way)."""
     if "torch" not in sys.modules and _blas_macs[0] < SWITCH_MACS:
         return None
-    from mergefs.deltas import intgemm
     return intgemm if intgemm.available() else None
 
 

@@ -9,6 +9,8 @@ import numpy as np
 import xxhash
 from mergefs.deltas.codes import DELTA_VERSION, DeltaError, EXACT_VERSIONS, TensorLevels
 from mergefs.deltas.sidecar import DeltaSidecar, delta_name, open_beside
+from mergefs.index import published as sidecar
+from mergefs.sources.lora import LoraCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +27,10 @@ def find(base: Any, experts: Sequence[Any], index: Any) -> dict[int, DeltaSideca
     the content hashes of the base blocks and of the expert's blocks equal the index's (so it
     was computed from exactly these bytes). Anything else is ignored with a log line saying why.
     """
-    from mergefs.index import published as sidecar
 
     key = sidecar.base_key(base)
     lay = index.layout
     found: dict[int, DeltaSidecar] = {}
-    from mergefs.sources.lora import LoraCheckpoint
 
     for i, e in enumerate(experts):
         if isinstance(e, LoraCheckpoint):

@@ -51,6 +51,7 @@ from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
 from mergefs.core.dtypes import decode_f32
 from mergefs.index.blocks import BlockIndex
+from mergefs.sources.lora import LoraCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -471,7 +472,6 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
     """Write every expert's delta sidecar beside it (local, ``file://`` or ``s3://``); returns
     where each went."""
     check_writable(experts)  # fail before computing anything
-    from mergefs.sources.lora import LoraCheckpoint
 
     written = []
     for i, e in enumerate(experts):

@@ -45,7 +45,7 @@ from mergefs.core.errors import SourceChanged
 from mergefs.core.format import DTYPES
 from mergefs.index.blocks import BlockIndex
 from mergefs.engine.manifest import ManifestWriter
-from mergefs.methods.base import Fused, Unit
+from mergefs.methods.base import require_torch, Fused, Unit
 from mergefs.engine.output import Staging
 from mergefs.plan.planner import Plan
 from mergefs.recipe.outputs import Recipe
@@ -56,6 +56,8 @@ from mergefs.engine.layout import (
 )
 from mergefs.engine.output import _atomic_write, _clear_temp, write_error
 from mergefs.recipe.family import expert_labels, recipe_of
+from mergefs.deltas.decode import Payloads, read_payloads
+from mergefs.deltas.decode import decode_blocks
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ class Engine:
     def _vocab_unit(self, name: str) -> bytes:
         """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
         tokens (mergefs.recipe.tokenizer.permute), then merged by the method as one unit."""
-        import torch
+        torch = require_torch("a tokenizer merge")
 
         assert self.tokenizer is not None and self.spec.tokenizer is not None
         u = self.unit_outputs[name]
@@ -385,7 +387,6 @@ class Engine:
     def _reconstruct(self, i: int, name: str, e0: int, w0: np.ndarray, full: np.ndarray,
                      blocks: list[tuple[int, int]]) -> None:
         """Write ``W_hat`` of the given blocks into ``full`` (float32, the unit's elements)."""
-        from mergefs.deltas.decode import decode_blocks
 
         sc = self.deltas[i]
         tl = sc.tensors[name]
@@ -406,7 +407,6 @@ class Engine:
         one pread per level per unit (64 KiB units: ~7 levels x 3 experts per unit). None: the
         unit holds all of them, or they are too large to keep; the caller reads its own. The
         bytes are the plan's either way: only when they are read changes."""
-        from mergefs.deltas.decode import Payloads, read_payloads
 
         key = (i, tl.name)
         with self._tensor_levels_lock:

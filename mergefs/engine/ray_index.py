@@ -32,6 +32,11 @@ from mergefs.engine.ray_merge import (
     TASK_OPTIONS, completed, connect, identities, open_checked, placements, refuse_unsupported,
     same_version, worker_id,
 )
+from mergefs.deltas.publish import check_writable, write_sidecar
+from mergefs.deltas.publish import encode_sidecar
+from mergefs.deltas.reconstruct import one_blas_thread
+from mergefs.index.build import BuildReport, Pass
+from mergefs.sources.lora import LoraCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,6 @@ class RangeDone:
 def index_range(job: IndexJob, chunks: list[tuple[int, int]]) -> RangeDone:
     """Task body: the pass's columns over a run of consecutive chunks, computed by the local
     build's code (:meth:`mergefs.index.build.Pass.run_chunks`)."""
-    from mergefs.index.build import BuildReport, Pass
 
     same_version(job.version)
     base, experts = open_checked(job.spec, job.identities)
@@ -138,8 +142,6 @@ class CompressJob:
 
 def compress_expert(job: CompressJob, i: int) -> tuple[bytes, dict[str, Any]]:
     """Task body: the delta sidecar of expert ``i`` (bytes; the driver writes it)."""
-    from mergefs.deltas.reconstruct import one_blas_thread
-    from mergefs.deltas.publish import encode_sidecar
 
     same_version(job.version)
     base, experts = open_checked(job.spec, job.identities)
@@ -155,8 +157,6 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
                    address: str | None = None) -> list[str]:
     """``compress.publish`` with one Ray task per expert: each task reads its expert and the
     base and encodes the sidecar; the driver writes each file beside its expert."""
-    from mergefs.deltas.publish import check_writable, write_sidecar
-    from mergefs.sources.lora import LoraCheckpoint
 
     refuse_unsupported(spec)
     check_writable(experts)  # as compress.publish: refused before anything is read

@@ -38,6 +38,14 @@ from typing import Any, TypeVar
 from mergefs.core.version import __version__
 from mergefs.sources.local import Checkpoint
 from mergefs.core.errors import MergefsError, SourceChanged
+from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.merger import Engine
+from mergefs.engine.output import Staging
+from mergefs.engine.output import write_error
+from mergefs.engine.session import find_deltas
+from mergefs.engine.session import prepare_family
+from mergefs.recipe.family import recipe_of
+from mergefs.sources.base import GapAllowance
 
 T = TypeVar("T")
 
@@ -174,7 +182,6 @@ def open_checked(spec: Any, expected: list[dict[str, object]]
     its reads would not notice (``check_unchanged_for_reuse``: local files' size and mtime;
     remote reads carry the opened ETag in every request).
     """
-    from mergefs.engine.session import prepare_family
 
     key = json.dumps([spec.source, expected], sort_keys=True, default=str)
     got = _OPENED.get(key)
@@ -247,11 +254,6 @@ class ShardDone:
 
 def merge_shard(job: MergeJob, file: str) -> ShardDone:
     """Task body: merge output file ``file`` into the staging directory (a temporary name)."""
-    from mergefs.sources.base import GapAllowance
-    from mergefs.engine.merger import Engine
-    from mergefs.engine.session import find_deltas
-    from mergefs.recipe.family import recipe_of
-    from mergefs.engine.manifest import ManifestWriter
 
     same_version(job.version)
     base, experts = open_checked(job.spec, job.identities)
@@ -313,8 +315,6 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
     Returns {tensor: xxh3}; the session's counters, the engine's block counts and the manifest
     end up as the local run leaves them, so ``session.finish()`` writes the same totals.
     """
-    from mergefs.engine.output import write_error
-    from mergefs.engine.output import Staging
 
     refuse_unsupported(session.spec)
     ray = connect(address)

@@ -32,6 +32,9 @@ from mergefs.engine.manifest import (
 from mergefs.engine.output import check_writes
 from mergefs.plan.planner import Plan, selected_from_runs
 from mergefs.spec.load import parse_spec
+from mergefs.deltas.codes import DeltaError
+from mergefs.deltas.sidecar import open_beside, open_sidecar
+from mergefs.plan.levels import levels_from_runs
 
 log = logging.getLogger(__name__)
 
@@ -338,9 +341,6 @@ def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_b
     checked against its recorded xxh3."""
     if "levels" not in h:
         return None, {}
-    from mergefs.deltas.codes import DeltaError
-    from mergefs.deltas.sidecar import open_beside, open_sidecar
-    from mergefs.plan.levels import levels_from_runs
 
     def one(i: int, where: str) -> Any:
         if "://" not in where:

@@ -18,6 +18,9 @@ from mergefs.engine.merger import Engine
 from mergefs.engine.output import MARKER, check_writes
 from mergefs.recipe.family import recipe_of
 from mergefs.recipe.family import open_family
+from mergefs.deltas.match import find
+from mergefs.deltas.reconstruct import one_blas_thread
+from mergefs.plan.levels import level_runs
 
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,6 @@ class Session:
             manifest.write(self.header_record())
         self._one_blas: Any = None  # taken last: nothing after it can fail before close()
         if self.engine.deltas:
-            from mergefs.deltas.reconstruct import one_blas_thread
 
             self._one_blas = one_blas_thread()
             self._one_blas.__enter__()
@@ -99,7 +101,6 @@ class Session:
         """Header keys of a plan that reads delta sidecars (absent otherwise)."""
         if self.plan.levels is None:
             return {}
-        from mergefs.plan.levels import level_runs
 
         return {"levels": level_runs(self.plan.levels),
                 "sidecars": {self.engine.labels[i]: str(sc.path)
@@ -192,7 +193,6 @@ class Session:
 
 def find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
                  ) -> dict[int, Any]:
-    from mergefs.deltas.match import find
 
     return find(base, experts, index)
 def _done(outdir: Path, plan_hash: str) -> bool:

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,9 +26,8 @@ from mergefs.sources import read_many
 from mergefs.core.format import DTYPES
 from mergefs.index.read import Reader
 from mergefs.core.memory import keep_freed_memory
+from mergefs.index.layout import BlockLayout
 
-if TYPE_CHECKING:
-    from mergefs.index.layout import BlockLayout
 
 CHUNK_BYTES = 4 << 20  # read granularity while indexing, per source
 PREFETCH_CHUNKS = 2  # chunks read ahead (posix_fadvise WILLNEED) while earlier ones compute

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,9 +40,8 @@ from mergefs.index.stats import ORDER_VERSION
 from mergefs.sources.local import Checkpoint, write_beside
 from mergefs.core.errors import SourceError
 from mergefs.index.published import layout_hash
+from mergefs.index.layout import BlockLayout
 
-if TYPE_CHECKING:
-    from mergefs.index.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 

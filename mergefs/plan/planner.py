@@ -58,6 +58,8 @@ from mergefs.index.blocks import BlockIndex
 from mergefs.methods.base import BasePolicy
 from mergefs.spec.model import Spec
 from mergefs.plan.bounds import combine
+from mergefs.plan.bounds import bounds
+from mergefs.plan.levels import DecodeCost, choose, decode_seconds
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +380,6 @@ def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planne
 def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: np.ndarray,
                       sidecars: Any, total: int, nonzero_bytes: int) -> Plan:
     """A plan mixing skip / sidecar levels / exact per pair (:mod:`mergefs.plan.levels`)."""
-    from mergefs.plan.levels import DecodeCost, choose, decode_seconds
-    from mergefs.plan.bounds import bounds
 
     limit = getattr(spec, "decode_limit", None)
     got = choose(index, coeffs, budget_bytes, sidecars,

@@ -26,6 +26,14 @@ from mergefs.spec.model import Spec
 from mergefs.spec.budget import parse_budget
 from mergefs.spec.load import parse_spec
 from mergefs.spec.variants import set_key, short_key
+from mergefs.core.progress import byte_progress
+from mergefs.index.blocks import index_bytes_total, load_or_build
+from mergefs.index.layout import build_layout
+from mergefs.plan.planner import make_plan
+from mergefs.recipe.family import open_family
+from mergefs.recipe.family import recipe_of
+from mergefs.spec.variants import is_sweep
+from mergefs.spec.variants import parse_variants
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,6 @@ def parse_grid(items: Sequence[str]) -> list[tuple[str, list[Any]]]:
 
 
 def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -> SweepRow:
-    from mergefs.plan.planner import make_plan
 
     b = parse_budget(budget)
     total = int(index.expert_block_bytes().sum())
@@ -88,11 +95,6 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Seq
     A sweep spec (``sweep:``/``variants:``, :mod:`mergefs.spec.variants`) without ``methods`` or
     ``grid`` plans each of its variants, at ``budgets`` or, when None, at its own budget.
     ``budgets`` None elsewhere: :data:`DEFAULT_BUDGETS`."""
-    from mergefs.recipe.family import open_family
-    from mergefs.index.layout import build_layout
-    from mergefs.index.blocks import index_bytes_total, load_or_build
-    from mergefs.core.progress import byte_progress
-    from mergefs.spec.variants import is_sweep
 
     path = Path(spec_path)
     try:
@@ -118,7 +120,6 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Seq
 def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, index: Any,
                 budgets: Sequence[str], methods: Sequence[str],
                 grid: Sequence[tuple[str, list[Any]]], strict: bool) -> list[SweepRow]:
-    from mergefs.recipe.family import recipe_of
 
     rows: list[SweepRow] = []
     keys = [k for k, _ in grid]
@@ -144,8 +145,6 @@ def _sweep_rows(doc: Any, base_dir: Path, path: Path, first: Spec, base: Any, in
 def _variant_rows(doc: Any, base_dir: Path, path: Path, base: Any, index: Any,
                   budgets: Sequence[str] | None, strict: bool) -> list[SweepRow]:
     """A sweep spec's variants, each named as its directory in a sweep mount."""
-    from mergefs.recipe.family import recipe_of
-    from mergefs.spec.variants import parse_variants
 
     rows: list[SweepRow] = []
     for v, spec in parse_variants(doc, base_dir, str(path), strict):

@@ -33,6 +33,7 @@ from mergefs.sources.base import Counters
 from mergefs.sources.base import AuxFile, GapAllowance, ReadRange, TensorLoc, aux_read_only
 from mergefs.core.errors import SpecError
 from mergefs.spec.model import REFERENCE, SliceDef, SliceSource, Spec
+from mergefs.recipe.modules import Module, read_modules, set_dotted
 
 LAYER = re.compile(r"\.(\d+)\.")
 #: Non-layer tensors that mergekit's architectures put before the layers (pre weights)
@@ -233,7 +234,6 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
     given, its pre weights from the first slice's models, each slice's layers renumbered from
     0 within the module, its post weights from the last slice's models (both with the slice's
     parameters at t = 0); only the modules' weights are output (mergefs.recipe.modules)."""
-    from mergefs.recipe.modules import Module, read_modules, set_dotted
 
     cache: dict[str, dict[str, Module]] = {}
 
@@ -346,7 +346,6 @@ def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
         return config
     out = dict(config)
     if recipe.layer_counts is not None:  # modules: each module's count, nothing else
-        from mergefs.recipe.modules import set_dotted
 
         for dotted, n in recipe.layer_counts:
             set_dotted(out, dotted, n)
@@ -410,7 +409,7 @@ class RoleSource:
 
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
-        self.tokenizer: Any = None  # mergefs.spec.tokenizer.BuiltTokenizer of a tokenizer merge
+        self.tokenizer: Any = None  # mergefs.recipe.tokenizer.BuiltTokenizer of a tokenizer merge
         members: list[str] = []
         for u in recipe.units.values():
             if u.models[role] not in members:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 import numpy as np
 from mergefs.core.errors import SpecError
+from mergefs.methods.base import require_torch
 from mergefs.spec.tokenizer import Dirs, TokenRule, TokenizerSpec
 
 
@@ -183,7 +184,7 @@ def permute(built: BuiltTokenizer, spec_tok: TokenizerSpec, base: str | None,
     """Each model's vocabulary tensor in the output's rows (torch float32, mergekit's rules).
 
     ``tensors``: model path -> its (rows, ...) tensor, in the merge's input order."""
-    import torch
+    torch = require_torch("a tokenizer merge")
 
     models = list(tensors)
     vocab = built.vocab

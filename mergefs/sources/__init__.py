@@ -25,6 +25,7 @@ from mergefs.sources.lora import open_lora_ref
 from mergefs.sources.remote import open_remote
 from mergefs.spec.options import RemoteOptions
 from mergefs.sources.base import GapAllowance, ReadRange
+from mergefs.sources.remote import read_concurrently
 
 
 def open_source(path: str | os.PathLike[str], options: RemoteOptions | None = None,
@@ -55,7 +56,6 @@ def read_many(requests: Sequence[tuple[Checkpoint, Sequence[ReadRange]]],
     remote = [k for k, (src, _) in enumerate(requests) if src.is_remote
               and hasattr(src, "read_ranges_async")]
     if len(remote) > 1:
-        from mergefs.sources.remote import read_concurrently
 
         for k, views in zip(remote, read_concurrently([requests[k] for k in remote],
                                                       [gaps[k] for k in remote])):

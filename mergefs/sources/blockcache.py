@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from mergefs.core.cache import Flight
+from mergefs.sources.base import ReadRange
 
 
 class SourceBlockCache:
@@ -73,7 +74,6 @@ class SourceBlockCache:
         return out
 
     def _read_one(self, src: Any, r: Any) -> memoryview:
-        from mergefs.sources.base import ReadRange
 
         source = src.name
         pieces = self._pieces(source, r.file, r.start, r.end)

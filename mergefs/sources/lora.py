@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -44,9 +44,8 @@ from mergefs.core.errors import SourceChanged, SourceError
 from mergefs.core.format import DTYPES, FLOAT_DTYPES
 from mergefs.spec.refs import split_lora
 from mergefs.sources.local import open_local
+from mergefs.spec.options import RemoteOptions
 
-if TYPE_CHECKING:
-    from mergefs.spec.options import RemoteOptions
 
 log = logging.getLogger(__name__)
 
