@@ -12,14 +12,17 @@ Blocking: call from an ordinary thread, never from a trio or asyncio event loop 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergefs.core.errors import MergefsError
+from mergefs.core.errors import ManifestError, MergefsError
 from mergefs.core.progress import byte_progress
+from mergefs.core.sizes import human_bytes
 from mergefs.deltas.publish import publish as publish_deltas
 from mergefs.engine import ray_index, ray_merge
 from mergefs.engine.manifest import ManifestWriter
@@ -32,12 +35,14 @@ from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
 from mergefs.index.published import publish as publish_index
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
-from mergefs.mount.lifecycle import run_mount
+from mergefs.mount.lifecycle import check_mountpoint, ensure_index, run_mount
 from mergefs.sources.local import Checkpoint
 from mergefs.spec.budget import Budget
-from mergefs.spec.load import load_spec
+from mergefs.spec.load import load_spec, read_spec_docs
 from mergefs.spec.model import Spec
 from mergefs.spec.variants import Variant, is_sweep, load_variant, load_variants, read_doc
+
+log = logging.getLogger(__name__)
 
 Family = tuple[Checkpoint, list[Checkpoint]]
 
@@ -119,8 +124,18 @@ def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress
         close_family(family)
         raise
     with byte_progress("indexing", total, enabled=progress) as tick:
-        return Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
-                       index_runner=runner)
+        session = Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
+                          index_runner=runner)
+    say_budget_capped(spec, session.plan.total_expert_bytes)
+    return session
+
+
+def say_budget_capped(spec: Spec, total_expert_bytes: int) -> None:
+    """One warning when a budget in bytes is more than all expert bytes (the plan reads them
+    all: the budget was likely meant for another family, or as a share)."""
+    if spec.budget.kind == "bytes" and spec.budget.value > total_expert_bytes:
+        log.warning("budget %s is more than all expert bytes (%s): reading everything",
+                    human_bytes(spec.budget.value), human_bytes(total_expert_bytes))
 
 
 def require_ray(ray: str | None) -> None:
@@ -219,7 +234,15 @@ def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
     """Mount a spec, or every variant of a sweep spec (``args``: the mount's options, as the
     CLI's ``mount`` command takes them)."""
     if not is_sweep(read_doc(spec_path)):
-        return run_mount(args, load(spec_path, strict=strict, budget=budget))
+        spec = load(spec_path, strict=strict, budget=budget)
+        if spec.budget.kind == "bytes":  # is it more than all expert bytes? (the index knows)
+            check_mountpoint(args.mountpoint)  # first: no index built for a mount that fails
+            opened = ensure_index(spec)  # built here if missing; the mount then reuses it
+            try:
+                say_budget_capped(spec, int(opened.index.expert_block_bytes().sum()))
+            finally:
+                opened.close()
+        return run_mount(args, spec)
     if budget is not None:
         raise MergefsError("--budget: a sweep spec sets its budgets (sweep: budget: [...]); "
                            "mount it without --budget")
@@ -232,5 +255,42 @@ def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
 def replay(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
            force: bool = False) -> ReplayResult:
     """Re-execute a manifest and verify every byte; raises on any difference."""
+    refuse_spec(Path(manifest))
     return replay_manifest(Path(manifest), Path(out) if out is not None else None,
                            overwrite=force)
+
+
+#: a spec is small; a larger file that is not a manifest is left to the manifest reader
+_SPEC_BYTES_MAX = 1 << 20
+
+
+def refuse_spec(path: Path) -> None:
+    """A merge spec given where a manifest belongs: say so, and name the manifest its runs
+    write (the spec's ``manifest`` key, default ``<spec stem>.manifest.jsonl`` beside it)."""
+    try:
+        if path.stat().st_size > _SPEC_BYTES_MAX:
+            return
+        with open(path, "rb") as f:
+            first = f.readline()
+    except OSError:
+        return  # the manifest reader names the file and the reason
+    try:
+        json.loads(first)
+        return  # a JSON first line: a manifest (or a broken one, for the manifest reader)
+    except ValueError:
+        pass
+    try:
+        docs = read_spec_docs(path)
+    except MergefsError:
+        return
+    doc = next((d for d in docs if isinstance(d, dict)), None)
+    if doc is None or not any(k in doc for k in ("merge_method", "base_model", "models",
+                                                  "slices", "modules")):
+        return
+    given = doc.get("manifest")
+    where = path.parent / (given if isinstance(given, str) and given
+                           else f"{path.stem}.manifest.jsonl")
+    state = "" if where.exists() or where.is_symlink() else \
+        " (none there yet: merge or mount the spec first)"
+    raise ManifestError(f"{path}: is a merge spec, not a manifest; replay the manifest its "
+                        f"merge or mount wrote: {where}{state}")

@@ -69,13 +69,13 @@ def test_help_lists_every_command() -> None:
 def test_bad_spec_key_is_one_line(tmp_path: Path, fam: Family) -> None:
     spec = spec_file(tmp_path, fam, slices=[{"sources": []}])
     assert_one_line_error(run("plan", str(spec)), str(spec), "slices")
-    spec = spec_file(tmp_path, fam, name="typo.yaml", bugdet="10%")
+    spec = spec_file(tmp_path, fam, name="typo.yaml", mystery="10%")
     # mergekit ignores unknown keys: a warning naming the key; --strict makes it an error
-    assert_one_line_error(run("--strict", "merge", str(spec), str(tmp_path / "out")), "bugdet")
-    assert_one_line_error(run("merge", "--strict", str(spec), str(tmp_path / "out")), "bugdet")
+    assert_one_line_error(run("--strict", "merge", str(spec), str(tmp_path / "out")), "mystery")
+    assert_one_line_error(run("merge", "--strict", str(spec), str(tmp_path / "out")), "mystery")
     assert not (tmp_path / "out").exists()
     proc = run("plan", str(spec))
-    assert proc.returncode == 0 and "bugdet: ignored" in proc.stderr
+    assert proc.returncode == 0 and "mystery: ignored" in proc.stderr
 
 
 def test_pickle_checkpoint_dir_is_refused(tmp_path: Path, fam: Family) -> None:

@@ -55,6 +55,8 @@ def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
 
 
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
+#: the commands that read a spec (and so take --strict)
+SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
 
@@ -71,10 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks and debug logs")
     p.add_argument("--strict", action="store_true",
-                   help="spec keys and parameters that mergekit ignores are errors, not warnings")
-    common.add_argument("--strict", action="store_true", default=argparse.SUPPRESS,
-                        help="spec keys and parameters that mergekit ignores are errors, not "
-                        "warnings")
+                   help="spec keys and parameters that mergekit ignores are errors, not warnings "
+                   f"({', '.join(SPEC_COMMANDS)})")
+    # --strict only where a spec is read (SUPPRESS: it does not reset the global one)
+    reads_spec = argparse.ArgumentParser(add_help=False)
+    reads_spec.add_argument("--strict", action="store_true", default=argparse.SUPPRESS,
+                            help="spec keys and parameters that mergekit ignores are errors, not "
+                            "warnings")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     budget_help = ("override the spec's budget: full, 10%%, 0.1 (a fraction) or a size with a "
                    "unit like 2GiB or 500MB; a bare number above 1 is refused as ambiguous")
@@ -83,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "timestamped file beside the spec's `manifest` path, which then points to it")
 
     def add(name: str, **kw: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kw)
+        parents = [common, reads_spec] if name in SPEC_COMMANDS else [common]
+        return sub.add_parser(name, parents=parents, **kw)
 
     s = add("index", help="build (or reuse) the block index of a spec's family",
             description="Read base and experts once; store per-block delta norms, "
@@ -251,7 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="detach now even if in use; the server stays until the last user closes")
     s.set_defaults(func=cmd_umount)
 
-    s = add("stats", help="print a mount's live counters (and its last read errors)")
+    s = add("stats", help="print a mount's live counters (and its last read errors)",
+            description="Print what a running mount has done, from "
+            "MOUNTPOINT/.mergefs/stats.json: weight bytes served, source bytes read (per source, "
+            "against a full merge), the planned expert bytes and the budget, units merged, the "
+            "cache (hits, misses, evictions) and the last read errors; per variant for a sweep "
+            "mount. --json prints the file as is.")
     s.add_argument("mountpoint", help="where a mergefs merge is mounted")
     s.add_argument("--json", action="store_true", help="print stats.json as is")
     s.set_defaults(func=cmd_stats)
@@ -278,6 +289,9 @@ def _join_option_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_option_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.strict and args.command not in SPEC_COMMANDS:
+        parser.error(f"--strict: `{args.command}` reads no spec (--strict applies to "
+                     f"{', '.join(SPEC_COMMANDS)})")
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="mergefs: %(message)s", stream=sys.stderr)
     for name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp"):

@@ -22,6 +22,18 @@ from mergefs.spec.budget import parse_budget
 from mergefs.spec.model import Spec
 
 
+#: the width of tables written to a pipe, a file or a log (a terminal's own width otherwise):
+#: wide enough that no tensor, variant or model name is ever cut (rich would assume 80)
+PIPE_WIDTH = 10_000
+
+
+def console() -> Console:
+    """A console for stdout: the terminal's width, or :data:`PIPE_WIDTH` when stdout is not a
+    terminal (tables are as wide as their content, never cut)."""
+    out = Console()
+    return out if out.is_terminal else Console(width=PIPE_WIDTH)
+
+
 def _load(args: argparse.Namespace, any_variant: bool = False) -> Spec:
     """The spec; of a sweep spec, the ``--variant`` named (or, with ``any_variant``, the
     first: every variant has the same family and index); ``--budget`` applied."""
@@ -41,7 +53,7 @@ def cmd_index(args: argparse.Namespace) -> int:
           f"{got.experts} experts x {index.layout.n_blocks} blocks of "
           f"~{human_bytes(spec.block_size)}, {int(index.zero.sum())} zero-delta expert blocks")
     if args.tensors:
-        Console().print(tensor_table(index, args.tensors))
+        console().print(tensor_table(index, args.tensors))
     for where in got.published:
         print(f"published {where}")
     return 0
@@ -63,11 +75,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(session.plan.report(), sort_keys=True))
         else:
-            Console().print(plan_table(spec, session))
+            console().print(plan_table(spec, session))
             for line in bound_in_words(spec.method, session.plan.report()):
                 print(f"  {line}")
             if args.tensors:
-                Console().print(tensor_reads_table(session, args.tensors))
+                console().print(tensor_reads_table(session, args.tensors))
     finally:
         session.close()
     return 0
@@ -95,7 +107,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
     else:
-        Console().print(sweep_table(args.spec, rows))
+        console().print(sweep_table(args.spec, rows))
     if args.plot:
         plot(rows, args.plot)
         if not args.json:

@@ -19,7 +19,7 @@ def tensor_table(index: Any, top: int) -> Table:
         zero_share.append(float(index.zero[:, blocks.start:blocks.stop].mean()) if blocks else 1.0)
     order = sorted(range(len(lay.tensors)), key=lambda t: (-float(norms[:, t].sum()), t))[:top]
     table = Table(title=f"largest deltas by tensor (top {len(order)} of {len(lay.tensors)})")
-    table.add_column("tensor")
+    table.add_column("tensor", overflow="fold")  # a narrow terminal folds names, never cuts
     for i in range(norms.shape[0]):
         table.add_column(f"||D_{i}||", justify="right")
     table.add_column("zero-delta blocks", justify="right")
@@ -34,7 +34,7 @@ def plan_table(spec: Spec, session: Any) -> Table:
     rep = plan.report()
     table = Table(title=f"plan {rep['plan_hash'][:16]}  ({spec.method}, budget "
                         f"{spec.budget.describe()})", show_header=False)
-    table.add_column("what", style="bold")
+    table.add_column("what", style="bold", overflow="fold")
     table.add_column("value", justify="right")
     pct = (lambda a, b: f"  ({100 * a / b:.1f}%)" if b else "")
     table.add_row("budget", f"{human_bytes(rep['budget_bytes'])}{pct(rep['budget_bytes'], rep['total_expert_bytes'])}")
@@ -83,9 +83,11 @@ def plan_table(spec: Spec, session: Any) -> Table:
 def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
     """What the bound means for this plan, in plain words (a few short lines)."""
     tight, exact, update = rep["bound_tight"], rep["error_exact"], rep["update_norm"]
-    if tight is None:
-        return [(f"{method} is not additive: no error bound; exact at the full budget, and "
-                 "`mergefs merge` reports the measured deviation")]
+    if tight is None:  # nothing in mergefs measures it: say how to, not that it is done
+        return [f"{method} is not additive: no error bound, and mergefs does not measure the "
+                "deviation; the merge is exact at the full budget",
+                "to measure what this budget costs: `mergefs merge` at --budget full and at this "
+                "budget into two directories and compare their tensors"]
     if rep["planned_expert_bytes"] >= rep["nonzero_expert_bytes"]:
         return ["every non-zero expert block is read: the merge is exact"]
     if not update:
@@ -122,7 +124,8 @@ def tensor_reads_table(session: Any, top: int) -> Table:
     table = Table(title=f"expert reads by tensor (top {len(order)} of {len(lay.tensors)} by "
                         "bytes)")
     for col in ("tensor", "expert bytes", "read", "skipped", "zero-delta"):
-        table.add_column(col, justify="left" if col == "tensor" else "right")
+        table.add_column(col, justify="left" if col == "tensor" else "right",
+                         overflow="fold" if col == "tensor" else "ellipsis")
     for t in order:
         skipped = total_t[t] - read_t[t] - zero_t[t]
         table.add_row(lay.tensors[t], human_bytes(total_t[t]), human_bytes(read_t[t]),
@@ -146,7 +149,8 @@ def sweep_table(spec_path: str, rows: Sequence[Any]) -> Table:
     table = Table(title=f"what budgets buy ({spec_path}; from the index, nothing read)")
     for col in ("variant", "budget", "expert bytes read", "bound / update",
                 "error / update", "update energy kept"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
+        table.add_column(col, justify="left" if col == "variant" else "right",
+                         overflow="fold" if col == "variant" else "ellipsis")
     for r in rows:
         err = None if r.error_exact is None or not r.update_norm else \
             r.error_exact / r.update_norm

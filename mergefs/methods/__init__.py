@@ -14,6 +14,8 @@ from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
 )
+from mergefs.methods.exact import TORCH_SUM_MAX
+from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
 
 __all__ = [
     "METHODS",
@@ -71,8 +73,6 @@ def describe_methods() -> list[dict[str, Any]]:
 
 def blockwise_note(m: Method) -> str:
     """Whether the engine merges ``m`` block by block (else whole tensors), in words."""
-    from mergefs.methods.exact import TORCH_SUM_MAX
-    from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
 
     if m.elementwise(TORCH_SUM_MAX + 1, _defaults(m)):
         return "yes"

@@ -7,6 +7,8 @@ Pure; no I/O. Regenerate with
 from __future__ import annotations
 
 from mergefs.methods.base import REQUIRED, Method, Scope
+from mergefs.methods import _ALL, blockwise_note
+from mergefs.methods.base import ParamDef
 
 INTRO = """\
 # Merge methods: exact arithmetic
@@ -113,7 +115,6 @@ probabilities). `seed` is a mergefs parameter (default 0).
 
 
 def _param_line(p: object) -> str:
-    from mergefs.methods.base import ParamDef
 
     assert isinstance(p, ParamDef)
     scope = {Scope.GLOBAL: "global", Scope.MODEL: "per model (base included)",
@@ -142,7 +143,6 @@ def _method_section(m: Method) -> str:
 
 
 def render() -> str:
-    from mergefs.methods import _ALL, blockwise_note
 
     rows = []
     for m in _ALL:

@@ -9,6 +9,7 @@ from typing import Any
 from mergefs.methods.base import (
     BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, flag, require_torch, weight,
 )
+from mergefs.core.errors import MergefsError
 
 MULTISLERP = """\
 `X_i = W_i` (minus `W0` with a base), flattened; `w` float32 weights, divided by their sum when
@@ -52,7 +53,6 @@ def _multislerp(u: Unit) -> Any:
         if xs.shape[0] == 2:
             res = (xs[0] * w[0] + xs[1] * w[1]).view(xs.shape[1:])
             return res + base if base is not None else res
-        from mergefs.core.errors import MergefsError
 
         raise MergefsError(f"{u.tensor}: multislerp: the weighted sum of the inputs is zero "
                            "(antipodal inputs with balancing weights); change the weights")

@@ -8,6 +8,7 @@ Pure validation; no tensor bytes are read here.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -45,19 +46,49 @@ _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
+#: every top-level key a spec may give
+KNOWN_KEYS = _MERGEKIT_KEYS + _MERGEFS_KEYS
+#: how alike (difflib's ratio) an unknown top-level key must be to a known one to be taken for a
+#: typo of it, an error whether or not strict: budgt, bugdet, merge_methd, base_modle, model,
+#: blocksize are (0.8 and above); index, method, license, notes are not (mergekit ignores them,
+#: and so does a lenient spec, with one warning)
+TYPO_CUTOFF = 0.8
+#: a file that holds a NUL byte in its first 64 KiB is binary (a weights file), never a spec
+_SNIFF_BYTES = 1 << 16
+
+
+def typo_of(key: str, known: tuple[str, ...] = KNOWN_KEYS) -> str | None:
+    """The known key that ``key`` is a typo of, or None."""
+    got = difflib.get_close_matches(key, known, n=1, cutoff=TYPO_CUTOFF)
+    return got[0] if got else None
+
+
+def read_spec_docs(path: str | Path) -> list[Any]:
+    """The YAML documents of spec file ``path``. One-line errors for a file that cannot be read,
+    is not UTF-8 text (a weights file given by mistake: found from its first bytes, without
+    reading the whole file) or is not YAML."""
+    p = Path(path)
+    not_text = SpecError(f"{p}: not a YAML spec (not UTF-8 text; is it a weights file?)")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+            if b"\0" in head:
+                raise not_text
+            text = (head + f.read()).decode("utf-8")
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise not_text from None
+    try:
+        return list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
 
 
 def load_spec(path: str | Path, strict: bool = False) -> Spec:
     """Read and validate a spec file. ``strict``: ignored keys are errors, not warnings."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
+    docs = read_spec_docs(p)
     if len(docs) > 1:
         return _load_multi(docs, p, strict)
     return parse_spec(docs[0] if docs else None, base_dir=p.resolve().parent, source=str(p),
@@ -158,9 +189,16 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     for key in data:
         if key in _UNSUPPORTED_KEYS:
             raise spec_error(source, key, "this mergekit feature is not supported by mergefs yet")
-        if key not in _MERGEKIT_KEYS + _MERGEFS_KEYS:
+        if key not in KNOWN_KEYS:
+            meant = typo_of(str(key))
+            if meant is not None:  # an error even when lenient: the key meant is not set
+                raise spec_error(source, key, f"unknown key; did you mean `{meant}`?")
+            lenient.unknown_keys.append(str(key))
             lenient.ignore(key, "not a mergekit or mergefs key")
     method = data.get("merge_method")
+    if method is None:
+        raise lenient.required("merge_method", "required",
+                               f"; choose one of {', '.join(registry.METHODS)}")
     mdef = registry.get(method) if isinstance(method, str) else None
     if mdef is None:
         raise spec_error(source, "merge_method", f"{method!r} is not supported; choose one of "
@@ -182,6 +220,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                          hub_records)
     else:
         slices = []
+        if data.get("models") is None:
+            raise lenient.required("models", "required", ": a non-empty list of {model: PATH, "
+                                   "parameters: {...}} (or slices or modules)")
     lead = lead_slice(mdef, slices, base_given) if sliced else None
     models = [m for m, _ in lead.sources] if lead is not None else parse_models(
         data, base_dir, source, hub_config, hub_records)

@@ -1,6 +1,7 @@
 """The models and slices of a spec: which models each output layer merges, in which roles, with which parameters (mergekit's ``models``, ``slices`` and ``modules``). Pure validation; errors name the file and the key."""
 
 from __future__ import annotations
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,12 +49,23 @@ class Lenient:
     def __init__(self, source: str, strict: bool) -> None:
         self.source, self.strict = source, strict
         self.warnings: list[str] = []
+        #: the unknown top-level keys ignored so far (a missing key's error names one like it)
+        self.unknown_keys: list[str] = []
 
     def ignore(self, key: str, why: str, mergekit: str = "mergekit ignores it too") -> None:
         message = f"{self.source}: {key}: ignored ({why}; {mergekit})"
         if self.strict:
             raise spec_error(self.source, key, f"{why} (strict: ignored keys are errors)")
         self.warnings.append(message)
+
+    def required(self, key: str, message: str, otherwise: str = "") -> SpecError:
+        """The error for a missing required top-level ``key``: ``message``, then the unknown key
+        given that may have been meant for it (``method`` for merge_method, ``base`` for
+        base_model), or else ``otherwise``."""
+        near = [k for k in self.unknown_keys if len(k) >= 4 and k in key] or \
+            difflib.get_close_matches(key, self.unknown_keys, n=1, cutoff=0.6)
+        hint = f"; did you mean `{key}` instead of `{near[0]}`?" if near else otherwise
+        return spec_error(self.source, key, message + hint)
 
 
 def _method_value(source: str, key: str, pdef: ParamDef, value: Any) -> Any:
@@ -367,7 +379,7 @@ def resolve_method(m: Method, data: dict[str, Any], models: list[_Model], base: 
         if p.name in global_raw:
             _method_value(source, f"parameters.{p.name}", p, global_raw[p.name])
     if m.caps.base == BasePolicy.REQUIRED and base is None:
-        raise spec_error(source, "base_model", f"required by {m.name}")
+        raise lenient.required("base_model", f"required by {m.name}")
     has_base = base is not None and m.caps.base != BasePolicy.IGNORED
     inputs = _inputs(m, models, base, has_base, global_raw, lenient)
     if len({x.path for x in inputs}) != len(inputs):

@@ -32,11 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mergefs.core.errors import MergefsError, SpecError
 from mergefs.spec.model import Spec
-from mergefs.spec.load import parse_spec
+from mergefs.spec.load import KNOWN_KEYS, parse_spec, read_spec_docs, typo_of
 
 SWEEP_KEY = "sweep"
 VARIANTS_KEY = "variants"
@@ -63,12 +61,7 @@ def is_sweep(doc: Any) -> bool:
 
 def read_doc(path: str | Path) -> Any:
     p = Path(path)
-    try:
-        docs = list(yaml.safe_load_all(p.read_text()))
-    except OSError as exc:
-        raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
+    docs = read_spec_docs(p)
     if len(docs) > 1 and any(is_sweep(d) for d in docs):
         raise SpecError(f"{p}: sweep and variants are not supported in a multi-document spec")
     return docs[0] if len(docs) == 1 else docs
@@ -86,7 +79,11 @@ def _key_name(key: str) -> str:
 
 
 def _apply(doc: dict[str, Any], key: str, value: Any, where: str) -> None:
-    top = key.split(".", 1)[0]
+    top, dot, rest = key.partition(".")
+    if key != "weight" and top not in KNOWN_KEYS:
+        meant = typo_of(top, (*KNOWN_KEYS, "weight"))
+        if meant is not None:  # a variant of a typo would silently equal the others
+            raise SpecError(f"{where}: {key}: unknown key; did you mean `{meant}{dot}{rest}`?")
     if top in FIXED_KEYS:
         raise SpecError(f"{where}: {key}: a variant cannot change {top!r} (a sweep mount "
                         "serves one family over one index; mount another spec for another)")
