@@ -131,7 +131,10 @@ def check_outdir(out: Path, force: bool) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not force:
-        raise MergefsError(f"{out}: directory is not empty (use --force to replace it)")
+        raise MergefsError(f"{out}: directory is not empty (use --force to replace it)"
+                           if (out / MARKER).is_file() else
+                           f"{out}: directory is not empty and not written by mergefs (no "
+                           f"{MARKER}): empty it yourself or choose a new or empty directory")
     if not (out / MARKER).is_file():
         raise MergefsError(f"{out}: not empty and not written by mergefs (no {MARKER}); --force "
                            "replaces only earlier merge outputs: remove it yourself or choose "
