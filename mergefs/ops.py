@@ -35,7 +35,7 @@ from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
 from mergefs.index.published import publish as publish_index
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
-from mergefs.mount.lifecycle import check_mountpoint, ensure_index, run_mount
+from mergefs.mount.lifecycle import check_mountpoint, ensure_index, require_mount_extra, run_mount
 from mergefs.sources.local import Checkpoint
 from mergefs.spec.budget import Budget
 from mergefs.spec.load import load_spec, read_spec_docs
@@ -233,6 +233,7 @@ def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
           budget: Budget | None = None) -> int:
     """Mount a spec, or every variant of a sweep spec (``args``: the mount's options, as the
     CLI's ``mount`` command takes them)."""
+    require_mount_extra()  # first: one line saying how to install pyfuse3 and trio
     if not is_sweep(read_doc(spec_path)):
         spec = load(spec_path, strict=strict, budget=budget)
         if spec.budget.kind == "bytes":  # is it more than all expert bytes? (the index knows)

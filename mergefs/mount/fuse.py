@@ -12,6 +12,9 @@ Thread use: the handlers run on the trio thread. ``lookup``, ``getattr``, ``read
 when every byte is cached (``View.read_cached``: no lock, no copy for a range in one unit);
 otherwise ``open`` and ``read`` call the view in a worker thread (``trio.to_thread.run_sync``)
 under a ``trio.CapacityLimiter``. :func:`notify_store` is for worker threads only.
+
+Importing this module needs the mount extra (pyfuse3, trio): only the serving path imports it
+(``mergefs.mount.lifecycle``, after ``require_mount_extra``), never ``import mergefs``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ manifest gets its totals and is closed. ``mergefs umount`` is :mod:`mergefs.moun
 ``mergefs stats`` and ``mergefs reload`` are :mod:`mergefs.mount.control` (the CLI and the API
 call ``run_umount``, ``run_stats`` and ``is_mounted`` from here: ``__all__``).
 
+The mount is an extra (``pip install 'mergefs[mount]'``: pyfuse3 and trio): this module imports
+them, and the FUSE adapter (:mod:`mergefs.mount.fuse`, a subclass of ``pyfuse3.Operations``), only
+in the functions that serve, so ``import mergefs``, ``mergefs umount`` and ``mergefs stats`` work
+without them; :func:`run_mount` first checks that they import (:func:`require_mount_extra`: one
+line saying how to install them).
+
 Thread use: only ``_serve_fuse`` and its tasks run on the trio thread; everything else here runs
 before or after trio, in the main thread. The readiness probe stats the mount from a worker thread.
 """
@@ -31,9 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyfuse3
-import trio
-
 from mergefs.core.cache import UnitCache
 from mergefs.core.errors import MergefsError
 from mergefs.core.progress import byte_progress
@@ -46,7 +49,7 @@ from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
 from mergefs.mount.control import run_stats
-from mergefs.mount.fuse import Operations, mount_options, notify_store
+from mergefs.mount.pages import StoreFn
 from mergefs.mount.session import ROOT, MountSession
 from mergefs.mount.umount import is_mounted, mount_device, run_umount
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
@@ -56,9 +59,10 @@ from mergefs.spec.variants import Variant
 if TYPE_CHECKING:
     from mergefs.sources.local import Checkpoint
 
-__all__ = ["MountConfig", "Opened", "check_mountpoint", "default_cache_bytes", "ensure_index",
-           "forks_safely", "is_mounted", "make_config", "mount_device", "run_mount",
-           "run_stats", "run_umount", "serve", "set_read_ahead"]
+__all__ = ["MOUNT_EXTRA", "MountConfig", "Opened", "check_mountpoint", "default_cache_bytes",
+           "ensure_index", "forks_safely", "is_mounted", "make_config", "mount_device",
+           "require_mount_extra", "run_mount", "run_stats", "run_umount", "serve",
+           "set_read_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,20 @@ DEFAULT_CACHE_CAP = 8 << 30
 # requests: 128 KiB by default; 1-4 MiB gives 1 MiB requests (libfuse 3.14's max_pages 256) and
 # a few of them in flight.
 READ_AHEAD_KB = 4096
+#: what ``mergefs mount`` says when pyfuse3 or trio cannot be imported (pyproject's ``mount``)
+MOUNT_EXTRA = ("mergefs mount needs the mount extra: apt install fuse3 libfuse3-dev pkg-config, "
+               "then pip install 'mergefs[mount]'")
+
+
+def require_mount_extra() -> None:
+    """Raise :class:`MergefsError` (:data:`MOUNT_EXTRA`, one line) unless pyfuse3 and trio
+    import. pyfuse3 builds against libfuse3, so a missing system library fails here too."""
+    try:
+        import pyfuse3  # noqa: F401 - the mount extra: imported where it serves
+        import trio  # noqa: F401
+    except ImportError as exc:
+        log.debug("cannot import the mount extra: %s", exc)
+        raise MergefsError(MOUNT_EXTRA) from None
 
 
 @dataclass(frozen=True)
@@ -196,6 +214,7 @@ def run_mount(args: argparse.Namespace, spec: Spec,
               variants: Sequence[tuple[Variant, Spec]] | None = None) -> int:
     """Mount ``spec``; with ``variants`` (a sweep spec's, ``spec`` the first one's), mount
     every variant as a directory of one sweep mount (:func:`serve`)."""
+    require_mount_extra()
     cfg = make_config(args, spec)
     explicit = getattr(args, "manifest", None)
     if explicit:
@@ -296,6 +315,8 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
     directory, SIGHUP (``mergefs reload``) adding those the changed spec file lists; without,
     ``spec`` is served at the root. ``opened``: the family and index :func:`ensure_index`
     opened (owned from here on)."""
+    import trio  # the mount extra (require_mount_extra)
+
     sweep = variants is not None
     found = list(variants) if variants is not None else [(Variant(ROOT, {}, dict(spec.raw)), spec)]
     # load the compiled kernels (numba import, disk cache) on a thread from now on: the mount
@@ -332,6 +353,13 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
 
 
 async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+    import pyfuse3  # the mount extra (require_mount_extra)
+    import trio
+
+    # the adapter subclasses pyfuse3.Operations: importing it needs the extra, so only serving
+    # imports it (a deferred optional dependency; fuse imports nothing of lifecycle)
+    from mergefs.mount.fuse import Operations, mount_options, notify_store
+
     ops = Operations(view, trio.CapacityLimiter(cfg.threads))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         try:
@@ -341,7 +369,7 @@ async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, view)
-                nursery.start_soon(_announce_when_ready, view, cfg, ready)
+                nursery.start_soon(_announce_when_ready, view, cfg, ready, notify_store)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         finally:
@@ -358,6 +386,9 @@ async def _serve_fuse(view: View, cfg: MountConfig, ready: Callable[[], None]) -
 async def _watch_signals(signals: Any, view: View) -> None:
     """SIGINT/SIGTERM unmount; SIGHUP reloads a sweep mount's spec (in a worker thread: it
     opens and plans the new variants) and is ignored, logged, by any other mount."""
+    import pyfuse3  # the mount extra (require_mount_extra)
+    import trio
+
     async for signum in signals:
         if signum == signal.SIGHUP:
             if not view.mount.sweep:
@@ -371,16 +402,19 @@ async def _watch_signals(signals: Any, view: View) -> None:
         return
 
 
-async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[], None]) -> None:
+async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[], None],
+                               store: StoreFn) -> None:
     """Once the kernel routes requests to us (a stat through the mount): widen the mount's
-    readahead window, start pushing merged units into the page cache (and the warm-up when
-    asked for), then call ``ready``."""
+    readahead window, start pushing merged units into the page cache through ``store`` (the
+    adapter's ``notify_store``; and the warm-up when asked for), then call ``ready``."""
+    import trio  # the mount extra (require_mount_extra)
+
     mountpoint = cfg.mountpoint
     await trio.to_thread.run_sync(os.stat, mountpoint / STATE_DIR / STATS_NAME)
     log.info("mounted at %s", mountpoint)
     if cfg.read_ahead_kb > 0:
         set_read_ahead(mountpoint, cfg.read_ahead_kb)
-    view.enable_page_store(notify_store)
+    view.enable_page_store(store)
     if cfg.warm:
         def lookup(rel: str) -> None:
             os.stat(mountpoint / rel)
