@@ -147,7 +147,8 @@ def require_ray(ray: str | None) -> None:
 
 def open_manifest(spec: Spec, explicit: str | os.PathLike[str] | None) -> ManifestWriter:
     """The run's manifest writer: ``explicit`` exactly (refused if it exists), else a new
-    timestamped file beside the spec's ``manifest`` path, which then points at it."""
+    timestamped file beside the spec's ``manifest`` path, which points at it once the run
+    completes. A run that fails or is interrupted removes its manifest (ManifestWriter.close)."""
     return ManifestWriter(explicit) if explicit else ManifestWriter.for_run(spec.manifest)
 
 

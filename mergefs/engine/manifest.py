@@ -4,6 +4,11 @@ One complete JSON object per line, flushed after each line, so a crash leaves on
 (plus at most one torn last line, which readers ignore and report). Records (schema in
 docs/manifest.md): ``header`` first, then ``read`` and ``output`` records as they happen, then
 ``totals``. The writer is thread-safe; writes are small and may run on any worker thread.
+
+A manifest that stays names a run that completed (its totals written), one still running (its
+writer holds the file's ``flock``), or one killed before it could clean up. A run closed without
+its totals (an error, Ctrl-C) removes its own file; a killed run's is removed by the next run
+beside the same pointer (:func:`collect_incomplete`). The pointer moves only to a complete run.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import fcntl
 import json
 import logging
 import os
+import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +33,10 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 #: a sweep mount's manifest: a ``sweep`` header, then every variant's records tagged "variant"
 SWEEP_SCHEMA_VERSION = 2
+#: an empty run manifest younger than this may be a run between creating and locking its file
+EMPTY_GRACE_SECONDS = 60.0
+#: how much of a manifest's end is read to find its last record (a totals record is small)
+TAIL_BYTES = 1 << 20
 
 
 class ManifestWriter:
@@ -35,8 +46,11 @@ class ManifestWriter:
     first record and held under an exclusive ``flock`` until :meth:`close`, so a second writer
     of the same path is refused naming the holder's pid (recorded in the header as ``pid``).
     ``ManifestWriter(path)`` writes exactly ``path`` (refused if it exists);
-    :meth:`for_run` writes a new timestamped file beside a *pointer* path and points the pointer
-    (a symlink) at it, so every run keeps its own record and the pointer names the latest.
+    :meth:`for_run` writes a new timestamped file beside a *pointer* path and, once the run is
+    complete, points the pointer (a symlink) at it, so every run keeps its own record and the
+    pointer names the latest complete one. A run is complete once its final ``totals`` record
+    is written (a record of type ``totals`` without ``variant``: a merge's, a plain mount's, a
+    sweep mount's own); :meth:`close` of an incomplete run removes its file.
     """
 
     def __init__(self, path: str | Path | None, keep_lines: bool = False, *,
@@ -47,26 +61,29 @@ class ManifestWriter:
         self._file: Any = None
         self._keep = keep_lines
         self.lines: list[str] = []
+        self.complete = False  # the run's final totals record is written
         if self.path is not None and self.pointer is None:
             refuse_existing(self.path)
 
     @classmethod
     def for_run(cls, pointer: str | Path, keep_lines: bool = False) -> ManifestWriter:
-        """A writer of a fresh ``<stem>.<UTC time>.jsonl`` beside ``pointer``; the pointer
-        becomes a symlink to it when the first record is written. A regular file already at the
-        pointer (a manifest of an older mergefs) is kept, renamed to its own timestamped name."""
+        """A writer of a fresh ``<stem>.<UTC time>.jsonl`` beside ``pointer`` (created at the
+        first record); the pointer becomes a symlink to it when the run completes (:meth:`close`
+        after the totals). A regular file already at the pointer (a manifest of an older
+        mergefs) is then kept, renamed to its own timestamped name. Manifests of killed runs
+        beside the pointer are removed now (:func:`collect_incomplete`)."""
         pointer = Path(pointer)
         _check_pointer(pointer)
+        collect_incomplete(pointer)
         return cls(_run_path(pointer, time.time()), keep_lines, pointer=pointer)
 
     def _open(self) -> None:
-        """Create the file (exclusively) and lock it; repoint the pointer. Under ``_lock``."""
+        """Create the file (exclusively) and lock it. Under ``_lock``."""
         assert self.path is not None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.pointer is not None:
-                self.path = _create_unique(self.path)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                self.path, fd = _create_unique(self.path, os.O_WRONLY | os.O_APPEND)
             else:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
                              | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
@@ -76,8 +93,6 @@ class ManifestWriter:
             raise ManifestError(f"{self.path}: cannot write manifest: {exc.strerror}") from None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
         self._file = os.fdopen(fd, "w", encoding="utf-8")
-        if self.pointer is not None:
-            _repoint(self.pointer, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         if record.get("type") == "header":
@@ -92,18 +107,47 @@ class ManifestWriter:
                 self._open()
             self._file.write(line + "\n")
             self._file.flush()
+            if _is_final_totals(record):
+                self.complete = True
 
     def text(self) -> str:
         with self._lock:
             return "".join(line + "\n" for line in self.lines)
 
     def close(self) -> None:
+        """Finish the file: a complete run's is synced and (for :meth:`for_run`) the pointer
+        moved to it; an incomplete run's (an error or an interrupt before the totals) is removed.
+        Either while the file is still locked; closing twice does nothing."""
         with self._lock:
-            if self._file is not None:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()  # releases the flock
-                self._file = None
+            f, self._file = self._file, None
+            if f is None:
+                return
+            assert self.path is not None
+            if not self.complete:
+                try:
+                    self.path.unlink(missing_ok=True)
+                    # (debug: the run's own error is the one line the CLI prints)
+                    log.debug("%s: removed the manifest of a run that did not complete",
+                              self.path)
+                finally:
+                    try:
+                        f.close()  # releases the flock
+                    except OSError:  # (a failed flush of what is removed anyway)
+                        pass
+                return
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+                if self.pointer is not None:
+                    _point(self.pointer, self.path)
+            finally:
+                f.close()  # releases the flock
+
+
+def _is_final_totals(record: Any) -> bool:
+    """The record that completes a run: ``totals`` of the whole run, not of one sweep variant."""
+    return isinstance(record, dict) and record.get("type") == "totals" \
+        and "variant" not in record
 
 
 def _is_manifest(path: Path) -> bool:
@@ -183,18 +227,97 @@ def _run_path(pointer: Path, when: float) -> Path:
     return pointer.with_name(f"{stem}.{stamp}{suffix}")
 
 
-def _create_unique(path: Path) -> Path:
-    """Create ``path`` exclusively, or ``<stem>-2<suffix>``, ``-3``, ... if taken."""
+def _create_unique(path: Path, flags: int = os.O_WRONLY) -> tuple[Path, int]:
+    """Create ``path`` exclusively, or ``<stem>-2<suffix>``, ``-3``, ... if taken; returns the
+    name and a descriptor opened with ``flags``."""
     stem, suffix = path.name[: -len(path.suffix)], path.suffix
     for k in range(1, 10000):
         cand = path if k == 1 else path.with_name(f"{stem}-{k}{suffix}")
         try:
-            os.close(os.open(cand, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o644))
-            return cand
+            return cand, os.open(cand, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             continue
     raise ManifestError(f"{path}: cannot find a free manifest name")
+
+
+def _point(pointer: Path, target: Path) -> None:
+    """Point ``pointer`` at a complete run's ``target``, unless something not ours appeared at
+    the pointer meanwhile (then only logged: the run itself completed)."""
+    try:
+        _check_pointer(pointer)
+        _repoint(pointer, target)
+    except (ManifestError, OSError) as exc:
+        log.warning("%s: not pointed at the manifest %s: %s", pointer, target, exc)
+
+
+def _run_pattern(pointer: Path) -> re.Pattern[str]:
+    """The names :func:`_run_path` and :func:`_create_unique` give runs beside ``pointer``."""
+    suffix = pointer.suffix or ".jsonl"
+    stem = pointer.name[: -len(pointer.suffix)] if pointer.suffix else pointer.name
+    return re.compile(rf"{re.escape(stem)}\.\d{{8}}T\d{{6}}Z(-\d+)?{re.escape(suffix)}")
+
+
+def collect_incomplete(pointer: Path) -> list[Path]:
+    """Remove the run manifests beside ``pointer`` that no run will complete: named as runs
+    are, a mergefs manifest (or empty for longer than :data:`EMPTY_GRACE_SECONDS`), not locked by
+    a writer (a live run), without a final totals record (a killed run: kill -9, power loss).
+    Each is checked and removed while this process holds its lock. Returns what was removed."""
+    pattern = _run_pattern(pointer)
+    try:
+        names = sorted(n for n in os.listdir(pointer.parent) if pattern.fullmatch(n))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = pointer.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, a symlink, not ours to read
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live run holds it
+            if _incomplete(fd):
+                os.unlink(path)
+                removed.append(path)
+                log.info("%s: removed the manifest of a run that was killed before it "
+                         "completed (no totals)", path)
+        except OSError as exc:
+            log.warning("%s: cannot check or remove an incomplete manifest: %s", path, exc)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _incomplete(fd: int) -> bool:
+    """Whether the regular file ``fd`` is a mergefs manifest without its final totals (or has
+    stayed empty past the grace period)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if st.st_size == 0:
+        return time.time() - st.st_mtime > EMPTY_GRACE_SECONDS
+    first = os.pread(fd, min(st.st_size, 1 << 20), 0).split(b"\n", 1)[0]
+    try:
+        header = json.loads(first)
+    except ValueError:
+        return False  # not a manifest: never removed
+    if not (isinstance(header, dict) and header.get("type") == "header"
+            and "mergefs_version" in header):
+        return False
+    start = max(0, st.st_size - TAIL_BYTES)
+    tail = os.pread(fd, st.st_size - start, start)
+    lines = tail[:tail.rfind(b"\n") + 1].splitlines()
+    if not lines:
+        return True
+    try:
+        last = json.loads(lines[-1])
+    except ValueError:
+        return True
+    return not _is_final_totals(last)
 
 
 def _repoint(pointer: Path, target: Path) -> None:
@@ -202,7 +325,8 @@ def _repoint(pointer: Path, target: Path) -> None:
     older mergefs's manifest, checked by ``_check_pointer``) is first kept under its own
     timestamped name."""
     if pointer.exists() and not pointer.is_symlink():
-        kept = _create_unique(_run_path(pointer, pointer.stat().st_mtime))
+        kept, fd = _create_unique(_run_path(pointer, pointer.stat().st_mtime))
+        os.close(fd)
         os.replace(pointer, kept)
         log.info("kept the earlier manifest %s as %s", pointer, kept)
     tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.link")
@@ -234,6 +358,9 @@ def iter_records(path: str | Path) -> Iterator[dict[str, Any] | None]:
                 yield rec if isinstance(rec, dict) and line.endswith("\n") else None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not a mergefs manifest (not UTF-8 text; is it a weights "
+                            "file?)") from None
 
 
 class _Parts:
