@@ -44,8 +44,13 @@ def run_stats(args: argparse.Namespace) -> int:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     full = data["base_tensor_bytes"] + data["total_expert_bytes"]
-    table.add_row("weight bytes served", f"{human_bytes(data['served_bytes']['weights'])} (weight "
-                  f"files: {human_bytes(data['weight_file_bytes'])})")
+    served = data["served_bytes"]
+    table.add_row("weight bytes served", f"{human_bytes(served['weights'])} (weight files: "
+                  f"{human_bytes(data['weight_file_bytes'])})")
+    table.add_row("  by FUSE reads",
+                  human_bytes(served.get("weights_fuse_reads", served["weights"])))
+    table.add_row("  by pages pushed into the page cache",
+                  human_bytes(served.get("weights_pushed", 0)))
     table.add_row("source bytes read / full merge", f"{human_bytes(sum(read.values()))} of "
                   f"{human_bytes(full)}{_pct(sum(read.values()), full)}")
     table.add_row("base bytes read", f"{human_bytes(read.get('base', 0))}")
@@ -101,7 +106,8 @@ def sweep_stats_table(args: argparse.Namespace, data: dict[str, Any]) -> Any:
                       human_bytes(v["planned_expert_bytes"]))
     sc = shared["source_cache"]
     caption = [(f"merged units: {shared['units_merged']} merged, {shared['units_shared']} "
-                "served from another variant's merge"), f"read errors: {data['read_errors']}"]
+                "served from another variant's merge"), f"read errors: {data['read_errors']}",
+               "served: FUSE reads + pages pushed into the kernel page cache"]
     if sc:
         caption.insert(0, f"shared source cache: {human_bytes(sc['hit_bytes'])} served from "
                           f"memory, {human_bytes(sc['miss_bytes'])} read from disk")

@@ -62,12 +62,14 @@ class PagePusher:
         self._lock = threading.Condition()
         self._store: StoreFn | None = None
         self._inodes: dict[int, int] = {}  # id(WeightFile) -> inode
+        self._variants: dict[int, str] = {}  # id(WeightFile) -> the variant it belongs to
         self._frontier: dict[int, int] = {}  # id(WeightFile) -> furthest byte a read reached
         self._active = 0  # store calls running now
         self._stopping = threading.Event()
         self._warm_threads: list[threading.Thread] = []
         self._warm_t0: float | None = None
         self.stored_bytes = 0
+        self._stored_by_variant: dict[str, int] = {}
         self.store_calls = 0
         self.store_errors = 0
         self.warm_units = 0
@@ -80,11 +82,14 @@ class PagePusher:
         self._thread: threading.Thread | None = None
 
     # -- enabling ----------------------------------------------------------------------------
-    def add_inodes(self, inodes: dict[int, int]) -> None:
+    def add_inodes(self, inodes: dict[int, int], variant: str | None = None) -> None:
         """The inodes of weight files (``id(WeightFile) -> inode``): only files known here are
-        pushed (a reload adds its variants' files)."""
+        pushed (a reload adds its variants' files). ``variant``: the one they belong to, for
+        :meth:`stored_by_variant`."""
         with self._lock:
             self._inodes.update(inodes)
+            if variant is not None:
+                self._variants.update(dict.fromkeys(inodes, variant))
 
     def enable(self, store: StoreFn) -> None:
         """Start pushing through ``store(inode, offset, data)``."""
@@ -186,6 +191,7 @@ class PagePusher:
         with self._lock:
             store = self._store
             inode = self._inodes.get(id(wf))
+            variant = self._variants.get(id(wf))
             if store is None or inode is None:
                 return
             self._active += 1
@@ -196,6 +202,9 @@ class PagePusher:
                 with self._lock:
                     self.store_calls += 1
                     self.stored_bytes += len(piece[1])
+                    if variant is not None:
+                        self._stored_by_variant[variant] = \
+                            self._stored_by_variant.get(variant, 0) + len(piece[1])
         except OSError as exc:
             with self._lock:
                 self.store_errors += 1
@@ -313,8 +322,15 @@ class PagePusher:
             self._thread.join()
             self._thread = None
 
+    def stored_by_variant(self) -> dict[str, int]:
+        """``stored_bytes`` by the variant whose weight files they were pushed into."""
+        with self._lock:
+            return dict(self._stored_by_variant)
+
     def stats(self) -> dict[str, Any]:
-        """``stored_bytes``/``store_calls``: bytes and calls pushed into the kernel page cache;
+        """``stored_bytes``/``store_calls``: bytes and calls pushed into the kernel page cache
+        (readers get those bytes without a FUSE read; a page on a unit boundary may be pushed
+        with each of its two units, and counts each time);
         ``store_errors``: failed pushes; ``store_dropped``: pushes not queued (queue full);
         ``store_skipped``: queued pushes of units a reader had read past by then; ``warm``:
         units and bytes the warm-up merged, failures, and its duration (None while running or

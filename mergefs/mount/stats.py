@@ -8,6 +8,10 @@ shared counters, the reload state). Both have the same top-level ``served_bytes`
 ``physical_bytes_read``, ``expert_bytes_read``, ``cache``, ``read_calls``, ``read_errors``,
 ``last_errors``, ``open_handles`` and ``uptime_seconds``.
 
+Served bytes (:func:`served_bytes`) are what the mount handed to the kernel for readers: what
+FUSE reads returned, plus the pages it pushed into the kernel's page cache, which readers get
+without a FUSE read (so FUSE reads alone count less than a ``cat`` of a file reads).
+
 Thread use: :meth:`ReadCounters.served_fast` runs on the trio thread only (no lock: its own
 counters); everything else takes the counters' lock and runs anywhere.
 """
@@ -88,9 +92,11 @@ class ReadCounters:
         return out
 
     def to_json(self, open_handles: int) -> dict[str, Any]:
+        """The counters; ``served_bytes`` has the FUSE reads only (:func:`served_bytes` adds
+        the pushed pages)."""
         with self._lock:
             return {
-                "served_bytes": {"weights": self.weight_bytes + self._fast_bytes,
+                "served_bytes": {"weights_fuse_reads": self.weight_bytes + self._fast_bytes,
                                  "other": self.other_bytes},
                 "read_calls": self.calls + self._fast_calls,
                 "read_errors": self.errors,
@@ -100,22 +106,45 @@ class ReadCounters:
             }
 
 
+def served_bytes(fuse_reads: dict[str, int], pushed_bytes: int) -> dict[str, int]:
+    """``served_bytes`` of stats.json, one meaning per key:
+
+    - ``weights_fuse_reads``: bytes FUSE read requests of weight files returned;
+    - ``weights_pushed``: bytes of weight files pushed into the kernel's page cache
+      (``kernel_pages.stored_bytes``): readers get them without a FUSE read;
+    - ``weights``: the two together, every weight byte the mount handed to the kernel. One
+      read of a whole file counts at least its size; a page is counted twice when it was
+      handed over twice (pushed with each unit on its boundary, or pushed while the kernel was
+      also reading it), and a read the kernel answers from its page cache again is not seen;
+    - ``other``: bytes FUSE read requests of every other file returned (nothing else is
+      pushed).
+    """
+    weights = fuse_reads["weights_fuse_reads"]
+    return {"weights": weights + pushed_bytes, "weights_fuse_reads": weights,
+            "weights_pushed": pushed_bytes, "other": fuse_reads["other"]}
+
+
 def stats_document(mount: MountSession, cache: UnitCache, reads: dict[str, Any],
-                   served_by: dict[str, int], physical: dict[str, int], uptime_seconds: float,
+                   read_by: dict[str, int], pushed_by: dict[str, int],
+                   physical: dict[str, int], uptime_seconds: float,
                    reader_stats: dict[str, dict[str, Any]], pages: dict[str, Any],
                    reload_state: dict[str, Any]) -> dict[str, Any]:
     """The content of ``.mergefs/stats.json``: ``reads`` is :meth:`ReadCounters.to_json`,
-    ``served_by`` :meth:`ReadCounters.by_variant`, ``physical`` the bytes read per source since
-    the mount session opened its variants, ``reader_stats`` each variant's readahead counters, ``pages`` the page
-    pusher's."""
+    ``read_by`` :meth:`ReadCounters.by_variant` (FUSE reads), ``pushed_by`` the bytes pushed
+    into the page cache by variant (:meth:`~mergefs.mount.pages.PagePusher.stored_by_variant`),
+    ``physical`` the bytes read per source since the mount session opened its variants,
+    ``reader_stats`` each variant's readahead counters, ``pages`` the page pusher's."""
     common = {
         "schema": STATS_SCHEMA, "mergefs_version": __version__, "pid": os.getpid(),
         "physical_bytes_read": physical,
         "expert_bytes_read": sum(v for k, v in physical.items() if k != "base"),
         "cache": cache.stats().to_json(), "uptime_seconds": round(uptime_seconds, 3), **reads,
+        "served_bytes": served_bytes(reads["served_bytes"], pages["stored_bytes"]),
     }
     if not mount.sweep:
         return {**common, **model_stats(mount, reader_stats[ROOT], pages)}
+    served_by = {name: read_by.get(name, 0) + pushed_by.get(name, 0)
+                 for name in {*read_by, *pushed_by}}
     return {**common, **sweep_stats(mount, served_by, reload_state, common)}
 
 
@@ -126,8 +155,9 @@ def model_stats(mount: MountSession, readahead: dict[str, Any], pages: dict[str,
     - ``physical_bytes_read[source]``: bytes ``pread`` returned from that source's weight files
       (``base``, or the expert's label: its shortest unique trailing path components);
       ``expert_bytes_read`` is their sum over experts; index building is not counted;
-    - ``served_bytes.weights`` / ``.other``: bytes ``read`` returned from weight files / from
-      every other file (passthrough files, shard index, ``.mergefs/``);
+    - ``served_bytes``: :func:`served_bytes`: ``weights`` = ``weights_fuse_reads`` (FUSE reads
+      of weight files) + ``weights_pushed`` (pages pushed into the kernel page cache);
+      ``other``: FUSE reads of every other file (passthrough files, shard index, ``.mergefs/``);
     - ``passthrough_file_bytes_read``: bytes read from the base's non-weight files;
     - ``units_merged`` / ``blocks_merged``: merge units produced by the engine / blocks they
       cover;
@@ -169,7 +199,8 @@ def sweep_stats(mount: MountSession, served_by: dict[str, int], reload_state: di
                 common: dict[str, Any]) -> dict[str, Any]:
     """A sweep's mount (``kind: sweep``; besides the common keys, which count all variants):
 
-    - ``variants[name]``: ``served_bytes`` (bytes read from the variant's directory),
+    - ``variants[name]``: ``served_bytes`` (bytes of the variant's directory handed to the
+      kernel: FUSE reads plus pages pushed into its page cache, as :func:`served_bytes`),
       ``units_merged`` / ``blocks_merged`` (by its own engine), ``units_shared`` (units it was
       served from another variant's merge), ``units_from_disk_cache``,
       ``requested_bytes_read[source]`` (source bytes its merges asked for, whether the shared

@@ -199,7 +199,7 @@ class View:
             self._insert(entries, self._weights_mtime, prefix=st.name, reader=reader,
                          variant=st.name)
             self.pages.add_inodes({id(n.weights): n.inode for n in list(self._nodes.values())
-                                   if n.weights is not None and n.reader is reader})
+                                   if n.weights is not None and n.reader is reader}, st.name)
 
     def _insert(self, entries: Entries, dir_mtime_ns: int, prefix: str = "",
                 reader: UnitReader | None = None, variant: str | None = None) -> None:
@@ -430,7 +430,8 @@ class View:
             handles = len(self._handles)
         return stats_document(
             self.mount, self.cache, self.counters.to_json(handles), self.counters.by_variant(),
-            self.mount.source_bytes(), time.monotonic() - self._started,
+            self.pages.stored_by_variant(), self.mount.source_bytes(),
+            time.monotonic() - self._started,
             {name: r.stats() for name, r in list(self.readers.items())}, self.pages.stats(),
             self.reload_state)
 
