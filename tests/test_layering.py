@@ -58,12 +58,28 @@ def _known(name: str) -> str:
     return name
 
 
-def edges() -> list[tuple[str, str, str, int]]:
-    """(importer, imported module, name or '', line) for every mergefs import in mergefs/."""
+#: modules that import a heavy optional dependency at their top (numba, pyfuse3): the only mergefs
+#: modules another module may import inside a function, so that a command that does not need
+#: them does not pay for (or need) that dependency
+DEFERRED = {"mergefs.deltas._numba_decode", "mergefs.methods._numba_kernels",
+            "mergefs.mount.fuse"}
+
+
+def _top_level(tree: ast.Module) -> set[int]:
+    """ids of the import nodes at module level (not inside a function, a class or an ``if``)."""
+    return {id(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+def edges(deferred_only: bool = False) -> list[tuple[str, str, str, int]]:
+    """(importer, imported module, name or '', line) for every mergefs import in mergefs/
+    (``deferred_only``: those not at module level)."""
     out = []
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text(), str(path))
+        top = _top_level(tree)
         for node in ast.walk(tree):
+            if deferred_only and id(node) in top:
+                continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == "mergefs" or alias.name.startswith("mergefs."):
@@ -120,6 +136,14 @@ def test_no_import_cycle():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_only_heavy_modules_are_imported_late():
+    """A function-local (or ``TYPE_CHECKING``) import of a mergefs module defers a heavy optional
+    dependency, never a cycle: only the modules in DEFERRED may be imported so."""
+    late = [f"{MODULES[a].relative_to(PKG.parent)}:{line}: {b}"
+            for a, b, _, line in edges(deferred_only=True) if b not in DEFERRED]
+    assert not late, "imports of mergefs modules inside functions:\n" + "\n".join(late)
 
 
 def test_no_private_name_crosses_a_package():

@@ -35,10 +35,11 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mergefs.core.cache import UnitCache
 from mergefs.core.errors import MergefsError
+from mergefs.sources.local import Checkpoint
 from mergefs.core.progress import byte_progress
 from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.engine.manifest import ManifestWriter
@@ -55,9 +56,6 @@ from mergefs.mount.umount import is_mounted, mount_device, run_umount
 from mergefs.mount.view import STATE_DIR, STATS_NAME, View
 from mergefs.spec.model import Spec
 from mergefs.spec.variants import Variant
-
-if TYPE_CHECKING:
-    from mergefs.sources.local import Checkpoint
 
 __all__ = ["MOUNT_EXTRA", "MountConfig", "Opened", "check_mountpoint", "default_cache_bytes",
            "ensure_index", "forks_safely", "is_mounted", "make_config", "mount_device",
