@@ -52,7 +52,7 @@ def llama_family(tmp_path_factory: pytest.TempPathFactory) -> Family:
 @pytest.fixture
 def mounts(tmp_path: Path) -> Iterator[Any]:
     """Real mounts in subprocesses (tests/test_mount.py::Mounts), always unmounted after."""
-    from test_mount import Mounts
+    from mounting import Mounts
 
     m = Mounts(tmp_path)
     try:
