@@ -1,11 +1,10 @@
-"""A real Ray cluster on 127.0.0.1 for ``python -m bench ray``: a head node and worker nodes,
-each a ``ray start --block`` process of its own, started here and stopped here (the test
-suite's ``tests/raycluster.py``, the same code).
+"""A real Ray cluster on 127.0.0.1 for tests and benchmarks: a head node and worker nodes, each a
+``ray start --block`` process of its own, started here and stopped here.
 
 Every node runs in a session (process group) of its own, and :meth:`LocalRayCluster.stop` ends
 exactly those groups (SIGTERM, then SIGKILL): never ``ray stop``, which ends every Ray process of
 the machine, other users' included. Each node gets explicit free ports and ``--num-cpus`` (1 by
-default): the project machines have 2 cores shared between several users. This module does not
+default): the test machines have 2 cores shared between several users. This module does not
 import mergefs or ray (the ``ray`` command of the running interpreter's environment is used).
 """
 
@@ -23,8 +22,8 @@ from pathlib import Path
 
 
 def _die_with_parent() -> None:
-    """In the node's process (before exec): SIGTERM when the benchmark's process dies, however
-    it dies (SIGKILL, a timeout), so `ray start --block` stops its node instead of leaking it."""
+    """In the node's process (before exec): SIGTERM when the test process dies, however it
+    dies (SIGKILL, a CI timeout), so `ray start --block` stops its node instead of leaking it."""
     import ctypes
 
     pr_set_pdeathsig = 1
@@ -98,8 +97,7 @@ class LocalRayCluster:
             self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log,
                                                stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                               # prctl only, before exec: no lock taken
-                                               preexec_fn=_die_with_parent))  # noqa: PLW1509
+                                               preexec_fn=_die_with_parent))
 
     def start(self, timeout_s: float = 60.0, attempts: int = 3) -> LocalRayCluster:
         """Start the nodes and wait until every one has joined (raises, after stopping, if not).

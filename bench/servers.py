@@ -1,20 +1,24 @@
-"""Object servers on 127.0.0.1 for the remote benchmarks, counting at the server what they
-answer (independently of mergefs's own counters):
+"""Real object servers on 127.0.0.1 for the remote-source tests and ``python -m bench``.
 
-- :class:`RangeHTTPServer`: a directory over HTTP/1.1 (keep-alive), ``HEAD`` and single
-  ``Range: bytes=a-b`` requests, ``ETag`` and ``Last-Modified``;
-- :class:`CountingMotoServer`: moto's standalone S3 server (``moto[server]``) behind a WSGI
-  middleware that records every request and the body bytes it returned.
+- :class:`RangeHTTPServer`: serves a directory over HTTP/1.1 (keep-alive) with ``HEAD``, single
+  ``Range: bytes=a-b`` requests, ``ETag``/``Last-Modified`` (optional), and injectable faults
+  (a status code, or ``"reset"``: half the body then a TCP reset) and denials; it records every
+  request it answers (a reset one with status 0).
+- :class:`CountingMotoServer`: moto's standalone S3 server behind a WSGI middleware that records
+  every request and the body bytes it returned, and can deny keys with a real ``AccessDenied``.
 
-The test suite's servers (``tests/servers.py``) are the same, with injectable faults and
-denials besides. This module does not import mergefs.
+Both count at the server, independently of mergefs's own counters. This module does not import
+mergefs.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+import struct
 import threading
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from email.utils import formatdate
@@ -25,7 +29,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Served:
-    """One request answered: method, path, status, the byte range of the body ``[start, end)``."""
+    """One request answered: method, path, the byte range of the body (``[start, end)``)."""
 
     method: str
     path: str
@@ -36,10 +40,12 @@ class Served:
 
 @dataclass
 class Log:
-    """Thread-safe record of the requests answered."""
+    """Thread-safe record of requests; ``faults[path]`` is consumed one action per GET."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     served: list[Served] = field(default_factory=list)
+    faults: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    deny: set[str] = field(default_factory=set)
 
     def add(self, s: Served) -> None:
         with self.lock:
@@ -48,6 +54,14 @@ class Log:
     def reset(self) -> None:
         with self.lock:
             self.served.clear()
+
+    def next_fault(self, path: str) -> str | None:
+        with self.lock:
+            todo = self.faults.get(path)
+            return todo.pop(0) if todo else None
+
+    def denied(self, path: str) -> bool:
+        return any(path.startswith(p) for p in self.deny)
 
     def requests(self, path_part: str = "", method: str | None = None) -> list[Served]:
         with self.lock:
@@ -64,8 +78,9 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 class RangeHTTPServer:
     """A static file server honouring single Range requests. ``url`` is its base URL."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, etags: bool = True) -> None:
         self.root = Path(root).resolve()
+        self.etags = etags
         self.log = Log()
         server = self
 
@@ -82,6 +97,8 @@ class RangeHTTPServer:
                 self._serve(head=False)
 
             def _empty(self, status: int, path: str, method: str) -> None:
+                # logged before the response leaves: a client that has its answer (and a test
+                # that then resets the log) never races the server's bookkeeping
                 server.log.add(Served(method, path, status))
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
@@ -90,6 +107,11 @@ class RangeHTTPServer:
             def _serve(self, head: bool) -> None:
                 method = "HEAD" if head else "GET"
                 path = self.path.split("?", 1)[0]
+                if server.log.denied(path):
+                    return self._empty(403, path, method)
+                fault = None if head else server.log.next_fault(path)
+                if fault is not None and fault != "reset":
+                    return self._empty(int(fault), path, method)
                 target = (server.root / path.lstrip("/")).resolve()
                 if server.root not in target.parents or not target.is_file():
                     return self._empty(404, path, method)
@@ -108,7 +130,8 @@ class RangeHTTPServer:
                 self.send_header("Content-Length", str(end - start))
                 self.send_header("Accept-Ranges", "bytes")
                 self.send_header("Last-Modified", formatdate(st.st_mtime, usegmt=True))
-                self.send_header("ETag", f'"{st.st_mtime_ns:x}-{size:x}"')
+                if server.etags:
+                    self.send_header("ETag", f'"{st.st_mtime_ns:x}-{size:x}"')
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
                 if head:
@@ -118,7 +141,16 @@ class RangeHTTPServer:
                 with open(target, "rb") as f:
                     f.seek(start)
                     body = f.read(end - start)
-                server.log.add(Served(method, path, status, start, end))
+                if fault == "reset":  # half the body, then a TCP reset
+                    server.log.add(Served(method, path, 0))
+                    self.end_headers()
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return None
+                server.log.add(Served(method, path, status, start, end))  # before it leaves
                 self.end_headers()
                 self.wfile.write(body)
                 return None
@@ -143,7 +175,10 @@ class RangeHTTPServer:
 
 
 class CountingMotoServer:
-    """moto's S3 server on a free port of 127.0.0.1, recording requests in ``log``."""
+    """moto's S3 server on a free port of 127.0.0.1, recording requests in ``log``.
+
+    ``log.deny`` holds path prefixes (``/bucket/key``) answered with 403 AccessDenied.
+    """
 
     def __init__(self) -> None:
         self.log = Log()
@@ -175,6 +210,13 @@ class CountingMotoServer:
         def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]
                     ) -> Iterable[bytes]:
             method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+            if log.denied(path):
+                body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied'
+                        b"</Code><Message>Access Denied</Message></Error>")
+                start_response("403 Forbidden", [("Content-Type", "application/xml"),
+                                                  ("Content-Length", str(len(body)))])
+                log.add(Served(method, path, 403))
+                return [body if method != "HEAD" else b""]
             status: list[int] = [0]
 
             def sr(st: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
@@ -215,6 +257,6 @@ def upload_tree(fs: Any, local: Path, remote: str) -> None:
             fs.put_file(str(p), f"{remote}/{p.relative_to(local).as_posix()}")
 
 
-#: moto accepts any credentials; these keep boto from looking for real ones
+#: credentials moto accepts, for the processes that talk to CountingMotoServer
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1"}

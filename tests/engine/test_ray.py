@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 import yaml
 from families import Family, make_family
-from servers import CountingMotoServer, upload_tree
+from bench.servers import CountingMotoServer, upload_tree
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install "
                           "'mergefs[ray]'): Ray tests skipped")
 pytest.importorskip("s3fs", reason="the remote extra is not installed: Ray tests skipped")
 pytest.importorskip("moto", reason="moto is not installed: Ray tests skipped")
 
-from raycluster import LocalRayCluster, ray_command
+from bench.raycluster import LocalRayCluster, ray_command
 
 import mergefs
 from mergefs import cli
@@ -413,7 +413,7 @@ def test_an_unreachable_address_fails_at_once_writing_nothing(
         tmp_path: Path, fam: Family, capsys: pytest.CaptureFixture[str]) -> None:
     """Ray retries an unreachable GCS for minutes; mergefs checks HOST:PORT first (review
     finding: the merge hung with no mergefs error, after writing its manifest header)."""
-    from raycluster import free_port
+    from bench.raycluster import free_port
 
     spec = write_spec(tmp_path / "s.yaml", str(fam.base), [str(e) for e in fam.experts])
     address = f"127.0.0.1:{free_port()}"

@@ -232,7 +232,7 @@ def test_union_over_http_equals_the_local_union(vocab_family: dict[str, Path],
                                                 tmp_path: Path) -> None:
     """Models behind HTTP: their tokenizer files are fetched (small files), their vocabulary
     tensors read by ranges; the output equals the same merge of the local directories."""
-    from servers import RangeHTTPServer
+    from bench.servers import RangeHTTPServer
 
     root = vocab_family["base"].parent
     tokens = {"gamma": {"source": {"kind": "model_token", "model": str(vocab_family["a"]),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 from families import Family, make_family
-from servers import CountingMotoServer, RangeHTTPServer, upload_tree
+from bench.servers import CountingMotoServer, RangeHTTPServer, upload_tree
 
 pytest.importorskip("fsspec")
 pytest.importorskip("s3fs")
