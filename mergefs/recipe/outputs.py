@@ -13,6 +13,10 @@ embeddings (their name matches :data:`PRE_WEIGHT`), else from the last slice's (
 post weights). :class:`RoleSource` presents one role's source tensors under the unit keys, so the
 index, plan and engine work in the output's coordinates unchanged. Pure but for RoleSource's
 reads; no trio.
+
+Longer than ~500 lines on purpose: the resolver (which model and parameters each output tensor
+takes) and :class:`RoleSource` (the same mapping, served as a source) read one table, which
+splitting them would have to hand across a module boundary as a second public structure.
 """
 
 from __future__ import annotations
