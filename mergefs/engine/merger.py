@@ -18,14 +18,16 @@ counters; its output layout, session and output staging live beside it (:mod:`.l
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -146,6 +148,9 @@ class Engine:
         self._tensor_levels_bytes = 0  # their planned bytes, at most TENSOR_LEVELS_MAX_BYTES
         self._tensor_levels_lock = threading.Lock()
         self._lock = threading.Lock()
+        #: set when a materialise stops early (Ctrl-C, an error): units still running in
+        #: worker threads record nothing more in the manifest (it is being removed)
+        self.stopped = threading.Event()
         #: expert bytes of vocabulary tensors read whole (a tokenizer merge), outside the plan
         self.vocab_expert_bytes_read = 0
         self.blocks_merged = 0
@@ -181,7 +186,7 @@ class Engine:
             if role:
                 with self._lock:
                     self.vocab_expert_bytes_read += len(buf)
-            if self.manifest is not None:
+            if self.manifest is not None and not self.stopped.is_set():
                 label = "base" if role == 0 else self.labels[role - 1]
                 self.manifest.write({"type": "read", "source": label, "file": loc.file,
                                      "tensor": name, "start": loc.start, "end": loc.end,
@@ -263,7 +268,7 @@ class Engine:
                     f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
                     f"(source changed since it was indexed); run `mergefs index` again"
                 )
-        if self.manifest is not None:
+        if self.manifest is not None and not self.stopped.is_set():
             self.manifest.write({"type": "read", "source": label, "file": rng.file,
                                  "tensor": name, "start": rng.start, "end": rng.end,
                                  "xxh3": xxhash.xxh3_64_hexdigest(buf)})
@@ -452,7 +457,7 @@ class Engine:
 
     def _record_sidecar(self, label: str, file: str, tensor: str, start: int, end: int,
                         buf: memoryview) -> None:
-        if self.manifest is not None:
+        if self.manifest is not None and not self.stopped.is_set():
             self.manifest.write({"type": "read", "source": label, "file": file,
                                  "tensor": tensor, "start": start, "end": end,
                                  "xxh3": xxhash.xxh3_64_hexdigest(buf)})
@@ -496,7 +501,7 @@ class Engine:
 
     def _output(self, name: str, b0: int, b1: int, out: bytes, fused: bool = False) -> bytes:
         self.add_merged(b1 - b0, 1, int(fused))
-        if self.manifest is not None:
+        if self.manifest is not None and not self.stopped.is_set():
             start, end = self.unit_out_range(name, b0, b1)
             self.manifest.write({"type": "output", "tensor": name, "b0": b0, "b1": b1,
                                  "start": start, "end": end,
@@ -537,11 +542,11 @@ class Engine:
         """Write the merged model to ``outdir``; returns {tensor: xxh3 of its output bytes}."""
         hashes: dict[str, str] = {}
         staging = Staging(outdir, force=overwrite)  # checks the directory before any work
+        self.stopped = threading.Event()  # (a fresh one: an earlier run's pool keeps its own)
         try:
             with staging:
                 out = staging.tmp
-                with ThreadPoolExecutor(max_workers=threads,
-                                        thread_name_prefix="mergefs-merge") as pool:
+                with _Workers(threads, "mergefs-merge", self.stopped) as pool:
                     for f in self.out_files:
                         self._write_file(out, f, pool, hashes, on_bytes)
                 self.write_extras(out)
@@ -583,14 +588,14 @@ class Engine:
                 self.manifest.write({"type": "tensor", "name": t.name, "file": f.name,
                                      "size_bytes": t.end - t.start, "xxh3": digest})
 
-    def _write_file(self, out: Path, f: OutFile, pool: ThreadPoolExecutor,
+    def _write_file(self, out: Path, f: OutFile, pool: Executor,
                     hashes: dict[str, str], on_bytes: Callable[[int], None] | None) -> None:
         tmp = out / f".{f.name}.partial"
         file_hashes = self.write_shard(tmp, f, pool, on_bytes)
         os.replace(tmp, out / f.name)
         self.record_tensors(f, file_hashes, hashes)
 
-    def write_shard(self, tmp: Path, f: OutFile, pool: ThreadPoolExecutor,
+    def write_shard(self, tmp: Path, f: OutFile, pool: Executor,
                     on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
         """Write output file ``f`` whole at ``tmp`` (created exclusively, fsynced; removed on
         any failure); returns {tensor: xxh3 of its bytes} for each of its tensors."""
@@ -656,6 +661,90 @@ class Engine:
             raise
         return {t.name: hashers[t.name].hexdigest() if t.name in hashers
                 else xxhash.xxh3_64_hexdigest(b"") for t in f.tensors}
+
+
+class _Stopped(BaseException):
+    """Raised inside a worker running a unit when its merge stops early (Ctrl-C, an error)."""
+
+
+def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None: withdraw a pending
+    one): ``PyThreadState_SetAsyncExc``; a C call in progress (a torch op) ends first."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc) if exc else None)
+
+
+class _Workers(Executor):
+    """``materialise``'s worker threads, which stop within one numpy or torch call on Ctrl-C.
+
+    A ``ThreadPoolExecutor`` leaving its ``with`` block on an exception waits for its running
+    and queued units, and the interpreter joins its threads at exit: a KeyboardInterrupt then
+    waited for whole-tensor merges (ties: seconds each, inside torch). Here leaving on an
+    exception sets ``stopped``, cancels the queued units and raises :class:`_Stopped` in the
+    workers running one, then returns at once; a worker ends when its current C call (one
+    torch op) returns, so the interpreter's exit waits for no more than that. (Not daemon
+    threads: one killed at exit while inside torch aborts the process.) Units hand their
+    bytes to the main thread, which wrote and removed every file (``Staging``); once
+    stopped they record nothing more in the manifest (``Engine.stopped``)."""
+
+    def __init__(self, workers: int, name: str, stopped: threading.Event) -> None:
+        self.stopped = stopped
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = \
+            queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: set[int] = set()  # ids of the threads inside a unit
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}")
+                         for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self.stopped.is_set():
+            raise RuntimeError("cannot schedule new units after the merge stopped")
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, functools.partial(fn, *args, **kwargs)))
+        return fut
+
+    def _work(self) -> None:
+        me = threading.get_ident()
+        while True:
+            try:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                fut, fn = job
+                if self.stopped.is_set():
+                    fut.cancel()
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                with self._lock:
+                    self._running.add(me)
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    fut.set_exception(exc)
+                finally:
+                    with self._lock:
+                        self._running.discard(me)
+                        _raise_in(me, None)  # a stop that came as the unit ended
+            except _Stopped:  # (delivered between units: nothing to undo)
+                continue
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            self.stopped.set()
+            with self._lock:
+                for tid in self._running:
+                    _raise_in(tid, _Stopped)
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        # an exception (Ctrl-C): stop now, without waiting for the running units
+        self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
 
 
 # Bit patterns that ``W0 + (+0.0)`` changes: -0.0 (becomes +0.0) and NaN (may be quietened).
