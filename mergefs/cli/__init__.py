@@ -1,6 +1,6 @@
 """The ``mergefs`` command line: ``main`` parses (:mod:`.app`), each command calls
 :mod:`mergefs.ops` (:mod:`.commands`) and prints what it returns (:mod:`.render`)."""
 
-from mergefs.cli.app import main
+from mergefs.cli.app import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

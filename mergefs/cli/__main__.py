@@ -1,7 +1,5 @@
 """``python -m mergefs.cli``: the ``mergefs`` command."""
 
-import sys
+from mergefs.cli import entry
 
-from mergefs.cli import main
-
-sys.exit(main())
+entry()
