@@ -113,9 +113,11 @@ def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress:
 
 
 def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress: bool = True,
-                 family: Family | None = None, ray: str | None = None) -> Session:
+                 family: Family | None = None, ray: str | None = None,
+                 sidecars: bool = True) -> Session:
     """A :class:`Session` (family, index, plan, engine), the index built with a progress bar if
-    it must be. ``family``: opened already by the caller (the session owns it from here)."""
+    it must be. ``family``: opened already by the caller (the session owns it from here).
+    ``sidecars``: plan with the delta sidecars that match (False: exact blocks only)."""
     family = family if family is not None else prepare_family(spec)
     try:
         runner = chunk_runner(ray, spec, family)
@@ -125,7 +127,7 @@ def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress
         raise
     with byte_progress("indexing", total, enabled=progress) as tick:
         session = Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
-                          index_runner=runner)
+                          index_runner=runner, sidecars=sidecars)
     say_budget_capped(spec, session.plan.total_expert_bytes)
     return session
 
@@ -154,9 +156,10 @@ def open_manifest(spec: Spec, explicit: str | os.PathLike[str] | None) -> Manife
 
 def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
           manifest: str | os.PathLike[str] | None = None, ray: str | None = None,
-          threads: int = 2, progress: bool = True) -> MergeResult:
+          threads: int = 2, progress: bool = True, sidecars: bool = True) -> MergeResult:
     """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier merge
-    output as a whole). Everything is validated before the manifest or any output exists."""
+    output as a whole; ``sidecars`` False: read exact blocks only, never delta sidecars).
+    Everything is validated before the manifest or any output exists."""
     require_ray(ray)
     out = Path(outdir)
     manifest_path = manifest or spec.manifest
@@ -174,7 +177,8 @@ def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
         close_family(family)
         raise
     try:
-        session = open_session(spec, manifest=writer, family=family, ray=ray, progress=progress)
+        session = open_session(spec, manifest=writer, family=family, ray=ray, progress=progress,
+                               sidecars=sidecars)
         try:
             out_bytes = sum(f.size_bytes for f in session.engine.out_files)
             with byte_progress("merging", out_bytes, enabled=progress) as tick:
@@ -203,9 +207,9 @@ class IndexResult:
 
 def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str | None = None,
           progress: bool = True) -> IndexResult:
-    """Build or reuse the block index; ``publish`` also writes each expert's index sidecar
-    beside it. ``rebuild`` and ``publish`` read every source (sidecars are never built from
-    sidecars)."""
+    """Build or reuse the block index; ``publish`` (asked for explicitly) also writes each
+    expert's index sidecar beside it, into the source. ``rebuild`` and ``publish`` read every
+    source (sidecars are never built from sidecars)."""
     require_ray(ray)
     family = prepare_family(spec)
     try:

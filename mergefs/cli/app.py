@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 from typing import Any
@@ -57,6 +58,8 @@ def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 #: the commands that read a spec (and so take --strict)
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
+NO_SIDECARS_HELP = ("plan with exact blocks only: ignore the delta sidecars (`mergefs compress`) "
+                    "that the plan would otherwise use")
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
 
@@ -99,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N tensors with the largest deltas (per-expert norms)")
     s.add_argument("--publish", action="store_true",
-                   help="also write each expert's block index beside it "
-                   "(mergefs-index.<base-key>.<block_size>.safetensors), so later plans over "
+                   help="also publish each expert's block index beside it, into the source "
+                   "(mergefs-index.<base-key>.<block_size>.safetensors; only when asked: "
+                   "without it nothing is written beside a source), so later plans over "
                    "remote experts need not read them")
     _add_ray(s, "tasks per run of blocks, every expert of them; the driver assembles the index")
     s.set_defaults(func=cmd_index)
@@ -133,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also list the N largest tensors with the bytes read, skipped and zero")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
+    s.add_argument("--no-sidecars", dest="sidecars", action="store_false",
+                   help=NO_SIDECARS_HELP)
     s.set_defaults(func=cmd_plan)
 
     s = add("sweep", help="what a range of budgets (and methods, coefficients) buys, from "
@@ -169,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace an earlier merge output in OUTDIR as a whole")
     s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
+    s.add_argument("--no-sidecars", dest="sidecars", action="store_false",
+                   help=NO_SIDECARS_HELP)
     _add_ray(s, "one task per output shard, and the index if it must be built; OUTDIR must "
              "lie on storage every node sees")
     s.set_defaults(func=cmd_merge)
@@ -314,3 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         print("mergefs: interrupted", file=sys.stderr)
         return 130
 
+
+
+def entry() -> None:
+    """The ``mergefs`` command (console script, ``python -m mergefs``): :func:`main`, and after an
+    interrupt, whose cleanup (staging, manifest, session) has run by then, an exit that does not
+    wait for the interpreter's shutdown (with torch loaded it takes 0.3-2 s)."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(130)
+    sys.exit(code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from rich.console import Console
 
@@ -14,7 +15,7 @@ from mergefs.cli.render import (
     tensor_table,
 )
 from mergefs.core.sizes import human_bytes
-from mergefs.engine.session import ensure_intermediates
+from mergefs.engine.session import Session, ensure_intermediates
 from mergefs.methods import describe_methods
 from mergefs.mount import control, lifecycle
 from mergefs.plan.report import parse_grid, plot, run_sweep
@@ -70,13 +71,14 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load(args)
-    session = ops.open_session(spec, progress=not args.json)
+    session = ops.open_session(spec, progress=not args.json, sidecars=args.sidecars)
     try:
         if args.json:
             print(json.dumps(session.plan.report(), sort_keys=True))
         else:
             console().print(plan_table(spec, session))
-            for line in bound_in_words(spec.method, session.plan.report()):
+            for line in [*sidecars_in_words(spec, session), *bound_in_words(
+                    spec.method, session.plan.report())]:
                 print(f"  {line}")
             if args.tensors:
                 console().print(tensor_reads_table(session, args.tensors))
@@ -85,11 +87,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def sidecars_in_words(spec: Spec, session: Session) -> list[str]:
+    """One line when delta sidecars matched: whose, from where (mergefs's store under
+    index_dir, or published beside the experts), what the plan reads of them instead of exact
+    blocks, and how to plan without them; none when no sidecar matched."""
+    deltas, rep = session.deltas, session.plan.report()
+    if not deltas:
+        return []
+    places = " and ".join(sorted({
+        "index_dir" if Path(str(sc.path)).is_relative_to(spec.index_dir)
+        else "beside the experts" for sc in deltas.values()}))
+    whose = f"delta sidecars of {len(deltas)} of {len(session.experts)} experts (from {places})"
+    if not rep.get("sidecar_bytes"):
+        return [f"{whose} match, but this plan reads none of them"]
+    return [f"uses {whose}: reads {human_bytes(rep['sidecar_bytes'])} of sidecar levels "
+            f"instead of exact blocks ({rep['blocks_from_sidecar']} blocks); --no-sidecars "
+            "plans without them"]
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     if args.ray is not None:
         ops.require_ray(args.ray)  # before anything is opened or written
     result = ops.merge(_load(args), args.outdir, force=args.force, manifest=args.manifest,
-                       ray=args.ray)
+                       ray=args.ray, sidecars=args.sidecars)
     print(merge_summary(args.outdir, result.totals, result.manifest))
     return 0
 
