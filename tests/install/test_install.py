@@ -41,7 +41,8 @@ from mergefs.core.errors import DependencyMissing
 from mergefs.methods import METHODS, BasePolicy, Method, Unit, get, require_torch
 
 REPO = Path(__file__).resolve().parents[2]
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1]  # families.py and the other helpers
+HERE = Path(__file__).resolve().parent  # this module, imported by the subprocesses
 
 
 def missing_line(method: str) -> str:
@@ -52,7 +53,7 @@ def missing_line(method: str) -> str:
 def without_torch(code: str, *args: str, cwd: Path | None = None
                   ) -> subprocess.CompletedProcess[str]:
     """``code`` in a new interpreter where ``import torch`` fails, as where it is not installed."""
-    prelude = f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {str(TESTS)!r})\n"
+    prelude = f"import sys; sys.modules['torch'] = None; sys.path[:0] = [{str(HERE)!r}, {str(TESTS)!r}]\n"
     return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True,
                           text=True, cwd=cwd, timeout=300, check=False)
 
