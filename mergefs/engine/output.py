@@ -265,8 +265,15 @@ def _fsync_dir(p: Path) -> None:
 
 
 def write_error(exc: OSError, outdir: str | Path) -> MergefsError:
-    """The error of a failed write of the merged model (e.g. ENOSPC), naming where."""
-    where = exc.filename or outdir
+    """The error of a failed write of the merged model (e.g. ENOSPC), naming the output directory
+    the user gave (never the hidden staging name beside it), and the file when it is another."""
+    out = Path(outdir)
+    where = str(out)
+    name = exc.filename
+    if name and _PARTIAL not in str(name) and not str(name).startswith(f"{out}/"):
+        where = f"{out} ({name})"
+    elif name and str(name).startswith(f"{out}/"):
+        where = str(name)  # a file inside the output directory
     return MergefsError(f"{where}: cannot write the merged model: {exc.strerror}")
 
 

@@ -218,6 +218,17 @@ def test_outdir_not_empty_suggests_only_what_works(tmp_path: Path, fam: Family) 
     assert run("merge", spec, str(earlier), "--force").returncode == 0  # as suggested
 
 
+def test_unwritable_outdir_names_the_outdir_not_the_staging_name(tmp_path: Path,
+                                                                 fam: Family) -> None:
+    """A merge into a directory that cannot be created names that directory, never the hidden
+    staging name beside it (``.out.mergefs-partial-<pid>``)."""
+    spec = str(spec_file(tmp_path, fam))
+    assert run("index", spec).returncode == 0  # its log line is not the error's
+    line = assert_one_line_error(run("merge", spec, "/proc/out"), "/proc/out",
+                                 "cannot write the merged model")
+    assert "mergefs-partial" not in line
+
+
 # -- (10) replay of a spec, a budget above everything, --strict and help ---------------------------
 
 
