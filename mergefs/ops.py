@@ -221,15 +221,20 @@ def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str 
     return IndexResult(got, built, len(family[1]), published)
 
 
-def compress(spec: Spec, *, ray: str | None = None, progress: bool = True) -> list[Any]:
-    """Publish delta sidecars of every expert; returns where each was written."""
+def compress(spec: Spec, *, publish: bool = False, ray: str | None = None,
+             progress: bool = True) -> list[Any]:
+    """Write delta sidecars of every expert into mergefs's store under the spec's
+    ``index_dir`` (nothing is written into a source), or, with ``publish``, beside each expert
+    for others to use; returns where each was written."""
     require_ray(ray)
     family = prepare_family(spec)
     try:
         got, _ = build_index(spec, family, ray=ray, progress=progress, sidecars=False)
         if ray is not None:
-            return ray_index.publish_deltas(spec, family[0], family[1], got, ray or None)
-        return publish_deltas(family[0], family[1], got)
+            return ray_index.publish_deltas(spec, family[0], family[1], got, ray or None,
+                                            publish=publish)
+        return publish_deltas(family[0], family[1], got,
+                              store=None if publish else spec.index_dir)
     finally:
         close_family(family)
 

@@ -58,8 +58,8 @@ def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 #: the commands that read a spec (and so take --strict)
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
-NO_SIDECARS_HELP = ("plan with exact blocks only: ignore the delta sidecars (`mergefs compress`) "
-                    "that the plan would otherwise use")
+NO_SIDECARS_HELP = ("plan with exact blocks only: ignore the delta sidecars (`mergefs compress`, "
+                    "in index_dir or beside the experts) that the plan would otherwise use")
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
 
@@ -109,14 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray(s, "tasks per run of blocks, every expert of them; the driver assembles the index")
     s.set_defaults(func=cmd_index)
 
-    s = add("compress", help="publish compressed delta sidecars beside each expert",
+    s = add("compress", help="write compressed delta sidecars of each expert (into index_dir; "
+            "--publish: beside each expert)",
             description=_paragraphs(
                 "Write per expert mergefs-delta.<base-key>.<block_size>.safetensors: "
                 "refinement levels of its delta (low rank at mixed precision, quantised "
                 "residual, sparse exact values) per row block, with exact residual norms, so "
                 "that budgeted merges read a few bits per element instead of skipping blocks.",
+                "They go into mergefs's own store, index_dir/sidecars/ (nothing is written "
+                "into a source); --publish writes them beside the experts instead, for others "
+                "to use.",
                 "Plans, merges and mounts then use the sidecars by themselves when they match "
-                "the indexed base and expert bytes; a full budget still reads exact blocks."),
+                "the indexed base and expert bytes (the store's first, then those beside the "
+                "experts; `mergefs plan` says so, --no-sidecars plans without them); a full "
+                "budget still reads exact blocks."),
             formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog="example (on three full fine-tunes of MiniLM, 10% of the bytes kept 99.7% "
             "of the\nmerge update: docs/benchmarks.md, issue 14):\n"
@@ -124,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
             "  mergefs plan spec.yaml --budget 10%      # the sidecar bytes and the bound\n"
             "  mergefs merge spec.yaml out/ --budget 10%")
     s.add_argument("spec", help=SPEC_HELP)
+    s.add_argument("--publish", action="store_true",
+                   help="write each sidecar beside its expert, into the source (local, file:// "
+                   "or s3://), instead of into index_dir")
     _add_ray(s, "one task per expert, and the index if it must be built")
     s.set_defaults(func=cmd_compress)
 

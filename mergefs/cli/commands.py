@@ -64,8 +64,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
     """Publish delta sidecars: refinement levels of every expert's delta."""
     if args.ray is not None:
         ops.require_ray(args.ray)
-    for where in ops.compress(_load(args), ray=args.ray):
-        print(f"published {where}")
+    verb = "published" if args.publish else "wrote"
+    for where in ops.compress(_load(args), publish=args.publish, ray=args.ray):
+        print(f"{verb} {where}")
     return 0
 
 

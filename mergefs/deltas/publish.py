@@ -1,8 +1,9 @@
-"""Publishing delta sidecars: refinement levels of every expert's delta, per row block.
+"""Writing delta sidecars: refinement levels of every expert's delta, per row block.
 
-``mergefs compress SPEC`` reads the base and each expert once (after the block index, which it
-builds or reuses), and for every mergeable 2-D (or higher: rows x the rest) tensor whose delta is
-not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas.sidecar` for the format):
+``mergefs compress SPEC`` writes them into mergefs's own store under the spec's ``index_dir``
+(``--publish``: beside the experts, for others to use). It reads the base and each expert once
+(after the block index, which it builds or reuses), and for every mergeable 2-D (or higher: rows
+x the rest) tensor whose delta is not zero builds levels on ``D = fl(W_i - W_0)`` (see :mod:`mergefs.deltas.sidecar` for the format):
 
 - *exactly low rank* (a LoRA merged into float32 weights: singular values beyond ``r`` below
   1e-4 of the first, and the factors cost less than 2 bits per element): the rank-r factors in
@@ -35,6 +36,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -48,7 +50,7 @@ from mergefs.deltas.codes import (
 from mergefs.deltas.reconstruct import one_blas_thread, shared_value
 from mergefs.deltas.sidecar import delta_name
 from mergefs.index import published as sidecar
-from mergefs.sources.local import Checkpoint
+from mergefs.sources.local import Checkpoint, write_beside
 from mergefs.core.dtypes import decode_f32
 from mergefs.index.blocks import BlockIndex
 from mergefs.sources.lora import LoraCheckpoint
@@ -461,17 +463,30 @@ def check_writable(experts: Sequence[Checkpoint]) -> None:
         e.check_writable_aux("a delta sidecar", "compress a local, file:// or s3:// copy")
 
 
-def write_sidecar(base: Checkpoint, expert: Checkpoint, block_size: int, data: bytes) -> str:
-    """Write ``expert``'s delta sidecar beside it; returns where it went (a path or a URL)."""
-    name = delta_name(sidecar.sidecar_name(expert, sidecar.base_key(base), block_size))
-    return expert.write_aux(name, data, "delta sidecar")
+def write_sidecar(base: Checkpoint, expert: Checkpoint, index: BlockIndex, i: int, data: bytes,
+                  store: str | Path | None = None) -> str:
+    """Write the delta sidecar of ``expert`` (expert ``i`` of ``index``) into mergefs's store
+    under ``store`` (a spec's ``index_dir``: :func:`mergefs.index.published.stored_path`) or,
+    when ``store`` is None, beside the expert (published); returns where it went (a path or a
+    URL)."""
+    name = delta_name(sidecar.sidecar_name(expert, sidecar.base_key(base),
+                                           index.layout.block_size))
+    if store is None:
+        return expert.write_aux(name, data, "delta sidecar")
+    path = sidecar.stored_path(store, _digest(index.expert_hash[i]), name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_beside(path, data, "delta sidecar")
+    return str(path)
 
 
 def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
-            on_tensor: Callable[[str], None] | None = None) -> list[str]:
-    """Write every expert's delta sidecar beside it (local, ``file://`` or ``s3://``); returns
-    where each went."""
-    check_writable(experts)  # fail before computing anything
+            on_tensor: Callable[[str], None] | None = None,
+            store: str | Path | None = None) -> list[str]:
+    """Write every expert's delta sidecar into mergefs's store under ``store`` (a spec's
+    ``index_dir``), or, when ``store`` is None, beside the expert (local, ``file://`` or
+    ``s3://``); returns where each went."""
+    if store is None:
+        check_writable(experts)  # fail before computing anything
 
     written = []
     for i, e in enumerate(experts):
@@ -481,7 +496,7 @@ def publish(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
             continue
         with one_blas_thread():
             data = encode_sidecar(base, e, index, i, on_tensor)
-        where = write_sidecar(base, e, index.layout.block_size, data)
+        where = write_sidecar(base, e, index, i, data, store)
         log.info("delta sidecar %s: %d bytes", where, len(data))
         written.append(where)
     return written

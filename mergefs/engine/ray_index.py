@@ -154,12 +154,15 @@ def compress_expert(job: CompressJob, i: int) -> tuple[bytes, dict[str, Any]]:
 
 
 def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], index: Any,
-                   address: str | None = None) -> list[str]:
+                   address: str | None = None, publish: bool = False) -> list[str]:
     """``compress.publish`` with one Ray task per expert: each task reads its expert and the
-    base and encodes the sidecar; the driver writes each file beside its expert."""
+    base and encodes the sidecar; the driver writes each file into mergefs's store under the
+    spec's ``index_dir`` (``publish``: beside its expert)."""
 
     refuse_unsupported(spec)
-    check_writable(experts)  # as compress.publish: refused before anything is read
+    store = None if publish else spec.index_dir
+    if publish:
+        check_writable(experts)  # as compress.publish: refused before anything is read
     ray = connect(address)
     job = ray.put(CompressJob(spec, index, identities(base, experts), __version__))
     task, place = ray.remote(compress_expert), placements(ray)
@@ -168,7 +171,7 @@ def publish_deltas(spec: Any, base: Checkpoint, experts: Sequence[Checkpoint], i
     written: dict[int, str] = {}
     for i, (data, who) in completed(ray, todo, lambda i: f"the delta sidecar of "
                                     f"{experts[i].root}"):
-        where = write_sidecar(base, experts[i], index.layout.block_size, data)
+        where = write_sidecar(base, experts[i], index, i, data, store)
         log.info("delta sidecar %s: %d bytes (node %s, pid %s)", where, len(data),
                  who["node"], who["pid"])
         written[i] = where

@@ -260,7 +260,7 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
     deltas: dict[int, Any] = {}
     try:
         if job.plan.levels is not None:
-            deltas = find_deltas(base, experts, job.index)
+            deltas = find_deltas(base, experts, job.index, job.spec.index_dir)
         for c in [base, *experts]:  # count the merge's reads only, as the local session does
             c.counters.reset()  # (after looking for sidecars, as it does)
         records = ManifestWriter(None, keep_lines=True)

@@ -55,7 +55,8 @@ class Session:
                 self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
                 runner=index_runner)
         self.recipe = recipe_of(spec, self.base)
-        self.deltas = find_deltas(self.base, self.experts, self.index) if sidecars else {}
+        self.deltas = find_deltas(self.base, self.experts, self.index, spec.index_dir) \
+            if sidecars else {}
         if reset_counters is None:  # a shared index: other sessions may count on the sources
             reset_counters = index is None
         if reset_counters:
@@ -191,10 +192,11 @@ class Session:
             held.__exit__(None, None, None)
 
 
-def find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex
-                 ) -> dict[int, Any]:
-
-    return find(base, experts, index)
+def find_deltas(base: Checkpoint, experts: Sequence[Checkpoint], index: BlockIndex,
+                index_dir: str) -> dict[int, Any]:
+    """The experts' delta sidecars that match: in mergefs's store under ``index_dir`` first,
+    then beside each expert (:func:`mergefs.deltas.match.find`)."""
+    return find(base, experts, index, index_dir)
 def _done(outdir: Path, plan_hash: str) -> bool:
     try:
         marker = json.loads((outdir / MARKER).read_text())

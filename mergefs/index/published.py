@@ -26,6 +26,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,20 @@ def expert_identity(expert: Checkpoint) -> list[list[Any]]:
     """File names, sizes, header hashes and ETags: no path, so the sidecar survives a copy."""
     return [[f, expert.identities[f].size_bytes, expert.identities[f].header_xxh3,
              expert.identities[f].etag] for f in expert.files]
+
+
+#: the folder under a spec's ``index_dir`` where mergefs keeps the files it derives from the
+#: experts (``mergefs compress`` without ``--publish``): never inside a source
+STORE_FOLDER = "sidecars"
+
+
+def stored_path(index_dir: str | Path, expert_content: str, name: str) -> Path:
+    """Where mergefs's own store under ``index_dir`` keeps an expert's derived file ``name``
+    (the name it would have beside the expert): in a folder named for ``expert_content``, the
+    digest of the expert's block hashes (a delta sidecar's ``expert_content``), so that the
+    same expert bytes anywhere find it and other bytes never do (experts of one family often
+    share file names, sizes and headers)."""
+    return Path(index_dir) / STORE_FOLDER / expert_content[:32] / name
 
 
 def sidecar_name(expert: Checkpoint, key: str, block_size: int) -> str:

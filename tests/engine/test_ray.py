@@ -353,12 +353,12 @@ def test_compress_on_ray_writes_the_local_delta_sidecars(tmp_path: Path, cluster
         return {str(p.relative_to(copy)): contents(p.read_bytes())
                 for p in sorted(copy.rglob("*mergefs-delta*"))}
 
-    assert cli.main(["compress", str(spec)]) == 0
+    assert cli.main(["compress", str(spec), "--publish"]) == 0
     local = written()
     assert len(local) == 2
     for p in copy.rglob("*mergefs-delta*"):
         p.unlink()
-    assert cli.main(["compress", str(spec), "--ray", cluster.address]) == 0
+    assert cli.main(["compress", str(spec), "--publish", "--ray", cluster.address]) == 0
     assert written() == local
 
 

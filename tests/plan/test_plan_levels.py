@@ -221,7 +221,7 @@ def test_cli_compress_then_plan_reports_sidecar_bytes(tmp_path: Path,
                            extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
     assert cli.main(["compress", str(spec_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("published ") == 3 and "mergefs-delta." in out
+    assert out.count("wrote ") == 3 and "mergefs-delta." in out
     assert cli.main(["plan", str(spec_path), "--json", "--budget", "5%"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert 0 < rep["sidecar_bytes"] <= rep["planned_expert_bytes"] <= rep["budget_bytes"]

@@ -822,7 +822,7 @@ def test_http_sidecar_reads_fit_the_budget(tmp_path: Path, fam: Family) -> None:
     budget = "25%"
     local = write_spec(tmp_path / "local.yaml", base,
                        [str(root / "fam" / f"expert-{i}") for i in range(3)], budget=budget)
-    assert cli.main(["compress", str(local)]) == 0  # the sidecars beside the served experts
+    assert cli.main(["compress", str(local), "--publish"]) == 0  # beside the served experts
     l_session, _ = merge(local, tmp_path / "local-out")
     srv = RangeHTTPServer(root).start()
     try:
@@ -885,7 +885,7 @@ def test_s3_delta_sidecars_published_read_by_ranges_and_replayed(
     local = write_spec(tmp_path / "local.yaml", str(local_fam / "base"), local_experts,
                        budget=budget)
     for spec in (remote, local):
-        assert cli.main(["compress", str(spec)]) == 0
+        assert cli.main(["compress", str(spec), "--publish"]) == 0
     names = [n for n in s3.fs.ls(f"{BUCKET}/deltas/expert-0") if "mergefs-delta." in n]
     assert len(names) == 1
     from mergefs.deltas.sidecar import open_remote_sidecar, open_sidecar
