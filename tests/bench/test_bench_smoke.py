@@ -65,7 +65,7 @@ def test_small_family_is_the_test_suites(tmp_path: Path) -> None:
                 assert (a / f).read_bytes() == (b / f).read_bytes(), (kw, a.name, f)
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_table_writes_table_json_csv(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench", "table", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
