@@ -101,10 +101,12 @@ def test_hub_ids_go_into_base_model_and_links(fam: Family, tmp_path: Path) -> No
 
     card = model_card(spec, NoPlan(), "", yaml.safe_dump(doc)).decode()  # type: ignore[arg-type]
     theirs = generate_card(MergeConfiguration.model_validate(doc), yaml.safe_dump(doc), "")
-    assert front_matter(card) == front_matter(theirs) == {
-        "base_model": ["org/base", "org/math"] if front_matter(theirs)["base_model"][0]
-        == "org/base" else ["org/math", "org/base"],
-        "library_name": "transformers", "tags": ["mergekit", "merge"]}
+    ours, mk = front_matter(card), front_matter(theirs)
+    # the same ids; mergekit's in a Python set's order (varies by run), ours in the spec's
+    assert ours["base_model"] == ["org/base", "org/math"]
+    assert sorted(mk["base_model"]) == ours["base_model"]
+    assert {**ours, "base_model": None} == {**mk, "base_model": None} == {
+        "base_model": None, "library_name": "transformers", "tags": ["mergekit", "merge"]}
     assert "using [org/base](https://huggingface.co/org/base) as a base" in card
     assert "* [org/math](https://huggingface.co/org/math)" in card
     assert "# Untitled Model (1)" in card
