@@ -234,9 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", help="persistent cache of merged blocks, keyed by plan hash")
     s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C unmounts")
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
-    s.add_argument("--warm", action="store_true",
-                   help="merge the whole model (up to the cache size) at mount time and push it "
-                        "into the kernel page cache")
+    s.add_argument("--warm", nargs="?", const="on", default=None, choices=("auto", "on", "off"),
+                   help="merge the whole model ahead, in file order, up to the cache size, and "
+                   "push it into the kernel page cache, so that from_pretrained reads pages "
+                   "already there. auto (the default): start once a reader has read 8 different "
+                   "tensors of a variant (a loader of the whole model), never for a reader of a "
+                   "few; on (--warm alone): at mount time; off: merge only what is read (and "
+                   "the readahead of sequential readers)")
     s.add_argument("--source-cache-size", metavar="SIZE",
                    help="sweep mounts: memory for source blocks shared by the variants "
                    "(default: the --cache-size; 0 turns sharing of reads off)")

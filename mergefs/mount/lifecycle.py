@@ -93,7 +93,10 @@ class MountConfig:
     allow_other: bool
     threads: int
     log_file: Path
-    warm: bool = False  # merge and push the whole model (up to the cache size) at mount time
+    #: merge the whole model ahead (up to the cache size) and push it into the kernel page
+    #: cache: "auto" once a reader has read several tensors (View.arm_auto_warm), "on" at mount
+    #: time, "off" never
+    warm: str = "auto"
     read_ahead_kb: int = READ_AHEAD_KB  # the mount's bdi readahead window; 0 leaves it alone
     readahead_units: int = 8  # units merged ahead of a sequential reader
     source_cache_bytes: int = 0  # a sweep mount's shared source-block cache; 0 disables it
@@ -107,6 +110,22 @@ def default_cache_bytes() -> int:
     except (ValueError, OSError):
         ram = 4 << 30
     return min(ram // 4, DEFAULT_CACHE_CAP)
+
+
+WARM_MODES = ("auto", "on", "off")
+
+
+def warm_mode(value: object) -> str:
+    """``--warm``'s value: None (not given) is "auto", True (the old flag) is "on"."""
+    if value is None:
+        return "auto"
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    if value not in WARM_MODES:
+        raise MergefsError(f"--warm: expected one of {', '.join(WARM_MODES)}, got {value!r}")
+    return str(value)
 
 
 def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
@@ -133,7 +152,7 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
         allow_other=bool(getattr(args, "allow_other", False)),
         threads=max(4, 2 * (os.cpu_count() or 1)),
         log_file=Path(spec.manifest).with_suffix(".log"),
-        warm=bool(getattr(args, "warm", False)),
+        warm=warm_mode(getattr(args, "warm", None)),
         source_cache_bytes=source_cache_bytes,
         strict=bool(getattr(args, "strict", False)),
     )
@@ -413,12 +432,14 @@ async def _announce_when_ready(view: View, cfg: MountConfig, ready: Callable[[],
     if cfg.read_ahead_kb > 0:
         set_read_ahead(mountpoint, cfg.read_ahead_kb)
     view.enable_page_store(store)
-    if cfg.warm:
-        def lookup(rel: str) -> None:
-            os.stat(mountpoint / rel)
+    def lookup(rel: str) -> None:
+        os.stat(mountpoint / rel)
 
+    if cfg.warm == "on":
         view.start_warm(lookup)
         log.info("warm-up started (up to %d bytes of merged units)", view.cache.capacity_bytes)
+    elif cfg.warm == "auto":
+        view.arm_auto_warm(lookup)
     ready()
 
 

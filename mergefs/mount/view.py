@@ -44,7 +44,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -69,6 +69,15 @@ VARIANTS_NAME = "variants.json"
 Kind = Literal["dir", "weights", "passthrough", "static", "stats", "manifest", "variants"]
 #: kinds whose content changes while mounted: snapshotted at open, size 0 (direct I/O)
 DYNAMIC_KINDS = frozenset({"stats", "manifest", "variants"})
+#: the auto warm-up starts once a variant's readers have read this many different tensors (a
+#: loader of the whole model reads every tensor; inspecting one or a few never starts it)
+AUTO_WARM_TENSORS = 8
+
+
+def auto_warm_tensors(merged_tensors: int) -> int:
+    """How many different tensors a variant's readers read before its auto warm-up starts:
+    :data:`AUTO_WARM_TENSORS`, or half of a smaller model's merged tensors (at least 2)."""
+    return max(2, min(AUTO_WARM_TENSORS, merged_tensors // 2))
 Entries = dict[str, tuple[Kind, dict[str, Any]]]
 
 
@@ -167,6 +176,8 @@ class View:
         self._lock = threading.Lock()  # handles
         self._insert_lock = threading.Lock()  # the tree's inserts (a reload adds variants)
         self._handles: dict[int, _Handle] = {}
+        self._warm_started: set[str] = set()  # variants whose warm-up has started
+        self._auto_warm: Callable[[str], None] | None = None  # armed: arm_auto_warm's lookup
         self._fh = itertools.count(1)
         self.started_unix = time.time()
         self._started = time.monotonic()
@@ -191,7 +202,7 @@ class View:
     def _add(self, st: VariantState) -> None:
         """Serve a variant: its model directory at ``st.name`` (a plain spec's: the root)."""
         reader = UnitReader(st, self.cache, source_cache=self.mount.source_cache,
-                            reached=self.pages.note_reached, merged_ahead=self.pages.push,
+                            reached=self._reached_by(st.name), merged_ahead=self.pages.push,
                             **self._reader_options)
         entries = model_entries(st.session.engine, self._weights_mtime, st.key_of)
         with self._insert_lock:
@@ -447,20 +458,70 @@ class View:
         ``store(inode, offset, data)`` (the FUSE layer's ``notify_store``)."""
         self.pages.enable(store)
 
-    def start_warm(self, lookup: Callable[[str], None], budget_bytes: int | None = None) -> None:
+    def start_warm(self, lookup: Callable[[str], None], budget_bytes: int | None = None,
+                   variants: Iterable[str] | None = None) -> None:
         """Merge (and push, when enabled) every unit of every weight file in the background,
-        each variant up to its share of ``budget_bytes`` (default: the cache's capacity).
-        ``lookup(path)`` stats the file through the mount so that the kernel knows its inode."""
+        each variant up to its share of ``budget_bytes`` (default: the cache's capacity; the
+        share is the same whether the variants start together or one by one). ``lookup(path)``
+        stats the file through the mount so that the kernel knows its inode. ``variants``: only
+        these (default: all)."""
         files = self.weight_files()
         names = {id(wf): path for path, _, wf in files}
         total = self.cache.capacity_bytes if budget_bytes is None else budget_bytes
-        readers = list(self.readers.values())
-        share = total // max(1, len(readers))
+        share = total // max(1, len(self.readers))
         by_reader = {id(n.weights): n.reader for n in list(self._nodes.values())
                      if n.weights is not None}
-        for reader in readers:
+        chosen = self.readers if variants is None else {v: self.readers[v] for v in variants}
+        for name, reader in list(chosen.items()):
+            with self._lock:
+                if name in self._warm_started:
+                    continue
+                self._warm_started.add(name)
             mine = [wf for _, _, wf in files if by_reader[id(wf)] is reader]
             self.pages.start_warm(reader, mine, share, lambda wf: lookup(names[id(wf)]))
+
+    def arm_auto_warm(self, lookup: Callable[[str], None]) -> None:
+        """The default warm-up (``--warm auto``): a variant is warmed (:meth:`start_warm`) once
+        its files have been read in :func:`auto_warm_tensors` different tensors, as a loader
+        of the whole model (``from_pretrained``, vLLM) does within its first reads; a reader
+        of a few tensors never starts it."""
+        self._auto_warm = lookup
+
+    def _reached_by(self, variant: str) -> Callable[[WeightFile, int], None]:
+        """The readers' ``reached`` callback for ``variant``: the page pusher's frontier, and
+        the auto warm-up's trigger. Runs on the trio thread too: no waiting (a set insert under
+        a lock held for no I/O; starting the warm-up starts a thread)."""
+        note = self.pages.note_reached
+        touched: set[str] = set()
+        needed: list[int] = []
+
+        def reached(wf: WeightFile, end: int) -> None:
+            note(wf, end)
+            lookup = self._auto_warm
+            if lookup is None or variant in self._warm_started or end <= 0:
+                return
+            seg = wf.segments[wf.index_at(end - 1)]
+            if seg.tensor is None or not seg.merged:
+                return
+            with self._lock:
+                touched.add(seg.tensor)
+                if not needed:
+                    needed.append(auto_warm_tensors(self.merged_tensor_count(variant)))
+                go = len(touched) >= needed[0]
+            if go:
+                log.info("%s: a reader of %d tensors: merging the rest ahead (auto warm-up; "
+                         "--warm off turns it off)", variant or "the merge", len(touched))
+                self.start_warm(lookup, variants=[variant])
+
+        return reached
+
+    def merged_tensor_count(self, variant: str) -> int:
+        """How many different merged tensors the weight files of ``variant`` hold."""
+        reader = self.readers.get(variant)
+        names = {s.tensor for n in list(self._nodes.values())
+                 if n.weights is not None and n.reader is reader
+                 for s in n.weights.segments if s.tensor is not None and s.merged}
+        return len(names)
 
     def disable_pages(self, timeout_seconds: float = 5.0) -> bool:
         """Stop pushing into the kernel page cache; False if a store is still waiting."""

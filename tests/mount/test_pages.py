@@ -18,7 +18,7 @@ from mergefs.engine.session import Session
 from mergefs.mount.files import Stream, UnitReader
 from mergefs.mount.pages import PAGE
 from mergefs.mount.session import ROOT
-from mergefs.mount.view import View
+from mergefs.mount.view import View, auto_warm_tensors
 from mergefs.spec.load import load_spec
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
@@ -257,3 +257,49 @@ def test_reads_inside_one_unit_are_slices_not_copies(tmp_path: Path, index_dir: 
     across = view.read(fh, seg.end - 8, 16)  # spans two units: joined, still exact
     assert bytes(across) == out[seg.end - 8:seg.end + 8]
     view.release(fh)
+
+
+def test_auto_warm_up_waits_for_a_whole_model_reader(tmp_path: Path, index_dir: Path,
+                                                    family_sharded: Family,
+                                                    opened: list[View]) -> None:
+    """--warm auto (the default): reading one tensor, even whole, starts nothing; reading
+    tensor after tensor, as a loader does, starts the warm-up of the rest, which pushes pages
+    equal to the merge's."""
+    spec = write_case_spec(tmp_path / "spec.yaml", family_sharded, "task_arithmetic", index_dir)
+    out = materialise(spec, tmp_path / "out")
+    view = open_view(spec, opened, readahead_units=0)
+    model = PageCacheModel(sizes_of(view))
+    view.enable_page_store(model.store)
+    looked_up: list[str] = []
+    view.arm_auto_warm(looked_up.append)
+    files = view.weight_files()
+    segs = [(path, s) for path, _, wf in files for s in wf.segments if s.merged]
+    tensors = list(dict.fromkeys(s.tensor for _, s in segs))
+    need = auto_warm_tensors(view.merged_tensor_count(ROOT))
+    assert 2 <= need < len(tensors)
+    handles = {path: view.open_path(path) for path, _, _ in files}
+
+    def read_tensor(name: str) -> None:
+        for path, s in segs:
+            if s.tensor == name:
+                got = bytes(view.read(handles[path], s.start, s.end - s.start))
+                assert got == (out / path).read_bytes()[s.start:s.end]
+
+    for name in tensors[:need - 1]:
+        read_tensor(name)
+        read_tensor(name)  # again: still one tensor
+    assert not view.pages._warm_threads and looked_up == []
+    read_tensor(tensors[need - 1])
+    assert view.pages.wait_warm(120) and view.pages.drain()
+    assert looked_up == [p for p, _, _ in files]
+    assert view.stats()["kernel_pages"]["warm"]["errors"] == 0
+    # pages equal the merge's (units behind what a reader reached are not pushed: it read them)
+    assert sum(model.check(ino, (out / path).read_bytes()) for path, ino, _ in files) > 0
+    view.arm_auto_warm(looked_up.append)
+    read_tensor(tensors[-1])
+    assert len(view.pages._warm_threads) == 1  # once per variant
+
+
+@pytest.mark.parametrize("merged, need", [(2, 2), (3, 2), (10, 5), (16, 8), (400, 8)])
+def test_auto_warm_threshold(merged: int, need: int) -> None:
+    assert auto_warm_tensors(merged) == need
