@@ -152,7 +152,8 @@ class Engine:
         #: set when a materialise stops early (Ctrl-C, an error): units still running in
         #: worker threads record nothing more in the manifest (it is being removed)
         self.stopped = threading.Event()
-        #: expert bytes of vocabulary tensors read whole (a tokenizer merge), outside the plan
+        #: expert bytes of units read whole (vocabulary tensors of a tokenizer merge, optional
+        #: weights some models lack), outside the plan
         self.vocab_expert_bytes_read = 0
         self.blocks_merged = 0
         self.units_merged = 0
