@@ -153,3 +153,25 @@ def test_mount_serves_optional_weights(fam: dict[str, Path], tmp_path: Path,
     m = mounts.start(spec)
     assert {r: sha256(p) for r, p in tree(m.path).items()} == \
         {r: sha256(p) for r, p in tree(out).items()}
+
+
+def test_the_optional_weight_rules_are_mergekits() -> None:
+    """mergefs' table of mergekit's optional-tensor policies and input contracts, checked
+    against mergekit's own method definitions."""
+    from mergekit import merge_methods
+
+    from mergefs import methods
+    from mergefs.recipe import outputs
+
+    for name in methods.METHODS:
+        spec = merge_methods.get(name).spec
+        policy = spec.optional_tensor_policy.value
+        assert (name in outputs._SINGLETON) == (policy == "passthrough_singleton"), name
+        assert (name in outputs._BASE_SINGLETON) == (policy == "passthrough_base_singleton")
+        assert ((name in outputs._BASE_OR_SKIP) == (policy == "base_or_skip")), name
+        c = spec.contract
+        assert outputs._INPUTS.get(name, (1, None)) == (c.min_inputs, c.max_inputs), name
+        assert outputs._NON_BASE.get(name, (0, None)) == (c.min_non_base or 0,
+                                                         c.max_non_base), name
+        if name in outputs._BASE_OR_SKIP:
+            assert outputs._BASE_OR_SKIP[name] == c.min_inputs
