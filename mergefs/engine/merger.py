@@ -102,8 +102,9 @@ class Engine:
         #: output tensor name -> the unit it is made of (several names for a repeated unit)
         self.unit_of = {o.name: o.key for o in self.recipe.outputs}
         self.tokenizer = getattr(base, "tokenizer", None)
-        #: vocabulary units of a tokenizer merge: not in the index, merged from whole tensors
-        self.derived = frozenset(o.key for o in self.recipe.outputs if o.vocab)
+        #: units read whole, not in the index (vocabulary units of a tokenizer merge, optional
+        #: weights some models lack), merged from whole tensors
+        self.derived = frozenset(o.key for o in self.recipe.outputs if o.whole)
         self.base = base
         self.experts = list(experts)
         self.index = index
@@ -115,7 +116,7 @@ class Engine:
         self.tindex = self.layout.tensor_index()
         if self.recipe.layers is not None or self.derived:
             self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
-                                                            self._vocab_shapes())
+                                                            self._whole_shapes())
         else:
             self.out_files, self.index_json = output_layout(spec, base, self.tindex)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
@@ -151,7 +152,8 @@ class Engine:
         #: set when a materialise stops early (Ctrl-C, an error): units still running in
         #: worker threads record nothing more in the manifest (it is being removed)
         self.stopped = threading.Event()
-        #: expert bytes of vocabulary tensors read whole (a tokenizer merge), outside the plan
+        #: expert bytes of units read whole (vocabulary tensors of a tokenizer merge, optional
+        #: weights some models lack), outside the plan
         self.vocab_expert_bytes_read = 0
         self.blocks_merged = 0
         self.units_merged = 0
@@ -163,25 +165,30 @@ class Engine:
             kernels.note_unavailable()
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
 
-    def _vocab_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def _whole_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """(source dtype, output shape) of each unit read whole, from the first role that
+        has it (a vocabulary tensor has the output tokenizer's rows)."""
         out: dict[str, tuple[str, tuple[int, ...]]] = {}
-        if self.tokenizer is None:
-            return out
         for key in self.derived:
-            _, loc = self.base.vocab_locs[key]  # type: ignore[attr-defined]
-            out[key] = (loc.dtype, (self.tokenizer.rows, *loc.shape[1:]))
+            u = self.unit_outputs[key]
+            role = next(r for r in range(1 + len(self.experts)) if r not in u.absent)
+            _, loc = [self.base, *self.experts][role].whole_locs[key]  # type: ignore[attr-defined]
+            rows = self.tokenizer.rows if u.vocab and self.tokenizer is not None \
+                else loc.shape[0]
+            out[key] = (loc.dtype, (rows, *loc.shape[1:]))
         return out
 
-    def _vocab_unit(self, name: str) -> bytes:
-        """A vocabulary tensor: every input's whole tensor, rows permuted to the output's
-        tokens (mergefs.recipe.tokenizer.permute), then merged by the method as one unit."""
-        torch = require_torch("a tokenizer merge")
-
-        assert self.tokenizer is not None and self.spec.tokenizer is not None
+    def _whole_unit(self, name: str) -> bytes:
+        """A unit read whole: every input's whole tensor (a vocabulary tensor's rows permuted
+        to the output's tokens, mergefs.recipe.tokenizer.permute), then merged by the method as
+        one unit over the roles that have it (an optional weight some models lack, as
+        mergekit merges it), or one role's tensor as it is (:attr:`OutputTensor.single`)."""
         u = self.unit_outputs[name]
         loaded: dict[str, Any] = {}
         for role, src in enumerate([self.base, *self.experts]):
-            c, loc = src.vocab_locs[name]  # type: ignore[attr-defined]
+            if role in u.absent:
+                continue
+            c, loc = src.whole_locs[name]  # type: ignore[attr-defined]
             buf = c.read_ranges([ReadRange(loc.file, loc.start, loc.end)])[0]
             if role:
                 with self._lock:
@@ -191,25 +198,41 @@ class Engine:
                 self.manifest.write({"type": "read", "source": label, "file": loc.file,
                                      "tensor": name, "start": loc.start, "end": loc.end,
                                      "xxh3": xxhash.xxh3_64_hexdigest(buf)})
-            loaded[u.models[role]] = torch.from_numpy(decode_f32(buf, loc.dtype).copy()
-                                                      ).reshape(loc.shape)
-        order = [u.models[0] if k == REFERENCE else u.models[k + 1]
-                 for k in self.spec.input_order]
-        if self.spec.has_base:
-            order = [u.models[0], *order]
-        permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
-                                      u.models[0] if self.spec.has_base else None,
-                                      {m: loaded[m] for m in order})
-        # the methods take numpy arrays (and use torch themselves where they need it)
-        arrays = {m: np.ascontiguousarray(t.numpy(), dtype=np.float32)
-                  for m, t in permuted.items()}
-        ref = arrays[u.models[0]]
-        inputs = tuple(ref if k == REFERENCE else arrays[u.models[k + 1]]
-                       for k in self.spec.input_order)
-        unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
-                    base=ref if self.spec.has_base else None, inputs=inputs, params=u.params,
-                    input_params=u.input_params, expert_ids=tuple(range(len(inputs))))
-        out = self.method.merge(unit)
+            loaded[u.models[role]] = decode_f32(buf, loc.dtype).copy().reshape(loc.shape)
+
+        def role_of(k: int) -> int:
+            return 0 if k == REFERENCE else k + 1
+
+        present = [k for k in self.spec.input_order if role_of(k) not in u.absent]
+        has_base = self.spec.has_base and 0 not in u.absent
+        if u.vocab:
+            torch = require_torch("a tokenizer merge")
+            assert self.tokenizer is not None and self.spec.tokenizer is not None
+            order = [u.models[role_of(k)] for k in present]
+            if has_base:
+                order = [u.models[0], *order]
+            permuted = tokenizers.permute(self.tokenizer, self.spec.tokenizer,
+                                          u.models[0] if self.spec.has_base else None,
+                                          {m: torch.from_numpy(loaded[m]) for m in order})
+            # the methods take numpy arrays (and use torch themselves where they need it)
+            arrays = {m: np.ascontiguousarray(t.numpy(), dtype=np.float32)
+                      for m, t in permuted.items()}
+        else:
+            arrays = loaded
+        single = 0 if u.ref_only else u.single
+        if single is not None:  # one input's tensor as it is, as mergekit passes it through
+            out: Any = arrays[u.models[single]]
+        else:
+            inputs = tuple(arrays[u.models[role_of(k)]] for k in present)
+            ref = arrays[u.models[0]] if has_base else inputs[0]
+            unit = Unit(tensor=name, shape=tuple(ref.shape), elem_offset=0,
+                        base=ref if has_base else None, inputs=inputs, params=u.params,
+                        input_params=tuple(p for k, p in zip(self.spec.input_order,
+                                                             u.input_params)
+                                           if role_of(k) not in u.absent),
+                        expert_ids=tuple(i for i, k in enumerate(self.spec.input_order)
+                                         if role_of(k) not in u.absent))
+            out = self.method.merge(unit)
         if not isinstance(out, np.ndarray):
             out = out.detach().numpy()
         merged = np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
@@ -279,7 +302,7 @@ class Engine:
         """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
         name = self.unit_of.get(name, name)
         if name in self.derived:
-            return self._vocab_unit(name)
+            return self._whole_unit(name)
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype

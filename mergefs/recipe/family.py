@@ -12,6 +12,7 @@ from mergefs.sources.local import Checkpoint
 from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
 from mergefs.core.format import FLOAT_DTYPES
+from mergefs.recipe.modules import vocab_size_key
 from mergefs.recipe.outputs import PRE_WEIGHT, Recipe, RoleSource, build_recipe
 from mergefs.spec.model import Spec
 from mergefs.sources.base import CONFIG_NAME
@@ -91,9 +92,11 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
                 for r in (sl.ref, *sl.experts):
                     if r.path not in opened:
                         opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
-            built, vocab = _tokenizer(spec, opened)
+            configs = _configs(spec, opened)
+            built, vocab = _tokenizer(spec, opened, configs)
             recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
-                                  _configs(spec, opened))
+                                  configs, vocab_weights=bool(configs) and bool(
+                                      spec.tokenizer and spec.tokenizer.source))
             # a base-alone module slice names the base in the expert roles too: those roles
             # get their own handle on it, so their counters count their own reads only
             aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
@@ -130,13 +133,19 @@ def _config_of(c: Checkpoint) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
+def _tokenizer(spec: Spec, opened: dict[str, Checkpoint],
+               module_configs: dict[str, dict[str, Any]]
                ) -> tuple[tokenizers.BuiltTokenizer | None, frozenset[str]]:
     """The output tokenizer of a spec that merges one, and the vocabulary tensors of its
-    reference model (empty when only a chat template is set: no rows change)."""
+    reference model (empty when only a chat template is set: no rows change; and for a
+    ``modules:`` spec, whose ``module_configs`` are given: there the architecture's
+    vocabulary weights are, and its key of the vocabulary size)."""
     if spec.tokenizer is None:
         return None, frozenset()
     configs = {p: _config_of(c) for p, c in opened.items()}
+    size_key = "vocab_size"
+    if module_configs and spec.base in module_configs:
+        size_key = vocab_size_key(module_configs[spec.base], spec.base)
     with tempfile.TemporaryDirectory(prefix="mergefs-tokenizer-") as tmp:
         dirs: dict[str, str] = {}
         for k, (path, c) in enumerate(opened.items()):
@@ -147,8 +156,9 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint]
                         (d / rel).parent.mkdir(parents=True, exist_ok=True)
                         (d / rel).write_bytes(c.read_extra(rel))
                 dirs[path] = str(d)
-        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs)
-    if spec.tokenizer.source is None:
+        built = tokenizers.build(spec.tokenizer, spec.base, list(opened), configs, dirs,
+                                 size_key)
+    if spec.tokenizer.source is None or module_configs:
         return built, frozenset()
     ref = opened[spec.slices[0].ref.path]
     size = tokenizers.vocab_size_of(configs[spec.slices[0].ref.path], -1)

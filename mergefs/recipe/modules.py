@@ -30,6 +30,8 @@ class Weight:
     optional: bool = False
     #: names of tensors this one is tied to (loaded in its place when it is absent)
     tied: tuple[str, ...] = ()
+    #: the axis indexed by token ids (embeddings, LM heads), or None
+    vocabulary_axis: int | None = None
 
     def find(self, names: Any, tied: bool = False) -> str | None:
         """The name this weight is stored under in a model with tensor ``names`` (``tied``:
@@ -56,7 +58,7 @@ class Module:
 def _weights(infos: Any, prefix: str | None) -> tuple[Weight, ...]:
     p = prefix or ""
     return tuple(Weight(p + w.name, tuple(p + a for a in (w.aliases or ())), bool(w.optional),
-                        tuple(p + t for t in (w.tied_names or ())))
+                        tuple(p + t for t in (w.tied_names or ())), w.vocabulary_axis)
                  for w in infos)
 
 
@@ -75,17 +77,19 @@ def _mergekit_config(config: Mapping[str, Any], where: str) -> Any:
                         f"{model_type!r} ({exc})") from None
 
 
-def read_modules(config: Mapping[str, Any], where: str,
-                 only: Collection[str] | None = None) -> dict[str, Module]:
-    """The modules of the model whose ``config.json`` is ``config`` (``where`` names it in
-    errors), by mergekit's architecture definitions, in their order; the layer counts of the
-    modules in ``only`` (None: all) are read, the others' taken as 0 (as mergekit, which reads
-    only the modules a config lists)."""
+def vocab_size_key(config: Mapping[str, Any], where: str) -> str:
+    """The config.json key (dotted) of the vocabulary size of the model whose config is
+    ``config``: its architecture's ``vocab_size_config_key`` (``text_config.vocab_size`` for
+    Mistral3), else ``vocab_size``, as mergekit reads and writes it."""
+    info, _ = _arch_info(config, where)
+    return str(getattr(info, "vocab_size_config_key", None) or "vocab_size")
+
+
+def _arch_info(config: Mapping[str, Any], where: str) -> tuple[Any, Any]:
+    """mergekit's architecture definition of the model whose config is ``config``, and the
+    config as transformers reads it."""
     try:
         from mergekit.architecture import arch_info_for_config  # type: ignore[import-untyped]
-        from mergekit.architecture.base import (  # type: ignore[import-untyped]
-            ConfiguredModelArchitecture,
-        )
     except ImportError:
         raise SpecError(f"{where}: modules: uses mergekit's architecture definitions to know "
                         "which tensors belong to each module; install them with "
@@ -99,6 +103,20 @@ def read_modules(config: Mapping[str, Any], where: str,
     if info is None:
         raise SpecError(f"{where}: mergekit has no architecture definition for {archs[0]}; "
                         "modules: needs one (use slices: or models: instead)")
+    return info, cfg
+
+
+def read_modules(config: Mapping[str, Any], where: str,
+                 only: Collection[str] | None = None) -> dict[str, Module]:
+    """The modules of the model whose ``config.json`` is ``config`` (``where`` names it in
+    errors), by mergekit's architecture definitions, in their order; the layer counts of the
+    modules in ``only`` (None: all) are read, the others' taken as 0 (as mergekit, which reads
+    only the modules a config lists)."""
+    info, cfg = _arch_info(config, where)
+    from mergekit.architecture.base import (  # type: ignore[import-untyped]
+        ConfiguredModelArchitecture,
+    )
+
     arch = ConfiguredModelArchitecture(info=info, config=cfg)
     out: dict[str, Module] = {}
     for name, mdef in info.modules.items():

@@ -61,6 +61,18 @@ class OutputTensor:
     #: the reference's tensor cast to the output dtype (a base-alone module slice,
     #: :attr:`mergefs.spec.model.SliceDef.ref_only`): no expert is read, no method runs
     ref_only: bool = False
+    #: roles whose model lacks this tensor (an optional weight of a ``modules:`` spec; their
+    #: ``sources`` are ""): merged over the other roles as mergekit does, read whole, not
+    #: indexed
+    absent: tuple[int, ...] = ()
+    #: the role whose tensor is the output as it is (cast to the output dtype): mergekit's
+    #: passthrough of an optional weight that one input alone has (:func:`optional_outcome`)
+    single: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Read whole from every role that has it and merged outside the index and plan."""
+        return self.vocab or bool(self.absent)
 
 
 @dataclass(frozen=True)
@@ -155,19 +167,65 @@ class _Resolver:
 
 _Row = tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef, tuple[SliceSource, ...]]
 
+#: marks a row's source name of a role whose model lacks that (optional) weight
+_ABSENT = "\0"
+#: mergekit 0.1.5's handling of an optional weight that some inputs of a tensor lack
+#: (``OptionalTensorPolicy``): the one input that has it passes through (any input / the base
+#: only), or, below a number of inputs, the base passes through or the tensor is skipped
+_SINGLETON = frozenset({"slerp", "nuslerp", "arcee_fusion"})
+_BASE_SINGLETON = frozenset({"nearswap"})
+_BASE_OR_SKIP = {"model_stock": 3}
+#: mergekit's input contracts where they are not "one or more inputs": (min, max) inputs in
+#: all, and (min, max) non-base inputs
+_INPUTS = {"slerp": (2, 2), "nearswap": (2, 2), "arcee_fusion": (2, 2), "model_stock": (3, None),
+           "passthrough": (1, 1)}
+_NON_BASE = {"nuslerp": (2, 2), "multislerp": (1, None)}
+
+
+def optional_outcome(spec: Spec, absent: Sequence[int], where: str) -> int | None:
+    """What mergekit makes of an optional weight that the roles ``absent`` lack: the role
+    whose tensor passes through as it is, -1 (merged over the roles that have it) or None
+    (skipped: not in the output). Refused (SpecError) where mergekit refuses it: the base
+    lacks it but the method takes a base, or too few inputs have it."""
+    m = spec.method
+    entries = [0 if k == REFERENCE else k + 1 for k in spec.input_order]
+    if spec.has_base:
+        entries.append(0)
+    present = [r for r in entries if r not in absent]
+    base_present = spec.has_base and 0 not in absent
+    if len(present) == 1 and (m in _SINGLETON or (m in _BASE_SINGLETON and base_present)):
+        return present[0]
+    if m in _BASE_OR_SKIP and len(present) < _BASE_OR_SKIP[m]:
+        return 0 if len(present) == 1 and base_present else None
+    if spec.has_base and not base_present:
+        raise SpecError(f"{where}: an optional weight the base lacks; {m} needs the base's "
+                        "(mergekit refuses it too)")
+    non_base = len(present) - int(base_present)
+    for what, n, (lo, hi) in (("inputs", len(present), _INPUTS.get(m, (1, None))),
+                              ("non-base inputs", non_base, _NON_BASE.get(m, (0, None)))):
+        if n < lo or (hi is not None and n > hi):
+            raise SpecError(f"{where}: an optional weight {n} {what} have, where {m} takes "
+                            f"{lo if lo == hi else f'{lo} or more'} (mergekit refuses it too)")
+    return 0 if base_present and non_base == 0 else -1  # the base alone: it is the result
+
 
 def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
                  vocab: frozenset[str] = frozenset(),
-                 configs: Mapping[str, Mapping[str, Any]] | None = None) -> Recipe:
+                 configs: Mapping[str, Mapping[str, Any]] | None = None,
+                 vocab_weights: bool = False) -> Recipe:
     """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order);
     ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged;
-    ``configs``: each model's config.json (a ``modules:`` spec needs them)."""
+    ``configs``: each model's config.json (a ``modules:`` spec needs them);
+    ``vocab_weights``: a tokenizer merge of a ``modules:`` spec, whose vocabulary tensors are
+    the weights mergekit's architecture gives a vocabulary axis."""
     res = _Resolver(spec)
     rows: list[_Row] = []
     layers: list[tuple[str, int]] | None = None
     layer_counts: tuple[tuple[str, int], ...] | None = None
+    vocab_outputs: set[str] | None = None  # a modules: spec's vocabulary outputs
     if spec.slices and spec.slices[0].module is not None:
-        rows, layers, layer_counts = _module_rows(spec, names, configs or {})
+        rows, layers, layer_counts, vocab_outputs = _module_rows(spec, names, configs or {},
+                                                                 vocab_weights)
     elif not spec.sliced:
         sl = spec.slices[0]
         roles = (sl.ref, *sl.experts)
@@ -220,24 +278,38 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
             rows.append(_loose(spec, last, n, names))
     outputs: list[OutputTensor] = []
     keys: dict[str, str] = {}
-    for name, models, srcs, t, sl, roles in rows:
-        params, per_input = res.resolve(name, sl, roles, srcs, t)
-        is_vocab = srcs[0] in vocab
-        sig = json.dumps([models, srcs, params, per_input, is_vocab, sl.ref_only],
+    for name, models, named, t, sl, roles in rows:
+        # a role without the tensor names it as _ABSENT + the name it would have (filters
+        # match that name, as mergekit resolves parameters for every input)
+        absent = tuple(r for r, src in enumerate(named) if src.startswith(_ABSENT))
+        srcs = tuple("" if r in absent else src for r, src in enumerate(named))
+        single = None
+        if absent:
+            outcome = optional_outcome(spec, absent, f"{spec.source}: {name}")
+            if outcome is None:
+                continue  # mergekit skips it (model_stock with too few inputs)
+            single = outcome if outcome >= 0 else None
+        params, per_input = res.resolve(name, sl, roles,
+                                        tuple(src.lstrip(_ABSENT) for src in named), t)
+        is_vocab = name in vocab_outputs if vocab_outputs is not None else srcs[0] in vocab
+        sig = json.dumps([models, srcs, params, per_input, is_vocab, sl.ref_only, single],
                          sort_keys=True, default=str)
         key = keys.setdefault(sig, name)
         outputs.append(OutputTensor(name, key, models, srcs, t, params, per_input, is_vocab,
-                                    sl.ref_only))
+                                    sl.ref_only, absent, single))
     return Recipe(tuple(outputs), tuple(layers) if layers is not None else None, layer_counts)
 
 
 def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
-                 configs: Mapping[str, Mapping[str, Any]]
-                 ) -> tuple[list[_Row], list[tuple[str, int]], tuple[tuple[str, int], ...]]:
+                 configs: Mapping[str, Mapping[str, Any]], vocab_weights: bool = False
+                 ) -> tuple[list[_Row], list[tuple[str, int]], tuple[tuple[str, int], ...],
+                            set[str]]:
     """The rows of a ``modules:`` spec as mergekit 0.1.5 plans them: per module in the order
     given, its pre weights from the first slice's models, each slice's layers renumbered from
     0 within the module, its post weights from the last slice's models (both with the slice's
-    parameters at t = 0); only the modules' weights are output (mergefs.recipe.modules)."""
+    parameters at t = 0); only the modules' weights are output (mergefs.recipe.modules).
+    An optional weight some inputs lack names them with :data:`_ABSENT`. Also the outputs
+    that are vocabulary tensors (a vocabulary axis) when ``vocab_weights``."""
 
     cache: dict[str, dict[str, Module]] = {}
 
@@ -283,6 +355,7 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
 
     rows: list[_Row] = []
     layers: list[tuple[str, int]] = []
+    vocab_outputs: set[str] = set()
 
     def source_names(ws: Sequence[Any], roles: Sequence[SliceSource], out: Any,
                      key: str) -> tuple[str, ...] | None:
@@ -293,11 +366,16 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
         found = tuple(f if f is not None else w.find(names[r.path], tied=True)
                       for f, w, r in zip(found, ws, roles))
         for f, w, r in zip(found, ws, roles):
-            if f is None:
-                why = (" (mergekit merges an optional weight over the models that have it; "
-                       "mergefs needs it in every model)" if out.optional else "")
-                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}{why}")
-        return found  # type: ignore[return-value]
+            if f is None and not w.optional:
+                raise SpecError(f"{spec.source}: {key}: {r.path} has no tensor {w.name}")
+        if vocab_weights and out.vocabulary_axis is not None:
+            if out.vocabulary_axis != 0:
+                raise SpecError(f"{spec.source}: {key}: {out.name} has its vocabulary on "
+                                f"axis {out.vocabulary_axis}; a tokenizer merge of it is not "
+                                "supported yet")
+            vocab_outputs.add(out.name)
+        # an optional weight some inputs lack: merged over the others (optional_outcome)
+        return tuple(f if f is not None else _ABSENT + w.name for f, w in zip(found, ws))
 
     for name, sls in groups.items():
         first, last = sls[0], sls[-1]
@@ -330,7 +408,7 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
             srcs = source_names([w] * len(roles), roles, w, f"modules.{name}")
             if srcs is not None:
                 rows.append((w.name, tuple(r.path for r in roles), srcs, 0.0, last, roles))
-    return rows, layers, tuple(counts)
+    return rows, layers, tuple(counts), vocab_outputs
 
 
 def _loose(spec: Spec, sl: SliceDef, name: str, names: Mapping[str, Sequence[str]]
@@ -438,13 +516,16 @@ class RoleSource:
         self.tensors: dict[str, TensorLoc] = {}
         file_rank = {f: i for i, f in enumerate(self.files)}
         items = []
-        #: vocabulary units (not indexed): where this role reads them whole
-        self.vocab_locs: dict[str, tuple[Checkpoint, TensorLoc]] = {}
+        #: units read whole (vocabulary tensors, optional weights some roles lack; not
+        #: indexed): where this role reads them (none when its model lacks the tensor)
+        self.whole_locs: dict[str, tuple[Checkpoint, TensorLoc]] = {}
         for key, u in recipe.units.items():
             k = rank[u.models[role]]
+            if role in u.absent:
+                continue
             loc = self.members[k].tensors[u.sources[role]]
-            if u.vocab:
-                self.vocab_locs[key] = (self.members[k], loc)
+            if u.whole:
+                self.whole_locs[key] = (self.members[k], loc)
                 continue
             items.append(TensorLoc(key, q(k, loc.file), loc.start, loc.end, loc.dtype,
                                    loc.shape))

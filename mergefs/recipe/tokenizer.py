@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from mergefs.core.errors import SpecError
 from mergefs.methods.base import require_torch
+from mergefs.recipe.modules import set_dotted
 from mergefs.spec.tokenizer import Dirs, TokenRule, TokenizerSpec
 
 
@@ -29,6 +30,9 @@ class BuiltTokenizer:
     rows: int  # output rows (the vocabulary, padded)
     permutations: Mapping[str, np.ndarray]  # model path -> (len(vocab),) source row or -1
     original_vocabs: Mapping[str, Mapping[str, int]]
+    #: the (dotted) config.json key of the vocabulary size: read from each model's config,
+    #: written into the output's (mergekit's architecture ``vocab_size_config_key``)
+    size_key: str = "vocab_size"
 
 
 def _transformers() -> Any:
@@ -48,19 +52,58 @@ def _load(path: str, dirs: Dirs | None = None) -> Any:
         raise SpecError(f"{path}: cannot load its tokenizer: {exc}".splitlines()[0]) from None
 
 
-def vocab_size_of(config: Mapping[str, Any] | None, fallback: int) -> int:
-    if config and isinstance(config.get("vocab_size"), int):
-        return int(config["vocab_size"])
+def vocab_size_of(config: Mapping[str, Any] | None, fallback: int,
+                  key: str = "vocab_size") -> int:
+    """The vocabulary size at the dotted ``key`` of ``config`` (``text_config.vocab_size``),
+    or ``fallback``."""
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if isinstance(node, int) and not isinstance(node, bool):
+        return int(node)
     return fallback
 
 
 def _base_tokenizer(path: str, vocab_size: int | None, dirs: Dirs | None = None) -> Any:
+    """The base's tokenizer without the tokens at or past ``vocab_size`` (mergekit's
+    ``get_stripped_tokenizer``: BPE only; their merges go too)."""
     tok = _load(path, dirs)
     size = vocab_size if vocab_size is not None else len(tok.get_vocab())
-    if any(i >= size for i in tok.get_vocab().values()):
-        raise SpecError(f"{path}: its tokenizer has tokens past vocab_size {size}; stripping "
-                        "them is not supported yet")
+    unused = {t for t, i in tok.get_vocab().items() if i >= size}
+    if not unused:
+        return tok
+    past = f"{path}: its tokenizer has tokens past vocab_size {size}"
+    if not tok.is_fast:
+        raise SpecError(f"{past} and no fast tokenizer to strip them from (mergekit refuses "
+                        "it too)")
+    doc = json.loads(tok.backend_tokenizer.to_str())
+    kind = doc["model"]["type"]
+    if kind != "BPE":
+        raise SpecError(f"{past}; mergekit strips them from BPE tokenizers only and refuses "
+                        f"this {kind} one too")
+    doc["added_tokens"] = [e for e in doc["added_tokens"] if e["id"] < size]
+    for t in unused:
+        doc["model"]["vocab"].pop(t, None)
+    doc["model"]["merges"] = [m for m in doc["model"]["merges"]
+                              if not set(_merge_pair(m, past)) & unused]
+    tok._tokenizer = _tokenizers().Tokenizer.from_str(json.dumps(doc))
     return tok
+
+
+def _merge_pair(merge: Any, where: str) -> list[str]:
+    """The two tokens of a BPE merge, stored as ``"a b"`` or ``["a", "b"]``."""
+    if isinstance(merge, str) and merge.count(" ") == 1:
+        return merge.split(" ")
+    if isinstance(merge, list):
+        return [str(t) for t in merge]
+    raise SpecError(f"{where}; a merge of its BPE model is neither 'a b' nor a pair: "
+                    f"{merge!r}")
+
+
+def _tokenizers() -> Any:
+    import tokenizers  # installed with transformers
+
+    return tokenizers
 
 
 def _union(base_tok: Any, toks: Mapping[str, Any], sizes: Mapping[str, int]) -> Any:
@@ -122,11 +165,12 @@ def chat_template_text(value: str, models: Sequence[str], dirs: Dirs | None = No
 
 
 def build(spec_tok: TokenizerSpec, base: str, models: Sequence[str],
-          configs: Mapping[str, Mapping[str, Any] | None], dirs: Dirs | None = None
-          ) -> BuiltTokenizer:
+          configs: Mapping[str, Mapping[str, Any] | None], dirs: Dirs | None = None,
+          size_key: str = "vocab_size") -> BuiltTokenizer:
     """The output tokenizer of ``models`` (base first), with each model's row permutation;
-    ``dirs``: where remote models' tokenizer files were fetched to."""
-    sizes = {m: vocab_size_of(configs.get(m), 0) for m in models}
+    ``dirs``: where remote models' tokenizer files were fetched to; ``size_key``: the config
+    key of the vocabulary size."""
+    sizes = {m: vocab_size_of(configs.get(m), 0, size_key) for m in models}
     base_tok = _base_tokenizer(base, sizes[base] or None, dirs)
     toks: dict[str, Any] = {base: base_tok}
     for m in models:
@@ -170,12 +214,14 @@ def build(spec_tok: TokenizerSpec, base: str, models: Sequence[str],
         files = {p.relative_to(d).as_posix(): p.read_bytes()
                  for p in sorted(Path(d).rglob("*")) if p.is_file()}
     return BuiltTokenizer(files, vocab, rows, perms,
-                          {m: dict(t.get_vocab()) for m, t in toks.items()})
+                          {m: dict(t.get_vocab()) for m, t in toks.items()}, size_key)
 
 
 def update_config(config: dict[str, Any], built: BuiltTokenizer) -> dict[str, Any]:
+    """``config`` with the output's vocabulary size at ``built.size_key`` (a missing level:
+    left alone, as mergekit warns and writes nothing)."""
     out = dict(config)
-    out["vocab_size"] = built.rows
+    set_dotted(out, built.size_key, built.rows)
     return out
 
 

@@ -254,11 +254,6 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     glob_settings = own_settings(mdef, data.get("parameters") or {}, "parameters", source,
                                   lenient, scopes=None)
     tok = parse_tokenizer(data, base_dir, source, hub_config, hub_records)
-    if tok is not None and tok.source is not None and slices and slices[0].module is not None:
-        raise spec_error(source, "tokenizer" if data.get("tokenizer") is not None
-                   else "tokenizer_source", "a tokenizer merge of a modules: spec is not "
-                   "supported yet (its vocabulary tensors and size live in the text module's "
-                   "config); chat_template alone is")
     slice_defs = (make_slice_defs(mdef, slices, base_given, has_base, source, lenient) if sliced
                   else (models_slice(mdef, inputs, base, has_base, source, lenient),))
     experts = [ModelEntry(x.path, p) for x, p in zip(inputs, per_input) if x.path != base]

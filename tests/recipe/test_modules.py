@@ -291,16 +291,6 @@ def load_file_f32(model: Path) -> dict[str, Any]:
     return {k: v.float() for k, v in load_file(str(model / "model.safetensors")).items()}
 
 
-def test_tokenizer_merge_of_a_modules_spec_is_refused(fam: dict[str, Path],
-                                                      tmp_path: Path) -> None:
-    from mergefs.spec.load import parse_spec
-
-    cfg = {**task_arithmetic(fam), "tokenizer_source": "union"}
-    with pytest.raises(SpecError, match="tokenizer_source: a tokenizer merge of a modules: "
-                                        "spec is not supported yet"):
-        parse_spec(cfg, tmp_path)
-
-
 def test_a_missing_tied_weight_is_loaded_as_the_one_it_is_tied_to(
         fam: dict[str, Path], tmp_path: Path) -> None:
     """An expert without lm_head (a tied model): lm_head is read as its embed_tokens, as

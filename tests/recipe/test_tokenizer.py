@@ -256,3 +256,98 @@ def test_union_over_http_equals_the_local_union(vocab_family: dict[str, Path],
     for name in files:
         assert (tmp_path / "local" / name).read_bytes() == \
             (tmp_path / "remote" / name).read_bytes(), name
+
+
+# -- tokenizers with tokens past vocab_size (mergekit strips them from the base's, BPE only)
+
+BPE_VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "c": 5, "d": 6, "ab": 7, "cd": 8,
+             "abcd": 9, "x": 10, "y": 11, "xy": 12}
+BPE_MERGES = [("a", "b"), ("c", "d"), ("ab", "cd"), ("x", "y")]
+
+
+def _save_past_vocab_model(path: Path, vocab_size: int, seed: int, kind: str = "BPE",
+                           base_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Llama model with ``vocab_size`` rows whose tokenizer has more tokens (x, y, xy and
+    an added <pad> at 13: padding tokens past the model's vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if base_state is not None:
+        g = torch.Generator().manual_seed(seed)
+        new = {}
+        for name, t in model.state_dict().items():
+            w0 = base_state[name]
+            rows = t.float().clone()
+            rows[:w0.shape[0]] = w0.float() + 0.01 * torch.randn(w0.shape, generator=g)
+            new[name] = rows.to(t.dtype)
+        model.load_state_dict(new)
+    model.save_pretrained(path)
+    if kind == "BPE":
+        tok = Tokenizer(models.BPE(dict(BPE_VOCAB), list(BPE_MERGES), unk_token="<unk>"))
+    else:
+        tok = Tokenizer(models.WordLevel(dict(BPE_VOCAB), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    # an added token, not a special one: declared as pad_token, a reload of the stripped
+    # tokenizer adds it back at id 10, where mergekit's union then fails (a KeyError)
+    fast.add_tokens(["<pad>"])
+    fast.save_pretrained(path)
+    assert fast.get_vocab()["<pad>"] == 13
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def past_vocab_family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The base's tokenizer has 4 tokens past its vocab_size 10 (x, y, xy, <pad>); the
+    experts use x, y and xy (vocab_size 13), <pad> is past theirs too."""
+    root = tmp_path_factory.mktemp("past-vocab")
+    base_state = _save_past_vocab_model(root / "base", 10, 1)
+    for k, name in enumerate(("a", "b")):
+        _save_past_vocab_model(root / name, 13, 10 + k, base_state=base_state)
+    return {"base": root / "base", "a": root / "a", "b": root / "b"}
+
+
+@pytest.mark.parametrize("source", ["base", "union"])
+def test_tokens_past_vocab_size_are_stripped_as_mergekit_does(
+        past_vocab_family: dict[str, Path], tmp_path: Path, source: str) -> None:
+    cfg = cfg_for(past_vocab_family, tokenizer_source=source)
+    # the union's new tokens (x, y, xy) come in mergekit's get_vocab() order, which varies
+    # from run to run: compare() matches rows token by token
+    mk, fs = compare(past_vocab_family, cfg, tmp_path)
+    if source == "base":  # the stripped tokenizer itself, file for file
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (mk / f).exists() or (fs / f).exists():
+                assert (mk / f).read_bytes() == (fs / f).read_bytes(), f
+    doc = json.loads((fs / "tokenizer.json").read_text())
+    assert "<pad>" not in doc["model"]["vocab"]
+    assert all(t["content"] != "<pad>" for t in doc["added_tokens"])
+    assert [m for m in doc["model"]["merges"] if "x" in m] == []  # "x y" went with x and y
+    added = [t["content"] for t in doc["added_tokens"]]
+    assert ("xy" in added) == (source == "union")
+    rows = load_dir(fs)["lm_head.weight"].shape[0]
+    assert rows == (13 if source == "union" else 10)
+    for out in (mk, fs):
+        assert json.loads((out / "config.json").read_text())["vocab_size"] == rows
+
+
+def test_tokens_past_vocab_size_of_a_non_bpe_tokenizer_are_refused(tmp_path: Path) -> None:
+    """mergekit strips BPE tokenizers only and refuses the others: so does mergefs."""
+    from mergefs.core.errors import SpecError
+
+    fam = {"base": tmp_path / "base", "a": tmp_path / "a", "b": tmp_path / "b"}
+    state = _save_past_vocab_model(fam["base"], 10, 1, kind="WordLevel")
+    for k in ("a", "b"):
+        _save_past_vocab_model(fam[k], 13, 2, kind="WordLevel", base_state=state)
+    cfg = cfg_for(fam, tokenizer_source="base")
+    with pytest.raises(RuntimeError, match="only BPE"):
+        mergekit_dir(cfg, tmp_path / "mk")
+    with pytest.raises(SpecError, match=r"tokens past vocab_size 10; mergekit strips them "
+                                        r"from BPE tokenizers only and refuses this "
+                                        r"WordLevel one too"):
+        run_mergefs(cfg, tmp_path / "fs")
