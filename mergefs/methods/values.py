@@ -14,8 +14,10 @@ pinned by tests/spec/test_param_values.py against mergekit itself):
   ``infinity``, ``nan`` (any case); failing that, the unstripped string with single ``_``
   between characters removed (none first or last) is tried once more;
 - int: a bool (0, 1), an int, a float that is whole and strictly inside the int64 range, or a
-  string: whitespace dropped, at most 4300 characters, ``[+-]`` and digits; else with a ``.``
-  followed only by zeros (at least one) cut off; else with single ``_`` removed as above.
+  string: whitespace dropped, one leading ``+`` or ``-`` (not both), leading zeros dropped
+  (with ``_`` among them; pydantic's parser then also takes a ``-`` after them: ``0-1`` is -1),
+  a ``.`` followed only by zeros (at least one) cut off, single ``_`` removed as above, and
+  what is left an integer of at most 4300 digits.
 
 Pure; any thread.
 """
