@@ -549,6 +549,7 @@ class Engine:
         """Ask the kernel to start reading a unit's base range and planned expert runs
         (``Checkpoint.will_need``: no wait, no bytes beyond the plan; nothing for remote
         sources)."""
+        name = self.unit_of.get(name, name)  # a repeated unit first met under a later name
         lay = self.layout
         wanted = [(self.base, self._range(self.base, name, int(lay.elem_start[b0]),
                                           int(lay.elem_end[b1 - 1])))]

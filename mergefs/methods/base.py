@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from mergefs.core.errors import DependencyMissing
+from mergefs.methods import values
 
 #: the oldest torch the methods accept (pyproject's ``torch`` extra: ``torch>=2.0``)
 TORCH_MIN = (2, 0)
@@ -116,23 +117,27 @@ class ParamDef:
         hi = "inf" if self.hi is None else f"{self.hi:g}"
         return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
 
+    def coerce(self, value: Any) -> tuple[Any, str | None]:
+        """``(value, None)`` with ``value`` as mergekit reads it (:mod:`.values`: ``1.0`` is true
+        for a bool, ``"1e-5"`` a float, ``3.0`` an int), or ``(None, what is wrong)``: mergekit
+        refuses it, or it is outside the range mergefs accepts."""
+        try:
+            out = values.coerce(self.kind, value)
+        except ValueError as exc:
+            return None, str(exc)
+        if self.kind == "bool" or out is None:
+            return out, None
+        if not math.isfinite(out):
+            return None, f"expected a finite number, got {value!r}"
+        if self.lo is not None and (out < self.lo or (self.lo_open and out == self.lo)):
+            return None, f"must be {'>' if self.lo_open else '>='} {self.lo}, got {out}"
+        if self.hi is not None and out > self.hi:
+            return None, f"must be <= {self.hi}, got {out}"
+        return out, None
+
     def check(self, value: Any) -> str | None:
         """None if ``value`` is valid, else what is wrong with it."""
-        if self.kind == "bool":
-            return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
-        if self.kind == "float?" and value is None:
-            return None
-        if self.kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                return f"expected an integer, got {value!r}"
-        elif (isinstance(value, bool) or not isinstance(value, (int, float))
-              or not math.isfinite(value)):
-            return f"expected a number, got {value!r}"
-        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
-            return f"must be {'>' if self.lo_open else '>='} {self.lo}, got {value}"
-        if self.hi is not None and value > self.hi:
-            return f"must be <= {self.hi}, got {value}"
-        return None
+        return self.coerce(value)[1]
 
 
 @dataclass(frozen=True)

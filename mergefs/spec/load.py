@@ -336,9 +336,9 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     if sliced:
         del raw["models"]
         if slices[0].module is not None:
-            raw["modules"] = modules_raw(slices, hub_records)
+            raw["modules"] = modules_raw(mdef, slices, hub_records)
         else:
-            raw["slices"] = [slice_raw(sl, hub_records) for sl in slices]
+            raw["slices"] = [slice_raw(mdef, sl, hub_records) for sl in slices]
         # only what the global level gave: a slice's own values stay on the slice
         raw["parameters"] = {k: settings.to_json(v) for k, v in glob_settings.items()}
     if "storage_options" in data:  # redacted: credentials never reach a manifest or a log

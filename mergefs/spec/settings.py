@@ -4,8 +4,8 @@ A *setting* is what a spec gives for one parameter at one level (global, slice, 
 source): a scalar (``0.5``), a gradient (``[0, 0.5, 1]``: interpolated across a slice's layers),
 or conditional values (``[{filter: self_attn, value: [0, 1]}, {value: 0.5}]``: the first whose
 ``filter`` is a substring of the tensor name wins; no filter, or ``*``, matches everything).
-``check`` validates one at the edge (each scalar against the parameter's range) and returns it in
-a normal form; ``evaluate`` resolves it for one tensor at position ``t`` in ``[0, 1]`` exactly as
+``check`` validates one at the edge (each scalar coerced as mergekit's validation does, then checked
+against the parameter's range) and returns it in a normal form; ``evaluate`` resolves it for one tensor at position ``t`` in ``[0, 1]`` exactly as
 mergekit 0.1.5's ``evaluate_setting`` does (Python floats: ``(1 - f) * v[i] + f * v[i + 1]`` with
 ``i = int(t * (n - 1))``); ``resolve`` walks the levels from highest precedence down, a level that
 yields nothing (no key, no matching filter) deferring to the next. Pure; any thread.
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mergefs.methods import values
 from mergefs.methods.base import ParamDef
 
 #: ``evaluate`` of a setting that gives no value for a tensor (no matching filter)
@@ -31,25 +32,30 @@ def is_scalar(setting: Any) -> bool:
     return _is_scalar(setting)
 
 
-def _check_leaf(pdef: ParamDef, value: Any) -> str | None:
+def _check_leaf(pdef: ParamDef, value: Any) -> tuple[Any, str | None]:
+    """A scalar or a gradient checked: ``(normal form, None)`` or ``(None, what is wrong)``."""
     if isinstance(value, list):
         if not value:
-            return "a gradient needs at least one value"
+            return None, "a gradient needs at least one value"
+        out = []
         for v in value:
             if not _is_scalar(v) or v is None:
-                return f"a gradient is a list of numbers, got {v!r}"
-            problem = pdef.check(v)
+                return None, f"a gradient is a list of numbers, got {v!r}"
+            normal, problem = pdef.coerce(v)
             if problem:
-                return problem
-        return None
-    return pdef.check(value)
+                return None, problem
+            out.append(normal)
+        return out, None
+    return pdef.coerce(value)
 
 
 def check(pdef: ParamDef, value: Any) -> tuple[Any, str | None]:
     """``(normal form, None)`` for a valid setting, ``(None, what is wrong)`` otherwise.
 
-    The normal form keeps scalars and gradients as given (floats for float parameters) and makes
-    conditional values a tuple of ``(filter or None, value)`` pairs.
+    The normal form has every scalar as mergekit's validation reads it (``ParamDef.coerce``:
+    bools for bool parameters, floats for float ones, ints for int ones), gradients as lists of
+    those, and conditional values as a tuple of ``(filter or None, value)`` pairs. Specs are
+    checked once, here; the manifest records the normal form, which checks to itself.
     """
     if isinstance(value, dict) or (isinstance(value, list) and value
                                    and any(isinstance(v, dict) for v in value)):
@@ -66,23 +72,12 @@ def check(pdef: ParamDef, value: Any) -> tuple[Any, str | None]:
             if isinstance(inner, dict) or (isinstance(inner, list)
                                            and any(isinstance(v, dict) for v in inner)):
                 return None, "a filter's value is a number or a gradient list"
-            problem = _check_leaf(pdef, inner)
+            normal, problem = _check_leaf(pdef, inner)
             if problem:
                 return None, problem
-            out.append((filt, _normal(pdef, inner)))
+            out.append((filt, normal))
         return tuple(out), None
-    problem = _check_leaf(pdef, value)
-    if problem:
-        return None, problem
-    return _normal(pdef, value), None
-
-
-def _normal(pdef: ParamDef, value: Any) -> Any:
-    if isinstance(value, list):
-        return [_normal(pdef, v) for v in value]
-    if pdef.kind in ("float", "float?") and value is not None and not isinstance(value, bool):
-        return float(value)
-    return value
+    return _check_leaf(pdef, value)
 
 
 def to_json(setting: Any) -> Any:
@@ -93,11 +88,12 @@ def to_json(setting: Any) -> Any:
 
 
 def _validate(pdef: ParamDef, value: Any) -> Any:
-    if pdef.kind == "int" and isinstance(value, float):
-        if value != int(value):
-            raise ValueError(f"{pdef.name}: an interpolated value {value} is not an integer")
-        return int(value)
-    return _normal(pdef, value)
+    """An interpolated value validated again, as mergekit does (an int parameter's must be
+    whole)."""
+    try:
+        return values.coerce(pdef.kind, value)
+    except ValueError as exc:
+        raise ValueError(f"{pdef.name}: an interpolated value {value!r}: {exc}") from None
 
 
 def evaluate(pdef: ParamDef, setting: Any, tensor_name: str, t: float) -> Any:

@@ -105,8 +105,18 @@ def parse_models(data: dict[str, Any], base_dir: Path, source: str, hub_config: 
         params_raw = entry.get("parameters") or {}
         if not isinstance(params_raw, dict):
             raise spec_error(source, f"{key}.parameters", "expected a mapping")
+        _refuse_repeat(source, f"{key}.model", mpath, out)
         out.append(_Model(mpath, key, dict(params_raw), options))
     return out
+
+
+def _refuse_repeat(source: str, key: str, path: str, earlier: list[_Model]) -> None:
+    """mergekit 0.1.5 refuses a merge whose inputs name a model twice ("Duplicate merge
+    inputs"), whatever the parameters or layer ranges; so does mergefs, naming both places."""
+    first = next((x.key for x in earlier if x.path == path), None)
+    if first is not None:
+        raise spec_error(source, key, f"{path} is listed again (first at {first}); mergekit "
+                         "refuses a model twice in one merge too (\"Duplicate merge inputs\")")
 
 
 @dataclass
@@ -158,13 +168,12 @@ def parse_slices(raw: Any, where: str, base_dir: Path, source: str, hub_config: 
             params_raw = src.get("parameters") or {}
             if not isinstance(params_raw, dict):
                 raise spec_error(source, f"{skey}.parameters", "expected a mapping")
+            _refuse_repeat(source, f"{skey}.model", mpath, [x for x, _ in sources])
             sources.append((_Model(mpath, skey, dict(params_raw), None), (lr[0], lr[1])))
         lengths = {lr[1] - lr[0] for _, lr in sources if lr is not None}
         if len(lengths) != 1:
             raise spec_error(source, f"{key}.sources", "all sources of a slice must have the same "
                        "number of layers (mergekit refuses it too)")
-        if len({m.path for m, _ in sources}) != len(sources):
-            raise spec_error(source, f"{key}.sources", "the same model is listed twice")
         sbase = None
         if sl.get("base_model") is not None:
             sbase = resolve_model_path(base_dir, sl["base_model"], source, f"{key}.base_model",
@@ -306,15 +315,26 @@ def make_slice_defs(m: Method, slices: list[_Slice], base_given: str | None, has
     return tuple(out)
 
 
-def slice_raw(sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
+def normal_raw(m: Method, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters as given at one level, each of ``m``'s in its checked normal form (what a
+    manifest records); a value that level ignores stays as given."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        pdef = m.param(name)
+        checked, problem = (None, "ignored") if pdef is None else settings.check(pdef, value)
+        out[name] = value if problem else settings.to_json(checked)
+    return out
+
+
+def slice_raw(m: Method, sl: _Slice, hub_records: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sources": [
         {"model": hub_records.get(x.path, x.path), "layer_range": list(lr),
-         **({"parameters": x.params_raw} if x.params_raw else {})}
+         **({"parameters": normal_raw(m, x.params_raw)} if x.params_raw else {})}
         for x, lr in sl.sources if lr is not None]}
     if sl.base is not None:
         out["base_model"] = hub_records.get(sl.base, sl.base)
     if sl.params_raw:
-        out["parameters"] = sl.params_raw
+        out["parameters"] = normal_raw(m, sl.params_raw)
     return out
 
 
@@ -338,20 +358,22 @@ def check_module_roles(m: Method, slices: list[_Slice], base_given: str | None,
                        "(or, for the task-arithmetic family, the base alone)")
 
 
-def modules_raw(slices: list[_Slice], hub_records: dict[str, Any]) -> dict[str, Any]:
+def modules_raw(m: Method, slices: list[_Slice], hub_records: dict[str, Any]
+                ) -> dict[str, Any]:
     """``modules:`` again as mergekit reads it (a ``models:`` module stays one)."""
     out: dict[str, Any] = {}
     for sl in slices:
         assert sl.module is not None
         mod = out.setdefault(sl.module, {})
         if sl.module_params_raw:
-            mod["parameters"] = sl.module_params_raw
+            mod["parameters"] = normal_raw(m, sl.module_params_raw)
         if sl.sources[0][1] is None:
             mod["models"] = [{"model": hub_records.get(x.path, x.path),
-                              **({"parameters": x.params_raw} if x.params_raw else {})}
+                              **({"parameters": normal_raw(m, x.params_raw)}
+                                 if x.params_raw else {})}
                              for x, _ in sl.sources if x.key != "base_model"]
         else:
-            mod.setdefault("slices", []).append(slice_raw(sl, hub_records))
+            mod.setdefault("slices", []).append(slice_raw(m, sl, hub_records))
     return out
 
 

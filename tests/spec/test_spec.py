@@ -114,13 +114,16 @@ def test_defaults_and_global_model_parameters(tmp_path: Path) -> None:
 def test_base_listed_without_weight_is_the_base_not_an_expert(tmp_path: Path) -> None:
     doc = good_doc()
     doc["models"].insert(0, {"model": "./base"})
-    doc["models"].append({"model": "base/"})  # the same directory spelled differently
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(doc))
     spec = load_spec(path)
     assert len(spec.experts) == 2
     assert all(e.path != spec.base for e in spec.experts)
     assert spec.base_weight is None
+    # listed again, spelled differently: mergekit refuses it (a duplicate input, or an input
+    # without a weight), and so does mergefs
+    doc["models"].append({"model": "base/"})
+    assert spec_error(tmp_path, doc).startswith("models[3].model: ")
 
 
 def test_base_listed_with_weight_in_linear(tmp_path: Path) -> None:
@@ -263,7 +266,7 @@ BAD: dict[str, tuple[Any, str]] = {
     "index_dir is a URL": (good_doc(index_dir="s3://bucket/idx"), "index_dir"),
     "duplicate expert": (good_doc(models=[{"model": "./a", "parameters": {"weight": 1}},
                                           {"model": "a", "parameters": {"weight": 1}}]),
-                         "models"),
+                         "models[1].model"),
     "bad cache": (good_doc(cache={"memory": "1GiB", "disk": "x"}), "cache"),
     "linear weights sum to zero": (good_doc(merge_method="linear", parameters={},
                                             models=[{"model": "a", "parameters": {"weight": 1}},
