@@ -237,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm", nargs="?", const="on", default=None, choices=("auto", "on", "off"),
                    help="merge the whole model ahead, in file order, up to the cache size, and "
                    "push it into the kernel page cache, so that from_pretrained reads pages "
-                   "already there. auto (the default): start once a reader has read 8 different "
-                   "tensors of a variant (a loader of the whole model), never for a reader of a "
-                   "few; on (--warm alone): at mount time; off: merge only what is read (and "
-                   "the readahead of sequential readers)")
+                   "already there. auto (the default): a variant once its config.json is opened "
+                   "(from_pretrained and vLLM read it first) or 8 of its tensors are read; a "
+                   "reader of a few tensors starts nothing; on (--warm alone): at mount time; "
+                   "off: merge only what is read (and the readahead of sequential readers)")
     s.add_argument("--source-cache-size", metavar="SIZE",
                    help="sweep mounts: memory for source blocks shared by the variants "
                    "(default: the --cache-size; 0 turns sharing of reads off)")

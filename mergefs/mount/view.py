@@ -56,7 +56,7 @@ from mergefs.mount.files import Stream, UnitReader, WeightFile, weight_file
 from mergefs.mount.pages import PagePusher, StoreFn
 from mergefs.mount.session import KeyFn, MountSession, VariantState
 from mergefs.mount.stats import ReadCounters, stats_document
-from mergefs.sources.base import INDEX_NAME
+from mergefs.sources.base import CONFIG_NAME, INDEX_NAME
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +337,14 @@ class View:
         if n.kind == "dir":
             raise IsADirectoryError(n.path)
         snapshot = self._snapshot(n) if n.kind in DYNAMIC_KINDS else None
+        lookup = self._auto_warm
+        if (lookup is not None and n.name == CONFIG_NAME and n.variant is not None
+                and n.variant not in self._warm_started and n.variant in self.readers):
+            # a loader's first step (from_pretrained, vLLM): merging starts while it builds
+            # the model, before its first weight read
+            log.info("%s read: merging the model ahead (auto warm-up; --warm off turns it off)",
+                     n.path)
+            self.start_warm(lookup, variants=[n.variant])
         fh = next(self._fh)
         with self._lock:
             self._handles[fh] = _Handle(n, snapshot)
@@ -482,9 +490,9 @@ class View:
 
     def arm_auto_warm(self, lookup: Callable[[str], None]) -> None:
         """The default warm-up (``--warm auto``): a variant is warmed (:meth:`start_warm`) once
-        its files have been read in :func:`auto_warm_tensors` different tensors, as a loader
-        of the whole model (``from_pretrained``, vLLM) does within its first reads; a reader
-        of a few tensors never starts it."""
+        its ``config.json`` is opened (the first thing ``from_pretrained`` and vLLM read) or its
+        weight files have been read in :func:`auto_warm_tensors` different tensors (a loader of
+        the whole model that skips the config); a reader of a few tensors starts nothing."""
         self._auto_warm = lookup
 
     def _reached_by(self, variant: str) -> Callable[[WeightFile, int], None]:

@@ -303,3 +303,19 @@ def test_auto_warm_up_waits_for_a_whole_model_reader(tmp_path: Path, index_dir: 
 @pytest.mark.parametrize("merged, need", [(2, 2), (3, 2), (10, 5), (16, 8), (400, 8)])
 def test_auto_warm_threshold(merged: int, need: int) -> None:
     assert auto_warm_tensors(merged) == need
+
+
+def test_auto_warm_up_starts_when_a_loader_opens_config_json(tmp_path: Path, index_dir: Path,
+                                                             family_sharded: Family,
+                                                             opened: list[View]) -> None:
+    spec = write_case_spec(tmp_path / "spec.yaml", family_sharded, "task_arithmetic", index_dir)
+    view = open_view(spec, opened)
+    looked_up: list[str] = []
+    view.open_path("config.json")  # not armed (--warm off, or before the mount is up): nothing
+    assert not view.pages._warm_threads
+    view.arm_auto_warm(looked_up.append)
+    view.release(view.open_path("config.json"))
+    assert view.pages.wait_warm(120)
+    assert looked_up == [p for p, _, _ in view.weight_files()]
+    view.open_path("config.json")
+    assert len(view.pages._warm_threads) == 1
