@@ -169,6 +169,23 @@ def without(src: Path, dst: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize("form", ["models", "slices"])
+def test_a_missing_tied_weight_is_read_as_the_one_it_is_tied_to(
+        fam: dict[str, Path], tmp_path: Path, form: str) -> None:
+    """A model without lm_head (a tied model, first: the reference): its lm_head is read as
+    its embed_tokens, as mergekit's loader does with the architecture's tied names."""
+    e3 = without(fam["e3"], tmp_path / "e3", "lm_head.weight")
+    cfg = {"merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16",
+           "models": [{"model": str(e3), "parameters": {"weight": 0.5}},
+                      {"model": str(fam["e2"]), "parameters": {"weight": 0.5}}]}
+    if form == "slices":
+        cfg = to_slices(cfg)
+    mk = run_mergekit(cfg, tmp_path / "mk")
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    assert "lm_head.weight" in fs and set(mk) == set(fs)
+    assert_identical(mk, fs)
+
+
+@pytest.mark.parametrize("form", ["models", "slices"])
 def test_a_weight_that_is_not_optional_is_still_refused(
         fam: dict[str, Path], tmp_path: Path, form: str) -> None:
     """e2 without a layer norm (not optional in Granite's architecture) and with its
