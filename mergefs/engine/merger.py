@@ -114,7 +114,9 @@ class Engine:
         self.manifest = manifest
         self.verify_index = verify_index
         self.tindex = self.layout.tensor_index()
-        if self.recipe.layers is not None or self.derived:
+        # the recipe's outputs, not the base's files: slices, whole units, or a tensor some
+        # model reads under another name (a tied weight of a models: spec, mergefs.recipe)
+        if self.recipe.layers is not None or self.derived or not self.recipe.identity:
             self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
                                                             self._whole_shapes())
         else:

@@ -317,6 +317,9 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
     """
 
     refuse_unsupported(session.spec)
+    if any(o.absent for o in session.recipe.outputs):
+        raise MergefsError(f"{session.spec.source}: --ray does not run merges of optional "
+                           "weights some models lack yet; run it without --ray")
     ray = connect(address)
     engine = session.engine
     hashes: dict[str, str] = {}

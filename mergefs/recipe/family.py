@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from mergefs.recipe import tokenizer as tokenizers
@@ -12,17 +12,32 @@ from mergefs.sources.local import Checkpoint
 from mergefs.sources import open_source
 from mergefs.core.errors import SpecError
 from mergefs.core.format import FLOAT_DTYPES
-from mergefs.recipe.modules import vocab_size_key
-from mergefs.recipe.outputs import PRE_WEIGHT, Recipe, RoleSource, build_recipe
+from mergefs.recipe.modules import Weight, architecture_weights, vocab_size_key
+from mergefs.recipe.outputs import (PRE_WEIGHT, Recipe, RoleSource, build_recipe, layer_of,
+                                    merged_order, stand_in)
 from mergefs.spec.model import Spec
 from mergefs.sources.base import CONFIG_NAME
 
 
 def recipe_of(spec: Spec, base: Checkpoint) -> Recipe:
-    """The spec's recipe: carried by the sources of a sliced spec, else built over the base."""
+    """The spec's recipe: carried by the sources of a sliced spec (for a ``models:`` spec
+    whose models differ in optional weights, rebuilt for ``spec``: a sweep's variants share
+    its family), else built over the base."""
     if isinstance(base, RoleSource):
-        return base.recipe
+        if base.recipe_for is None:
+            return base.recipe
+        recipe = base.recipe_for(spec)
+        if _served(recipe) != _served(base.recipe):
+            raise SpecError(f"{spec.source}: this variant changes which tensors the models "
+                            "that lack an optional weight take part in (a method that skips "
+                            "or passes such weights through); sweep it separately")
+        return recipe
     return build_recipe(spec, {spec.base: list(base.tensors)})
+
+
+def _served(recipe: Recipe) -> list[tuple[Any, ...]]:
+    """What a :class:`RoleSource` serves of a recipe: its units' sources and read modes."""
+    return [(u.key, u.models, u.sources, u.whole) for u in recipe.units.values()]
 
 
 _HUB_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
@@ -85,18 +100,39 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     base = open_source(spec.base, spec.source_options(spec.base))
     experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
                for e in spec.experts]
-    if spec.sliced or spec.tokenizer is not None:
+    plain = not spec.slices or spec.slices[0].module is None  # models: or slices:
+    weights: dict[str, dict[str, Weight]] | None = None
+    if plain and not spec.sliced and any(set(e.tensors) != set(base.tensors)
+                                         for e in experts):
+        try:
+            tables = _weight_tables({spec.base: base, **{e.path: c for e, c in
+                                                         zip(spec.experts, experts)}})
+            per_model = None if tables is None else [
+                tables[spec.base], *(tables[e.path] for e in spec.experts)]
+            if per_model is not None and _optional_gaps([base, *experts], per_model):
+                weights = tables
+            else:  # a difference in a weight that is not optional: refused
+                check_coordinates(base, experts, optional=per_model)
+        except BaseException:
+            for c in (base, *experts):
+                c.close()
+            raise
+    if spec.sliced or spec.tokenizer is not None or weights is not None:
         opened = {spec.base: base, **{e.path: c for e, c in zip(spec.experts, experts)}}
         try:
             for sl in spec.slices:
                 for r in (sl.ref, *sl.experts):
                     if r.path not in opened:
                         opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+            if plain and spec.sliced and not _uniform(opened.values()):
+                weights = _weight_tables(opened)
             configs = _configs(spec, opened)
             built, vocab = _tokenizer(spec, opened, configs)
-            recipe = build_recipe(spec, {p: list(c.tensors) for p, c in opened.items()}, vocab,
-                                  configs, vocab_weights=bool(configs) and bool(
-                                      spec.tokenizer and spec.tokenizer.source))
+            names = {p: list(c.tensors) for p, c in opened.items()}
+            recipe = build_recipe(spec, names, vocab, configs,
+                                  vocab_weights=bool(configs) and bool(
+                                      spec.tokenizer and spec.tokenizer.source),
+                                  weights=weights)
             # a base-alone module slice names the base in the expert roles too: those roles
             # get their own handle on it, so their counters count their own reads only
             aliased = {u.models[0] for u in recipe.units.values() if u.ref_only}
@@ -113,9 +149,64 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
             raise
         for role in roles:
             role.tokenizer = built
+            if weights is not None and not spec.sliced and spec.tokenizer is None:
+                role.recipe_for = (lambda s, names=names, weights=weights:
+                                   build_recipe(s, names, weights=weights))
         base, experts = roles[0], roles[1:]  # type: ignore[assignment]
     check_coordinates(base, experts)
     return base, experts
+
+
+def _weight_tables(opened: dict[str, Checkpoint]) -> dict[str, dict[str, Weight]] | None:
+    """Each model's weights by mergekit's architecture definition, or None unless every model
+    has a config.json naming one architecture mergekit defines, the same for all (mergekit
+    mixes architectures only with ``--allow-crimes``, and infers one for models it does not
+    know; mergefs then knows of no optional weight)."""
+    out: dict[str, dict[str, Weight]] = {}
+    archs = set()
+    for path, c in opened.items():
+        cfg = _config_of(c)
+        if cfg is None:
+            return None
+        try:
+            out[path] = architecture_weights(cfg, path)
+        except SpecError:
+            return None
+        archs.add(json.dumps(cfg.get("architectures")))
+    return out if len(archs) == 1 else None
+
+
+def _optional_gaps(models: Sequence[Checkpoint], tables: Sequence[Mapping[str, Weight]]
+                   ) -> bool:
+    """Whether every tensor some model of a ``models:`` spec lacks is an optional weight of
+    its architecture (``tables``: each model's, :func:`_weight_tables`; mergekit merges such
+    a weight over the models that have it)."""
+    union = merged_order([list(c.tensors) for c in models])
+    for c, table in zip(models, tables):
+        have = c.tensors.keys()
+        if any(n not in have and stand_in(n, have, table) is None for n in union):
+            return False
+    return True
+
+
+def _uniform(models: Any) -> bool:
+    """Whether the models of a sliced spec have the same tensors in every layer and the same
+    other tensors (no weight some of them lack)."""
+    shapes = set()
+    for c in models:
+        layers: dict[tuple[str, int], set[str]] = {}
+        loose = set()
+        for n in c.tensors:
+            lay = layer_of(n)
+            if lay is None:
+                loose.add(n)
+            else:
+                layers.setdefault(lay[:2], set()).add(lay[2])
+        kinds = {(p, frozenset(s)) for (p, _), s in layers.items()}
+        if len(kinds) != len({p for p, _ in kinds}):
+            return False
+        shapes.add((frozenset(loose), frozenset(kinds)))
+    return len(shapes) <= 1
 
 
 #: Vocabulary tensors (rows are tokens) of a tokenizer merge: embeddings and LM heads whose
@@ -168,26 +259,34 @@ def _tokenizer(spec: Spec, opened: dict[str, Checkpoint],
     return built, vocab
 
 
-def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5) -> None:
+def check_coordinates(base: Any, experts: Sequence[Any], limit: int = 5,
+                      optional: Sequence[Mapping[str, Weight]] | None = None) -> None:
     """Every expert must have exactly the base's tensor names, shapes and dtypes; floating
     dtypes may differ (each source is decoded with its own and merged in float32, as mergekit
     promotes mixed inputs).
 
     ``base`` and ``experts`` are :class:`mergefs.sources.local.Checkpoint`. Lists the first few
-    differences per expert.
+    differences per expert; with ``optional`` (each model's architecture weights, in the
+    order base, experts), not those in weights the model lacking them may lack.
     """
-    for ex in experts:
+    tables = list(optional or ())
+
+    def lacks(k: int, c: Any, name: str) -> bool:  # model k lacks tensor name, not optional
+        return k >= len(tables) or stand_in(name, c.tensors.keys(), tables[k]) is None
+
+    for k, ex in enumerate(experts, 1):
         diffs: list[str] = []
         for name, loc in base.tensors.items():
             other = ex.tensors.get(name)
             if other is None:
-                diffs.append(f"{name}: missing")
+                if lacks(k, ex, name):
+                    diffs.append(f"{name}: missing")
             elif other.shape != loc.shape or (other.dtype != loc.dtype and not
                                                {other.dtype, loc.dtype} <= FLOAT_DTYPES):
                 diffs.append(f"{name}: {other.dtype}{list(other.shape)} vs base "
                              f"{loc.dtype}{list(loc.shape)}")
         for name in ex.tensors:
-            if name not in base.tensors:
+            if name not in base.tensors and lacks(0, base, name):
                 diffs.append(f"{name}: not in base")
         if diffs:
             more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""

@@ -152,3 +152,16 @@ def set_dotted(config: dict[str, Any], key: str, value: Any) -> bool:
         node = child
     node[parts[-1]] = value
     return True
+
+
+def architecture_weights(config: Mapping[str, Any], where: str) -> dict[str, Weight]:
+    """Every weight of the model whose ``config.json`` is ``config`` by mergekit's architecture
+    definition (all modules, the model's own layer counts), by name: what a ``models:`` or
+    ``slices:`` spec needs to tell an optional weight (a bias some models lack) from a tensor
+    that does not belong. SpecError as :func:`read_modules`."""
+    out: dict[str, Weight] = {}
+    for mod in read_modules(config, where).values():
+        for w in (*mod.pre, *(w for i in range(mod.n_layers) for w in mod.layer(i)),
+                  *mod.post):
+            out.setdefault(w.name, w)
+    return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from mergefs.sources.base import Counters
 from mergefs.sources.base import AuxFile, GapAllowance, ReadRange, TensorLoc, aux_read_only
 from mergefs.core.errors import SpecError
 from mergefs.spec.model import REFERENCE, SliceDef, SliceSource, Spec
-from mergefs.recipe.modules import Module, read_modules, set_dotted
+from mergefs.recipe.modules import Module, Weight, read_modules, set_dotted
 
 LAYER = re.compile(r"\.(\d+)\.")
 #: Non-layer tensors that mergekit's architectures put before the layers (pre weights)
@@ -212,12 +212,19 @@ def optional_outcome(spec: Spec, absent: Sequence[int], where: str) -> int | Non
 def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
                  vocab: frozenset[str] = frozenset(),
                  configs: Mapping[str, Mapping[str, Any]] | None = None,
-                 vocab_weights: bool = False) -> Recipe:
+                 vocab_weights: bool = False,
+                 weights: Mapping[str, Mapping[str, Weight]] | None = None) -> Recipe:
     """The recipe of ``spec`` given each model's tensor names (``names[path]``, file order);
     ``vocab``: the reference model's vocabulary tensors when a tokenizer is merged;
     ``configs``: each model's config.json (a ``modules:`` spec needs them);
     ``vocab_weights``: a tokenizer merge of a ``modules:`` spec, whose vocabulary tensors are
-    the weights mergekit's architecture gives a vocabulary axis."""
+    the weights mergekit's architecture gives a vocabulary axis;
+    ``weights``: per model, its weights by mergekit's architecture
+    (:func:`mergefs.recipe.modules.architecture_weights`), for a ``models:`` or ``slices:``
+    spec whose models' tensors differ: the output has every tensor any model of a role
+    has, and a model lacking one of its architecture's optional weights takes no part in
+    it (:func:`stand_in`), as for a ``modules:`` spec. None: every model must have the
+    reference's tensors."""
     res = _Resolver(spec)
     rows: list[_Row] = []
     layers: list[tuple[str, int]] | None = None
@@ -229,13 +236,20 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
     elif not spec.sliced:
         sl = spec.slices[0]
         roles = (sl.ref, *sl.experts)
-        base_names = names[spec.base]
-        counts = _layer_counts(base_names)
         models = tuple(r.path for r in roles)
+        base_names = names[spec.base] if weights is None else merged_order(
+            [names[p] for p in dict.fromkeys(models)])
+        have = {p: frozenset(names[p]) for p in models} if weights is not None else {}
+        counts = _layer_counts(base_names)
         for n in base_names:
             lay = layer_of(n)
             t = 0.0 if lay is None else _position(lay[1], counts[lay[0]])
-            rows.append((n, models, (n,) * len(roles), t, sl, roles))
+            srcs: tuple[str, ...] | None = (n,) * len(roles)
+            if weights is not None:
+                srcs = _sources((n,) * len(roles), models, have, weights, False,
+                                lambda r: f"{spec.source}: {models[r]} has no tensor {n}")
+            assert srcs is not None
+            rows.append((n, models, srcs, t, sl, roles))
     else:
         layers = []
         first, last = spec.slices[0], spec.slices[-1]
@@ -246,11 +260,19 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
                             f"{len(prefixes)} stacks of layers; slices need exactly one "
                             "(modules: are not supported yet)")
         prefix = prefixes.pop()
-        loose = [n for n in ref_names if layer_of(n) is None]
-        pre = [n for n in loose if PRE_WEIGHT.search(n)]
-        post = [n for n in loose if not PRE_WEIGHT.search(n)]
+        have = {p: frozenset(ns) for p, ns in names.items()} if weights is not None else {}
+
+        def loose_of(sl: SliceDef) -> list[str]:
+            # the reference's (in its order), and with weights the other inputs' too
+            others = [] if weights is None else [names[r.path] for r in (sl.ref, *sl.experts)]
+            return [n for n in merged_order([ref_names, *others]) if layer_of(n) is None]
+
+        pre = [n for n in loose_of(first) if PRE_WEIGHT.search(n)]
+        post = [n for n in loose_of(last) if not PRE_WEIGHT.search(n)]
         for n in pre:
-            rows.append(_loose(spec, first, n, names))
+            row = _loose(spec, first, n, names, have, weights)
+            if row is not None:
+                rows.append(row)
         out_layer = 0
         for s, sl in enumerate(spec.slices):
             roles = (sl.ref, *sl.experts)
@@ -265,17 +287,33 @@ def build_recipe(spec: Spec, names: Mapping[str, Sequence[str]],
                 if not suffixes:
                     raise SpecError(f"{spec.source}: slices[{s}]: {roles[0].path} has no "
                                     f"layer {src_layers[0]}")
-                for suf in suffixes:
-                    srcs = tuple(f"{prefix}.{L}.{suf}" for L in src_layers)
+                own = len(suffixes)
+                if weights is not None:  # every weight any input's layer has
+                    suffixes = merged_order([suffixes, *(
+                        [n[len(f"{prefix}.{L}."):] for n in names[r.path]
+                         if n.startswith(f"{prefix}.{L}.")]
+                        for r, L in zip(roles[1:], src_layers[1:]))])
+                for j, suf in enumerate(suffixes):
+                    named = tuple(f"{prefix}.{L}.{suf}" for L in src_layers)
+                    srcs = named
+                    if weights is not None:
+                        srcs = _sources(
+                            named, [r.path for r in roles], have, weights, j >= own,
+                            lambda r: f"{spec.source}: slices[{s}]: {roles[r].path} has no "
+                                      f"tensor {named[r]}")
+                        if srcs is None:
+                            continue  # a weight the reference lacks: not output, as before
                     for r, src in zip(roles, srcs):
-                        if src not in names[r.path]:
+                        if weights is None and src not in names[r.path]:
                             raise SpecError(f"{spec.source}: slices[{s}]: {r.path} has no "
                                             f"tensor {src}")
                     rows.append((f"{prefix}.{out_layer}.{suf}", tuple(r.path for r in roles),
                                  srcs, t, sl, roles))
                 out_layer += 1
         for n in post:
-            rows.append(_loose(spec, last, n, names))
+            row = _loose(spec, last, n, names, have, weights)
+            if row is not None:
+                rows.append(row)
     outputs: list[OutputTensor] = []
     keys: dict[str, str] = {}
     for name, models, named, t, sl, roles in rows:
@@ -411,14 +449,78 @@ def _module_rows(spec: Spec, names: Mapping[str, Sequence[str]],
     return rows, layers, tuple(counts), vocab_outputs
 
 
-def _loose(spec: Spec, sl: SliceDef, name: str, names: Mapping[str, Sequence[str]]
-           ) -> tuple[str, tuple[str, ...], tuple[str, ...], float, SliceDef,
-                      tuple[SliceSource, ...]]:
+def _loose(spec: Spec, sl: SliceDef, name: str, names: Mapping[str, Sequence[str]],
+           have: Mapping[str, Collection[str]],
+           weights: Mapping[str, Mapping[str, Weight]] | None) -> _Row | None:
+    """The row of a non-layer tensor of a sliced spec; with ``weights``, None for a tensor
+    the first slice's reference lacks and some input cannot stand in for (not output, as
+    without them)."""
     roles = (sl.ref, *sl.experts)
+    if weights is not None:
+        paths = [r.path for r in roles]
+        srcs = _sources((name,) * len(roles), paths, have, weights,
+                        name not in have[spec.slices[0].ref.path],
+                        lambda r: f"{spec.source}: slices: {paths[r]} has no tensor {name}")
+        return None if srcs is None else (name, tuple(paths), srcs, 0.0, sl, roles)
     for r in roles:
         if name not in names[r.path]:
             raise SpecError(f"{spec.source}: slices: {r.path} has no tensor {name}")
     return (name, tuple(r.path for r in roles), (name,) * len(roles), 0.0, sl, roles)
+
+
+def merged_order(lists: Sequence[Sequence[str]]) -> list[str]:
+    """Every name of ``lists`` once: the first list's order, each name only a later list has
+    placed after the name it follows there (deterministic; the output's tensor order)."""
+    out = list(lists[0])
+    seen = set(out)
+    for names in lists[1:]:
+        after: dict[str | None, list[str]] = {}
+        anchor: str | None = None
+        for n in names:
+            if n in seen:
+                anchor = n
+            else:
+                after.setdefault(anchor, []).append(n)
+                seen.add(n)
+        if after:
+            new = list(after.get(None, ()))
+            for n in out:
+                new.append(n)
+                new.extend(after.get(n, ()))
+            out = new
+    return out
+
+
+def stand_in(name: str, have: Collection[str], weights: Mapping[str, Weight] | None
+             ) -> str | None:
+    """The source of tensor ``name`` in a model that lacks it (its tensor names ``have``, its
+    architecture's ``weights``): the tensor it is tied to (an LM head of a tied model, loaded
+    as its embeddings, as mergekit's loader does), else :data:`_ABSENT` + ``name`` (an
+    optional weight it lacks: merged over the models that have it, :func:`optional_outcome`);
+    None when the architecture does not make ``name`` optional."""
+    w = None if weights is None else weights.get(name)
+    if w is None or not w.optional:
+        return None
+    return w.find(have, tied=True) or _ABSENT + name
+
+
+def _sources(named: Sequence[str], paths: Sequence[str], have: Mapping[str, Collection[str]],
+             weights: Mapping[str, Mapping[str, Weight]], extra: bool,
+             refusal: Callable[[int], str]) -> tuple[str, ...] | None:
+    """Per role (its tensor ``named[r]`` in model ``paths[r]``), the source name: the tensor,
+    or its :func:`stand_in`; where a model lacks a weight its architecture does not make
+    optional, SpecError ``refusal(r)`` (None when ``extra``: a tensor the reference lacks,
+    left out as it is without ``weights``)."""
+    out = []
+    for r, (n, p) in enumerate(zip(named, paths)):
+        found = n if n in have[p] else stand_in(n, have[p], weights.get(p))
+        if found is None:
+            if extra:
+                return None
+            raise SpecError(refusal(r) + " (and mergekit's architecture does not make it "
+                            "optional)")
+        out.append(found)
+    return tuple(out)
 
 
 def rewrite_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
@@ -492,6 +594,10 @@ class RoleSource:
     def __init__(self, recipe: Recipe, role: int, sources: Mapping[str, Checkpoint]) -> None:
         self.recipe = recipe
         self.tokenizer: Any = None  # mergefs.recipe.tokenizer.BuiltTokenizer of a tokenizer merge
+        #: the recipe of another spec over the same models (a sweep's variant), for a family
+        #: whose recipe is not the spec's own (mergefs.recipe.family.recipe_of); None: only
+        #: ``recipe``
+        self.recipe_for: Callable[[Spec], Recipe] | None = None
         members: list[str] = []
         for u in recipe.units.values():
             if u.models[role] not in members:
