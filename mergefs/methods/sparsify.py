@@ -82,8 +82,9 @@ def magnitude(t: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
 def magnitude_outliers(t: torch.Tensor, density: float, gamma: float, rescale: bool
                        ) -> torch.Tensor:
     """Drop the ``n_bot`` smallest and the ``n_top = int(gamma * n)`` largest ``|t|`` (breadcrumbs):
-    keep ascending ranks ``[n_bot, n_bot + int(density * n))``, ``n_bot = max(0, n - kept - n_top)``,
-    in the order of torch's ascending sort of the float32 ``|t|``, as mergekit's ``torch.sort``."""
+    keep ascending ranks ``[n_bot, n_bot + int(density * n))``,
+    ``n_bot = max(0, n - kept - n_top)``, in the order of torch's ascending sort of the float32
+    ``|t|``, as mergekit's ``torch.sort``."""
     torch = _torch()
     if density >= 1:
         return t
@@ -111,7 +112,8 @@ def random(t: torch.Tensor, density: float, rescale: bool, seed: int, tensor: st
 def della_probs(t: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
     """DELLA's keep probabilities: ``density - eps + 2 eps * (r - min r) / (max r - min r)`` with
     ``r`` the 1-based rank of ``|t|`` along dim 1 (1-D tensors are one row) in torch's ascending
-    sort, as mergekit's ``torch.argsort`` (equal ``|t|`` ranked as torch's unstable order puts them)."""
+    sort, as mergekit's ``torch.argsort`` (equal ``|t|`` ranked as torch's unstable order puts
+    them)."""
     torch = _torch()
     rows = t.unsqueeze(0) if t.dim() < 2 else t
     order = torch.argsort(rows.abs(), dim=1)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from families import Family, make_llama_family
 
 torch = pytest.importorskip("torch")
@@ -197,7 +199,7 @@ DENSITIES = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def _deltas(fam: Family) -> Iterator[tuple[str, int, Any]]:
-    """(tensor, expert, float32 delta) for every floating tensor of the family's first two experts."""
+    """(tensor, expert, float32 delta) of every floating tensor, the family's first two experts."""
     base = load_dir(fam.base)
     for k, path in enumerate(fam.experts[:2]):
         expert = load_dir(path)
@@ -275,3 +277,35 @@ def test_threshold_ties_merge_as_mergekit(method: str, dtype: str, density: floa
     fam = families[dtype]
     cfg = config(fam, method, 2, weights=[0.7, 0.6], parameters={"density": density})
     assert_identical(run_mergekit(cfg, tmp_path / "mk"), run_mergefs(cfg, tmp_path / "fs"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), float("nan")]),
+                min_size=1, max_size=300),
+       st.floats(0.0, 1.0), st.floats(0.0, 0.5))
+def test_selections_are_the_sort_slices(vals: list[float], density: float, gamma: float) -> None:
+    """Whatever runs of equal values (NaN, inf) sit at the cuts, the kept positions are exactly
+    torch's sort slices mergekit keeps: the partition shortcut never changes the set."""
+    from mergefs.methods import sparsify as sp
+
+    t = torch.tensor(vals, dtype=torch.float32)
+    n = t.numel()
+
+    def same(got: Any, keep: Any) -> bool:  # got == t * keep, bit for bit (inf * 0 is NaN)
+        return torch.equal(got.view(torch.int32), (t * keep.float()).view(torch.int32))
+
+    keep = torch.zeros(n, dtype=torch.bool)
+    if 0 < density < 1:
+        keep[torch.argsort(t, descending=True)[:max(1, int(density * n))]] = True
+    got = sp.magnitude(t, density, False)
+    if density <= 0:  # mergekit's zeros_like, not t * 0
+        assert torch.equal(got.view(torch.int32), torch.zeros(n, dtype=torch.int32))
+    else:
+        assert got is t if density >= 1 else same(got, keep)
+    if density >= 1:
+        return
+    target, n_top = int(density * n), int(gamma * n)
+    n_bot = max(0, n - target - n_top)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.sort(t).indices[n_bot:n_bot + target]] = True
+    assert same(sp.magnitude_outliers(t, density, gamma, False), keep)
