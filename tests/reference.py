@@ -1,10 +1,11 @@
 """The whole-tensor reference for the merge methods of docs/operators.md: mergekit 0.1.5 itself.
 
 ``reference_merge`` runs mergekit's registered method (``mergekit.merge_methods.get``) on whole
-float32 tensors, with mergefs' documented choices fed in where mergekit leaves a result to
-chance: sorts are made stable (ties by lower flat index) and ``torch.bernoulli`` draws mergefs'
-counter-based mask, here written independently (:func:`dare_uniform`). Omitted blocks are set to
-the reference model's values (a zero delta) before mergekit sees them. It reads checkpoints
+float32 tensors, with mergefs' documented choice fed in where mergekit leaves a result to
+chance: ``torch.bernoulli`` draws mergefs' counter-based mask, here written independently
+(:func:`dare_uniform`). Sorts stay torch's own (mergefs takes the same order among equal
+magnitudes). Omitted blocks are set to the reference model's values (a zero delta) before
+mergekit sees them. It reads checkpoints
 with safetensors' ``safe_open`` and never imports mergefs.
 
 mergekit's input order is kept: the models in ``models:`` order (the base excluded for methods
@@ -71,18 +72,12 @@ def dare_uniform(
 
 @contextlib.contextmanager
 def _mergefs_choices(seed: int, tensor_name: str) -> Iterator[None]:
-    """Stable sorts, and ``torch.bernoulli(p)`` as ``u(seed, tensor, k, j) < p_j`` for model k."""
+    """``torch.bernoulli(p)`` as ``u(seed, tensor, k, j) < p_j`` for model k."""
     import mergekit.merge_methods.generalized_task_arithmetic as gta
     import torch
 
     state = {"calls": 0, "model": 0}
-    orig = (torch.argsort, torch.sort, torch.bernoulli, gta.sparsify)
-
-    def argsort(x: Any, dim: int = -1, descending: bool = False, **_: Any) -> Any:
-        return orig[0](x, dim=dim, descending=descending, stable=True)
-
-    def sort(x: Any, dim: int = -1, descending: bool = False, **_: Any) -> Any:
-        return orig[1](x, dim=dim, descending=descending, stable=True)
+    orig = (torch.bernoulli, gta.sparsify)
 
     def bernoulli(p: Any, *_: Any, **__: Any) -> Any:
         u = dare_uniform(seed, tensor_name, state["model"], np.arange(p.numel()))
@@ -92,13 +87,13 @@ def _mergefs_choices(seed: int, tensor_name: str) -> Iterator[None]:
     def sparsify(*a: Any, **kw: Any) -> Any:
         state["model"] = state["calls"]
         state["calls"] += 1
-        return orig[3](*a, **kw)
+        return orig[1](*a, **kw)
 
-    torch.argsort, torch.sort, torch.bernoulli, gta.sparsify = argsort, sort, bernoulli, sparsify
+    torch.bernoulli, gta.sparsify = bernoulli, sparsify
     try:
         yield
     finally:
-        torch.argsort, torch.sort, torch.bernoulli, gta.sparsify = orig
+        torch.bernoulli, gta.sparsify = orig
 
 
 def reference_merge(

@@ -95,9 +95,12 @@ probabilities). `seed` is a mergefs parameter (default 0).
 
 ## Known differences from mergekit
 
-- Magnitude selections (ties, breadcrumbs, della ranks) order equal `|delta|` by lower flat
-  index; mergekit's sorts are not stable, so outputs may differ only at elements whose `|delta|`
-  equals a selection threshold (common in bfloat16/float16 families, rare in float32).
+- Magnitude selections (ties, breadcrumbs, della ranks) among equal `|delta|` at a cut (common
+  in bfloat16/float16 families) follow torch's unstable CPU sort, as mergekit's do: the order of
+  x86-simd-sort on AVX2/AVX-512 builds is deterministic for a torch build and CPU capability
+  (`torch.backends.cpu.get_cpu_capability()`), so mergefs equals mergekit run with the same torch
+  on the same kind of CPU; another build or capability may break such ties differently, in
+  mergekit as in mergefs.
 - Random masks are mergefs' own (above); with the same mask mergekit gives the same bytes.
 - arcee_fusion sorts every element for its quantiles; mergekit samples 10^6 elements with
   replacement above 10^6 elements (not reproducible).

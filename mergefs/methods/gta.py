@@ -29,14 +29,18 @@ Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
 1. Sparsify each `D_i` (per-model `density`; `rescale` multiplies the kept values by
    `||D_i||_1 / ||kept||_1` (float32 sums) unless either is below 1e-7):
    - magnitude (ties): density >= 1 keeps all, <= 0 none; else keep the
-     `max(1, int(density * n))` largest `|D_i|` (ties by lower flat index).
+     `max(1, int(density * n))` largest `|D_i|`: the first `k` of `torch.argsort(|D_i|,
+     descending=True)` on the flat float32 tensor.
    - magnitude_outliers (breadcrumbs): `n_top = int(gamma * n)`, `kept = int(density * n)`,
-     `n_bot = max(0, n - kept - n_top)`; keep ascending ranks `[n_bot, n_bot + kept)`
-     (stable order).
+     `n_bot = max(0, n - kept - n_top)`; keep positions `[n_bot, n_bot + kept)` of
+     `torch.sort(|D_i|).indices` (flat, float32, ascending).
    - random (dare): keep element j iff `u(seed, tensor, i, j) < float32(density)`.
-   - della_magprune (della): per row (1-D: one row), stable ascending rank `r` (1-based) of
-     `|D_i|`, `p = (density - epsilon) + ((r - min r) / (max r - min r)) * 2 * epsilon`
-     (float32); keep iff `u(seed, tensor, i, j) < p_j`.
+   - della_magprune (della): ascending rank `r` (1-based) of `|D_i|` along dim 1 (1-D: one
+     row) in `torch.argsort`'s order, `p = (density - epsilon) + ((r - min r) / (max r - min r))
+     * 2 * epsilon` (float32); keep iff `u(seed, tensor, i, j) < p_j`.
+   Threshold-tie rule: among equal `|D_i|` at a cut, the elements torch's unstable CPU sort
+   puts first are kept, as in mergekit (see Known differences); where no run of equal values
+   straddles a cut the set is the same in any order and is found by partition.
    Masks multiply (`D * mask`, float32).
 2. `X_i = T_i * w_i` (float32 weights).
 3. Sign consensus (ties, dare_ties, breadcrumbs_ties, della): `majority = +1 where sum_i X_i >= 0

@@ -1,9 +1,11 @@
 """Sparsifiers of generalised task arithmetic: magnitude (TIES), magnitude_outliers (breadcrumbs),
 random (DARE) and della_magprune (DELLA), with mergekit's L1 rescale.
 
-Selections by magnitude use a stable order (ties by lower flat index) where mergekit uses
-``torch.argsort``/``torch.sort`` without a stable order: outputs can differ only at elements
-whose ``|delta|`` equals a selection threshold. Random masks come from :mod:`.prng`. Pure;
+Selections by magnitude take the positions mergekit takes from torch's unstable CPU sort
+(``torch.sort``/``torch.argsort`` of the float32 ``|delta|``; x86-simd-sort on AVX2/AVX-512
+builds), so equal ``|delta|`` at a selection threshold are chosen as mergekit chooses them on the
+same torch build and CPU; where no run of equal values straddles a cut, every order gives the same
+set and an O(n) partition finds it without sorting. Random masks come from :mod:`.prng`. Pure;
 runs on any thread.
 """
 
@@ -39,26 +41,32 @@ def rescaled(t: torch.Tensor, mask: torch.Tensor, rescale: bool) -> torch.Tensor
     return masked * (before / after)
 
 
-def _smallest(values: np.ndarray, k: int) -> np.ndarray:
-    """Boolean mask of the k smallest values, ties by lower flat index, in O(n)."""
-    n = values.size
+def _sorted_slice(values: torch.Tensor, lo: int, hi: int, descending: bool) -> np.ndarray:
+    """Boolean mask of ``torch.sort(values, descending=descending).indices[lo:hi]`` (1-D float32
+    ``values``): torch's own unstable order decides among equal values at a cut. When neither cut
+    splits a run of equal values (and nothing is NaN) the set is order-free: found by partition."""
+    torch = _torch()
+    n = values.numel()
+    lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
     mask = np.zeros(n, dtype=bool)
-    if k <= 0:
+    if hi <= lo:
         return mask
-    if k >= n:
-        mask[:] = True
-        return mask
-    kth = np.partition(values, k - 1)[k - 1]
-    below = values < kth
-    mask |= below
-    need = k - int(np.count_nonzero(below))
-    if need > 0:
-        mask[np.flatnonzero(values == kth)[:need]] = True
+    v = values.numpy()
+    a_lo, a_hi = (n - hi, n - lo) if descending else (lo, hi)  # ascending positions [a_lo, a_hi)
+    if not np.isnan(v).any():
+        kth = sorted({k for k in (a_lo - 1, a_lo, a_hi - 1, a_hi) if 0 <= k < n})
+        p = np.partition(v, kth)
+        split = (a_lo > 0 and p[a_lo - 1] == p[a_lo]) or (a_hi < n and p[a_hi - 1] == p[a_hi])
+        if not split:
+            return (v >= p[a_lo]) & (v <= p[a_hi - 1])
+    order = torch.sort(values, descending=descending).indices[lo:hi]
+    mask[order.numpy()] = True
     return mask
 
 
 def magnitude(t: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
-    """Keep the ``max(1, int(density * n))`` largest ``|t|`` (TIES)."""
+    """Keep the ``max(1, int(density * n))`` largest ``|t|`` (TIES): the first of torch's
+    descending sort of the float32 ``|t|``, as mergekit's ``torch.argsort``."""
     torch = _torch()
     if density >= 1:
         return t
@@ -66,8 +74,7 @@ def magnitude(t: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
     if density <= 0 or n == 0:
         return torch.zeros_like(t)
     k = max(1, int(density * n))
-    absd = t.abs().reshape(-1).numpy()
-    keep = _smallest(-absd, k)  # negation is exact: the k largest
+    keep = _sorted_slice(t.abs().reshape(-1).float(), 0, k, descending=True)
     mask = torch.from_numpy(keep.astype(np.float32)).reshape(t.shape)
     return rescaled(t, mask, rescale)
 
@@ -75,7 +82,9 @@ def magnitude(t: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
 def magnitude_outliers(t: torch.Tensor, density: float, gamma: float, rescale: bool
                        ) -> torch.Tensor:
     """Drop the ``n_bot`` smallest and the ``n_top = int(gamma * n)`` largest ``|t|`` (breadcrumbs):
-    keep ascending ranks ``[n_bot, n_bot + int(density * n))``, ``n_bot = max(0, n - kept - n_top)``."""
+    keep ascending ranks ``[n_bot, n_bot + int(density * n))``,
+    ``n_bot = max(0, n - kept - n_top)``, in the order of torch's ascending sort of the float32
+    ``|t|``, as mergekit's ``torch.sort``."""
     torch = _torch()
     if density >= 1:
         return t
@@ -83,9 +92,7 @@ def magnitude_outliers(t: torch.Tensor, density: float, gamma: float, rescale: b
     target = int(density * n)
     n_top = int(gamma * n)
     n_bot = max(0, n - target - n_top)
-    absd = t.abs().reshape(-1).numpy()
-    hi = min(n, n_bot + target)
-    keep = _smallest(absd, hi) & ~_smallest(absd, n_bot)
+    keep = _sorted_slice(t.abs().reshape(-1).float(), n_bot, n_bot + target, descending=False)
     mask = torch.from_numpy(keep.astype(np.float32)).reshape(t.shape)
     return rescaled(t, mask, rescale)
 
@@ -103,15 +110,14 @@ def random(t: torch.Tensor, density: float, rescale: bool, seed: int, tensor: st
 
 
 def della_probs(t: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
-    """DELLA's keep probabilities: per row, ``density - eps + 2 eps * rank / (cols - 1)`` with
-    ``rank`` the stable ascending rank of ``|t|`` (0-based) in its row; 1-D tensors are one row."""
+    """DELLA's keep probabilities: ``density - eps + 2 eps * (r - min r) / (max r - min r)`` with
+    ``r`` the 1-based rank of ``|t|`` along dim 1 (1-D tensors are one row) in torch's ascending
+    sort, as mergekit's ``torch.argsort`` (equal ``|t|`` ranked as torch's unstable order puts
+    them)."""
     torch = _torch()
     rows = t.unsqueeze(0) if t.dim() < 2 else t
-    absd = rows.abs().reshape(rows.shape[0], -1).numpy()
-    order = np.argsort(absd, axis=1, kind="stable")
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.arange(order.shape[1])[None, :], axis=1)
-    r = torch.from_numpy(ranks.reshape(rows.shape)).to(torch.float32) + 1
+    order = torch.argsort(rows.abs(), dim=1)
+    r = order.argsort(dim=1).to(torch.float32) + 1  # a permutation: no ties left
     lo = r.min(dim=1, keepdim=True).values
     hi = r.max(dim=1, keepdim=True).values
     norm = ((r - lo) / (hi - lo)).clamp(0, 1)
