@@ -332,6 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source-cache-size", metavar="SIZE",
                    help="sweep mounts: memory for source blocks shared by the variants "
                    "(default: the --cache-size; 0 turns sharing of reads off)")
+    s.add_argument("--out-shard-size", metavar="SIZE", default="5B",
+                   help="the weight files, as `mergefs merge --out-shard-size` writes them "
+                   "(default 5B; `base`: the base's files)")
+    s.add_argument("--copy-tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the base's tokenizer files, as `mergefs merge` (default: on)")
+    s.add_argument("--write-model-card", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve README.md and mergekit_config.yml, as `mergefs merge` (default: "
+                   "on; named after the mountpoint, or the variant's directory)")
     s.set_defaults(func=cmd_mount)
 
     s = add("reload", help="re-read a sweep mount's spec and add its new variants",

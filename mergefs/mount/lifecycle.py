@@ -43,7 +43,7 @@ from mergefs.sources.local import Checkpoint
 from mergefs.core.progress import byte_progress
 from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.engine.manifest import ManifestWriter
-from mergefs.engine.layout import OutputOptions
+from mergefs.engine.layout import OutputOptions, parse_shard_size
 from mergefs.engine.merger import may_use_kernels
 from mergefs.engine.output import check_writes
 from mergefs.engine.session import prepare_family
@@ -149,7 +149,20 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
         warm=bool(getattr(args, "warm", False)),
         source_cache_bytes=source_cache_bytes,
         strict=bool(getattr(args, "strict", False)),
+        output=_output(args),
     )
+
+
+def _output(args: argparse.Namespace) -> OutputOptions:
+    """The files a mount serves beside the weights: ``mergefs merge``'s output flags
+    (``--out-shard-size``, ``--copy-tokenizer``, ``--write-model-card``), default as it."""
+    try:
+        shard_bytes = parse_shard_size(str(getattr(args, "out_shard_size", None) or "5B"))
+    except ValueError as exc:
+        raise MergefsError(str(exc)) from None
+    return OutputOptions(shard_bytes=shard_bytes,
+                         copy_tokenizer=bool(getattr(args, "copy_tokenizer", True)),
+                         model_card=bool(getattr(args, "write_model_card", True)))
 
 
 # -- mountpoints ---------------------------------------------------------------------------
