@@ -106,9 +106,12 @@ def with_seed(spec: Spec, seed: int) -> Spec:
 def config_text(spec: Spec) -> str | None:
     """The spec file's text, for the merge's mergekit_config.yml and card (mergekit's
     ``config_source``); None for a spec not read from a file, and for a sweep's variant (its
-    configuration is its resolved spec)."""
+    configuration is its resolved spec), and for a spec with ``storage_options`` (credentials
+    never reach an output: the resolved spec, which redacts them, is shown instead)."""
     try:
         text = Path(spec.source).read_text(encoding="utf-8")
+        if "storage_options" in text:
+            return None
         return None if is_sweep(read_doc(spec.source)) else text
     except (OSError, UnicodeDecodeError, MergefsError):
         return None

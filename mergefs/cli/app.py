@@ -406,6 +406,8 @@ def _join_option_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_option_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "merge" and (args.outdir is None) == (args.out_path is None):
+        parser.error("merge: give the output directory once: OUTDIR or --out-path OUTDIR")
     if args.strict and args.command not in SPEC_COMMANDS:
         parser.error(f"--strict: `{args.command}` reads no spec (--strict applies to "
                      f"{', '.join(SPEC_COMMANDS)})")

@@ -128,12 +128,6 @@ def mergekit_flags(args: argparse.Namespace) -> None:
         raise MergefsError("--unsafe-truncate-embeddings is not supported by mergefs: merge "
                            "models with different vocabularies with a tokenizer: block "
                            "(tokenizer_source: base, for the base's vocabulary)")
-    if args.out_path is not None and args.outdir is not None:
-        raise MergefsError(f"give the output directory once: {args.outdir} or --out-path "
-                           f"{args.out_path}")
-    if args.out_path is None and args.outdir is None:
-        raise MergefsError("the output directory is missing: mergefs merge SPEC OUTDIR (or "
-                           "--out-path OUTDIR)")
     if args.verbosity >= 2 or args.debug:
         logging.getLogger().setLevel(logging.DEBUG)
     elif args.quiet and not args.verbosity:

@@ -83,9 +83,10 @@ class OutputOptions:
     base_card: bool = False
 
     def to_json(self) -> dict[str, Any]:
+        """As the manifest header records them: not ``config_text`` (the card's files are
+        recorded whole when written; the spec's text may name private paths)."""
         return {"out_shard_size": "base" if self.shard_bytes is None else self.shard_bytes,
-                "copy_tokenizer": self.copy_tokenizer, "write_model_card": self.model_card,
-                "config_text": self.config_text}
+                "copy_tokenizer": self.copy_tokenizer, "write_model_card": self.model_card}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any] | None) -> OutputOptions:
@@ -94,11 +95,9 @@ class OutputOptions:
         if doc is None:
             return cls(shard_bytes=None, model_card=False, base_card=True)
         size = doc.get("out_shard_size", "base")
-        text = doc.get("config_text")
         return cls(shard_bytes=None if size == "base" else int(size),
                    copy_tokenizer=bool(doc.get("copy_tokenizer", True)),
-                   model_card=bool(doc.get("write_model_card", False)),
-                   config_text=text if isinstance(text, str) else None)
+                   model_card=bool(doc.get("write_model_card", False)))
 
     def hidden(self, base_files: Iterable[str]) -> frozenset[str]:
         """The base's non-weight files not passed on to the output."""

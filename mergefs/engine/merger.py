@@ -572,7 +572,9 @@ class Engine:
         if not self.output.model_card:
             return {}
         text = self.output.config_text
-        card = model_card(self.spec, self.plan, name, text)
+        manifest = getattr(self.manifest, "path", None)  # (a mount's recorder has none)
+        card = model_card(self.spec, self.plan, name, text,
+                          str(manifest) if manifest is not None else None)
         return {CARD_NAME: card, CONFIG_COPY_NAME: (text if text is not None else yaml.safe_dump(
             dict(self.spec.raw), sort_keys=False)).encode()}
 

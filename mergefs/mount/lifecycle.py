@@ -105,12 +105,13 @@ class MountConfig:
 
 
 def spec_text(path: str) -> str | None:
-    """The spec file's text, for the card's configuration (None if it cannot be read: the
-    card then shows the resolved spec)."""
+    """The spec file's text, for the card's configuration (None if it cannot be read or holds
+    storage_options: the card then shows the resolved spec, credentials redacted)."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
+    return None if "storage_options" in text else text  # credentials: the redacted spec
 
 
 def default_cache_bytes() -> int:
