@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from mergefs.core.progress import byte_progress
 from mergefs.core.sizes import human_bytes
 from mergefs.deltas.publish import publish as publish_deltas
 from mergefs.engine import ray_index, ray_merge
+from mergefs.engine.layout import OutputOptions
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.engine.merger import may_use_kernels
 from mergefs.engine.output import check_outdir, check_outside, check_source_files, check_writes
@@ -58,10 +59,13 @@ class MergeResult:
 
 
 def load(path: str | os.PathLike[str], *, strict: bool = False, variant: str | None = None,
-         any_variant: bool = False, budget: Budget | None = None) -> Spec:
+         any_variant: bool = False, budget: Budget | None = None,
+         intermediate_dir: str | os.PathLike[str] | None = None,
+         seed: int | None = None) -> Spec:
     """The spec at ``path``; of a sweep spec, the ``variant`` named (or, with ``any_variant``,
     the first: every variant has the same family and index). Refuses an index directory inside a
-    source; ``budget`` overrides the spec's."""
+    source; ``budget`` overrides the spec's; ``intermediate_dir`` a multi-document spec's
+    (mergekit-multi's ``--intermediate-dir``); ``seed``: :func:`with_seed`."""
     if is_sweep(read_doc(path)):
         if variant is not None:
             spec = load_variant(path, variant, strict)
@@ -75,9 +79,42 @@ def load(path: str | os.PathLike[str], *, strict: bool = False, variant: str | N
     elif variant is not None:
         raise MergefsError(f"--variant: {path} has no sweep or variants")
     else:
-        spec = load_spec(path, strict=strict)
+        spec = load_spec(path, strict=strict, intermediate_dir=intermediate_dir)
+    if intermediate_dir is not None and not spec.intermediates:
+        raise MergefsError(f"--intermediate-dir: {path} is not a multi-document spec (it has "
+                           "no named merges)")
     check_index_dir(spec)
+    if seed is not None:
+        spec = with_seed(spec, seed)
     return spec if budget is None else spec.with_budget(budget)
+
+
+def with_seed(spec: Spec, seed: int) -> Spec:
+    """``spec`` (and its intermediate merges) with the global ``seed`` parameter set, for the
+    methods that draw random masks (dare_*, della*: what mergekit's ``--random-seed`` changes);
+    other methods take no seed and are returned as they are. Recorded in the resolved spec, so
+    a replay draws the same masks."""
+    inter = tuple((n, with_seed(s, seed), d) for n, s, d in spec.intermediates)
+    if not any(p.name == "seed" for p in spec.method_def.params):
+        return replace(spec, intermediates=inter)
+    raw = dict(spec.raw)
+    raw["parameters"] = {**(raw.get("parameters") or {}), "seed": seed}
+    return replace(spec, parameters={**spec.parameters, "seed": seed},
+                   settings={**spec.settings, "seed": seed}, raw=raw, intermediates=inter)
+
+
+def config_text(spec: Spec) -> str | None:
+    """The spec file's text, for the merge's mergekit_config.yml and card (mergekit's
+    ``config_source``); None for a spec not read from a file, and for a sweep's variant (its
+    configuration is its resolved spec), and for a spec with ``storage_options`` (credentials
+    never reach an output: the resolved spec, which redacts them, is shown instead)."""
+    try:
+        text = Path(spec.source).read_text(encoding="utf-8")
+        if "storage_options" in text:
+            return None
+        return None if is_sweep(read_doc(spec.source)) else text
+    except (OSError, UnicodeDecodeError, MergefsError):
+        return None
 
 
 def check_index_dir(spec: Spec) -> None:
@@ -114,10 +151,11 @@ def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress:
 
 def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress: bool = True,
                  family: Family | None = None, ray: str | None = None,
-                 sidecars: bool = True) -> Session:
+                 sidecars: bool = True, output: OutputOptions | None = None) -> Session:
     """A :class:`Session` (family, index, plan, engine), the index built with a progress bar if
     it must be. ``family``: opened already by the caller (the session owns it from here).
-    ``sidecars``: plan with the delta sidecars that match (False: exact blocks only)."""
+    ``sidecars``: plan with the delta sidecars that match (False: exact blocks only).
+    ``output``: the output's layout and files (:class:`OutputOptions`)."""
     family = family if family is not None else prepare_family(spec)
     try:
         runner = chunk_runner(ray, spec, family)
@@ -127,7 +165,7 @@ def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress
         raise
     with byte_progress("indexing", total, enabled=progress) as tick:
         session = Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
-                          index_runner=runner, sidecars=sidecars)
+                          index_runner=runner, sidecars=sidecars, output=output)
     say_budget_capped(spec, session.plan.total_expert_bytes)
     return session
 
@@ -156,10 +194,16 @@ def open_manifest(spec: Spec, explicit: str | os.PathLike[str] | None) -> Manife
 
 def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
           manifest: str | os.PathLike[str] | None = None, ray: str | None = None,
-          threads: int = 2, progress: bool = True, sidecars: bool = True) -> MergeResult:
+          threads: int = 2, progress: bool = True, sidecars: bool = True,
+          output: OutputOptions | None = None, lazy: bool | None = None) -> MergeResult:
     """Materialise the merge into ``outdir`` (new or empty; ``force`` replaces an earlier merge
     output as a whole; ``sidecars`` False: read exact blocks only, never delta sidecars).
+    ``output``: the weight files' layout and the files beside them (default: mergekit-yaml's,
+    the card showing the spec file's text); ``lazy``: which intermediate merges of a
+    multi-document spec to skip (:func:`mergefs.engine.session.ensure_intermediates`).
     Everything is validated before the manifest or any output exists."""
+    if output is None:
+        output = OutputOptions(config_text=config_text(spec))
     require_ray(ray)
     out = Path(outdir)
     manifest_path = manifest or spec.manifest
@@ -169,7 +213,7 @@ def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
     check_outdir(out, force)
     if ray is None and may_use_kernels(spec):  # numba loads while the family opens
         kernels.start_warm_up(full=False)
-    family = prepare_family(spec)
+    family = prepare_family(spec, output=output, lazy=lazy)
     try:
         check_source_files(out, [family[0], *family[1]])
         writer = open_manifest(spec, manifest)
@@ -178,7 +222,7 @@ def merge(spec: Spec, outdir: str | os.PathLike[str], *, force: bool = False,
         raise
     try:
         session = open_session(spec, manifest=writer, family=family, ray=ray, progress=progress,
-                               sidecars=sidecars)
+                               sidecars=sidecars, output=output)
         try:
             out_bytes = sum(f.size_bytes for f in session.engine.out_files)
             with byte_progress("merging", out_bytes, enabled=progress) as tick:

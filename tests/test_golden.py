@@ -26,8 +26,10 @@ Cases (each named in a failure):
 What is hashed: every file of the output directory except the hidden ``.mergefs/`` directory
 (``merge.json`` holds the creation time and absolute paths of the spec and manifest; under a
 mount, ``stats.json`` and the live manifest hold counters, times and pids). Manifests (times,
-absolute paths, wall-clock totals) are not hashed either; they are only replayed. mergefs
-writes no model card/README.
+absolute paths, wall-clock totals) are not hashed either; they are only replayed. The model
+card (``README.md``) and ``mergekit_config.yml`` are pinned as present, not hashed: they show
+the spec and model paths (absolute, temporary here) and are named after the output directory
+(tests/engine/test_card.py and tests/cli/test_mergekit_flags.py test their content).
 
 The bytes depend on the environment ``scripts/setup.sh`` pins: torch's CPU kernels (the methods
 that are not elementwise), numba's (task_arithmetic, linear) and, for ``tokenizer/union``,
@@ -271,16 +273,23 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+#: files of an output pinned as present, not hashed (see the module docstring)
+UNHASHED = {"README.md": "present (the model card: not hashed)",
+            "mergekit_config.yml": "present (the spec's text: not hashed)"}
+
+
 def hash_tree(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` by relative path, hidden entries skipped (the
-    ``.mergefs/`` directory: creation times, pids, counters, absolute paths)."""
+    ``.mergefs/`` directory: creation times, pids, counters, absolute paths); the model card's
+    files only marked present (:data:`UNHASHED`)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for f in sorted(filenames):
             if not f.startswith("."):
                 p = Path(dirpath) / f
-                out[p.relative_to(root).as_posix()] = sha256(p)
+                rel = p.relative_to(root).as_posix()
+                out[rel] = UNHASHED[rel] if rel in UNHASHED else sha256(p)
     return dict(sorted(out.items()))
 
 

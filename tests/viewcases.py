@@ -62,8 +62,14 @@ def open_view(session: Any, cache: Any, **kw: Any) -> Any:
     return View(MountSession.of(session), cache, **kw)
 
 
-def tree(root: Path, skip_hidden: bool = True) -> dict[str, Path]:
-    """Every file under ``root`` by relative path (hidden entries skipped)."""
+#: the model card: named after its directory and naming its manifest, so a mount's and a merge's
+#: of the same spec differ there by design (tests/cli/test_mergekit_flags.py checks the card)
+CARD = "README.md"
+
+
+def tree(root: Path, skip_hidden: bool = True, card: bool = False) -> dict[str, Path]:
+    """Every file under ``root`` by relative path (hidden entries skipped; the model card
+    only with ``card``)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         if skip_hidden:
@@ -72,7 +78,9 @@ def tree(root: Path, skip_hidden: bool = True) -> dict[str, Path]:
             if skip_hidden and f.startswith("."):
                 continue
             p = Path(dirpath) / f
-            out[p.relative_to(root).as_posix()] = p
+            rel = p.relative_to(root).as_posix()
+            if rel != CARD or card:
+                out[rel] = p
     return out
 
 

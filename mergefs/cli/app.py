@@ -55,6 +55,93 @@ def _add_ray(s: argparse.ArgumentParser, what: str) -> None:
                    "Sources must be URLs or paths every node sees. Needs mergefs[ray]")
 
 
+def _add_mergekit_options(s: argparse.ArgumentParser) -> None:
+    """Every flag of mergekit-yaml 0.1.5 (and mergekit-multi's), with mergekit's meaning or,
+    where mergefs has nothing to change, a help line saying so: `mergefs merge CONFIG OUT
+    [flags]` is a drop-in for `mergekit-yaml CONFIG OUT [flags]`."""
+    flag = argparse.BooleanOptionalAction
+    g = s.add_argument_group(
+        "mergekit-yaml options",
+        "every flag of mergekit-yaml 0.1.5, with mergekit's meaning (docs/cli.md, \"Coming from "
+        "mergekit-yaml\")")
+    g.add_argument("--out-shard-size", metavar="SIZE", default="5B",
+                   help="at most SIZE bytes of tensor data per weight file, tensors in "
+                   "mergekit's order (mergekit's K/M/B suffixes: thousands, millions, billions; "
+                   "default 5B); `base`: mirror the base's weight files instead")
+    g.add_argument("--copy-tokenizer", action=flag, default=True,
+                   help="copy the base's tokenizer files (mergekit's list, with "
+                   "generation_config.json) to the output (default: on)")
+    g.add_argument("--write-model-card", action=flag, default=True,
+                   help="write README.md (mergekit's model card plus the budget, bytes read and "
+                   "error bound) and mergekit_config.yml (the spec's text) (default: on); the "
+                   "base's README.md is never copied")
+    g.add_argument("--random-seed", type=int, metavar="N",
+                   help="seed of the random masks of dare_* and della* (sets the spec's "
+                   "parameters.seed; mergefs's masks are reproducible even without it: seed 0)")
+    g.add_argument("--allow-crimes", action=flag, default=False,
+                   help="changes nothing: mergefs never compares architectures, only tensor "
+                   "names and shapes (models that differ there are refused)")
+    g.add_argument("--trust-remote-code", action=flag, default=False,
+                   help="changes nothing: mergefs runs no code from a model repository "
+                   "(config.json is read as JSON, tokenizers load without remote code)")
+    g.add_argument("--lora-merge-cache", metavar="DIR",
+                   help="changes nothing: mergefs applies model+lora adapters while reading "
+                   "and stores no merged copy")
+    g.add_argument("--lora-merge-dtype", metavar="DTYPE",
+                   help="not applied (one log line): mergefs applies a LoRA adapter in each "
+                   "weight's own dtype (W + delta in float32, rounded once)")
+    g.add_argument("-j", "--num-threads", type=int, metavar="N",
+                   help="threads that merge (default 2)")
+    g.add_argument("--safe-serialization", action=flag, default=True,
+                   help="always on: mergefs writes safetensors only (--no-safe-serialization "
+                   "is refused)")
+    g.add_argument("--quiet", action=flag, default=False,
+                   help="no progress bars, and only warnings and errors in the log")
+    g.add_argument("-v", dest="verbosity", action="count", default=0,
+                   help="more logging: -v info (the default, also with --quiet), -vv debug "
+                   "(without --debug's tracebacks)")
+    g.add_argument("--lazy-unpickle", action=flag, default=False,
+                   help="changes nothing: mergefs never unpickles (it reads safetensors)")
+    g.add_argument("--low-cpu-memory", action=flag, default=False,
+                   help="a GPU option: mergefs computes on the CPU (one log line); it holds "
+                   "a few merge units in memory, never a model")
+    g.add_argument("--clone-tensors", action=flag, default=False,
+                   help="changes nothing: repeated layers are written as copies anyway")
+    g.add_argument("--async-write", action=flag, default=False,
+                   help="changes nothing: mergefs always writes a file while the next units "
+                   "merge")
+    g.add_argument("--write-threads", type=int, metavar="N",
+                   help="changes nothing: one writer per output file (merging uses -j threads)")
+    g.add_argument("--unsafe-truncate-embeddings", action=flag, default=False,
+                   help="not supported (refused): merge different vocabularies with a "
+                   "tokenizer: block instead")
+    g.add_argument("--transformers-cache", metavar="DIR",
+                   help="where Hub models are found and downloaded (the Hugging Face hub "
+                   "cache; default HF_HUB_CACHE or ~/.cache/huggingface/hub)")
+    g.add_argument("--cuda", action=flag, default=False,
+                   help="a GPU option: mergefs computes on the CPU (one log line)")
+    g.add_argument("--device", metavar="DEVICE",
+                   help="a GPU option: mergefs computes on the CPU (one log line unless cpu)")
+    g.add_argument("--read-to-gpu", action=flag, default=False,
+                   help="a GPU option: mergefs reads into host memory (one log line)")
+    g.add_argument("--multi-gpu", action=flag, default=False,
+                   help="a GPU option: mergefs computes on the CPU (one log line)")
+    g.add_argument("--gpu-rich", action="store_true",
+                   help="a GPU option (--cuda --low-cpu-memory --read-to-gpu --multi-gpu): "
+                   "mergefs computes on the CPU (one log line)")
+    m = s.add_argument_group("mergekit-multi options",
+                             "for a multi-document spec (named merges, then the final one)")
+    m.add_argument("-I", "--intermediate-dir", metavar="DIR",
+                   help="where the named merges go (overrides the spec's intermediate_dir; "
+                   "relative to the working directory)")
+    m.add_argument("--lazy", action=flag, default=None,
+                   help="--lazy: skip a named merge whose directory holds a model, as "
+                   "mergekit-multi; --no-lazy: merge every one again; default: skip one that "
+                   "holds a mergefs merge of the same plan")
+    m.add_argument("--out-path", metavar="OUTDIR",
+                   help="the output directory, instead of the positional OUTDIR")
+
+
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 #: the commands that read a spec (and so take --strict)
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
@@ -173,12 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_sweep)
 
     s = add("merge", help="materialise the merge as a Hugging Face directory",
-            description="Read base + planned expert blocks, merge, write OUTDIR "
-            "(safetensors shards mirroring the base, non-weight files copied, config.json with "
-            "the output dtype) and a manifest of every byte read. OUTDIR appears only when "
-            "complete; an interrupted merge leaves no partial output.")
+            description="Read base + planned expert blocks, merge, write OUTDIR as "
+            "mergekit-yaml does (safetensors shards of at most --out-shard-size, config.json "
+            "with the output dtype, the tokenizer files, README.md and mergekit_config.yml; "
+            "the base's other non-weight files are copied too) and a manifest of every byte "
+            "read. OUTDIR appears only when complete; an interrupted merge leaves no partial "
+            "output. Takes every flag of mergekit-yaml: `mergefs merge CONFIG OUT [flags]` "
+            "replaces `mergekit-yaml CONFIG OUT [flags]`.")
     s.add_argument("spec", help=SPEC_HELP)
-    s.add_argument("outdir", help="output directory (new or empty; never a source)")
+    s.add_argument("outdir", nargs="?",
+                   help="output directory (new or empty; never a source); or --out-path")
     s.add_argument("--budget", help=budget_help)
     s.add_argument("--manifest", metavar="PATH", help=manifest_help)
     s.add_argument("--force", action="store_true",
@@ -188,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=NO_SIDECARS_HELP)
     _add_ray(s, "one task per output shard, and the index if it must be built; OUTDIR must "
              "lie on storage every node sees")
+    _add_mergekit_options(s)
     s.set_defaults(func=cmd_merge)
 
     s = add("replay", help="re-execute a manifest's plan and verify every byte",
@@ -244,6 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source-cache-size", metavar="SIZE",
                    help="sweep mounts: memory for source blocks shared by the variants "
                    "(default: the --cache-size; 0 turns sharing of reads off)")
+    s.add_argument("--out-shard-size", metavar="SIZE", default="5B",
+                   help="the weight files, as `mergefs merge --out-shard-size` writes them "
+                   "(default 5B; `base`: the base's files)")
+    s.add_argument("--copy-tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the base's tokenizer files, as `mergefs merge` (default: on)")
+    s.add_argument("--write-model-card", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve README.md and mergekit_config.yml, as `mergefs merge` (default: "
+                   "on; named after the mountpoint, or the variant's directory)")
     s.set_defaults(func=cmd_mount)
 
     s = add("reload", help="re-read a sweep mount's spec and add its new variants",
@@ -297,7 +397,7 @@ def _join_option_values(argv: list[str]) -> list[str]:
     k = 0
     while k < len(argv):
         a = argv[k]
-        if a in ("--budget", "--cache-size") and k + 1 < len(argv) \
+        if a in ("--budget", "--cache-size", "--random-seed") and k + 1 < len(argv) \
                 and argv[k + 1].startswith("-") and argv[k + 1][1:2] not in ("-", ""):
             out.append(f"{a}={argv[k + 1]}")
             k += 2
@@ -310,6 +410,8 @@ def _join_option_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_option_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "merge" and (args.outdir is None) == (args.out_path is None):
+        parser.error("merge: give the output directory once: OUTDIR or --out-path OUTDIR")
     if args.strict and args.command not in SPEC_COMMANDS:
         parser.error(f"--strict: `{args.command}` reads no spec (--strict applies to "
                      f"{', '.join(SPEC_COMMANDS)})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -14,7 +16,9 @@ from mergefs.cli.render import (
     bound_in_words, merge_summary, plan_table, replay_checked, sweep_table, tensor_reads_table,
     tensor_table,
 )
+from mergefs.core.errors import MergefsError
 from mergefs.core.sizes import human_bytes
+from mergefs.engine.layout import OutputOptions, parse_shard_size
 from mergefs.engine.session import Session, ensure_intermediates
 from mergefs.methods import describe_methods
 from mergefs.mount import control, lifecycle
@@ -22,6 +26,8 @@ from mergefs.plan.report import parse_grid, plot, run_sweep
 from mergefs.spec.budget import parse_budget
 from mergefs.spec.model import Spec
 
+
+log = logging.getLogger(__name__)
 
 #: the width of tables written to a pipe, a file or a log (a terminal's own width otherwise):
 #: wide enough that no tensor, variant or model name is ever cut (rich would assume 80)
@@ -106,12 +112,69 @@ def sidecars_in_words(spec: Spec, session: Session) -> list[str]:
             "plans without them"]
 
 
+#: mergekit-yaml's GPU flags: mergefs computes on the CPU
+GPU_FLAGS = ("cuda", "low_cpu_memory", "read_to_gpu", "multi_gpu", "gpu_rich")
+
+
+def mergekit_flags(args: argparse.Namespace) -> None:
+    """What mergekit-yaml's flags do before the spec is read: refuse the two mergefs cannot
+    honour (one line each), set the log level (--quiet, -v), the Hub cache
+    (--transformers-cache) and say in one log line each what mergefs does instead of a GPU
+    flag or --lora-merge-dtype."""
+    if not args.safe_serialization:
+        raise MergefsError("--no-safe-serialization: mergefs writes safetensors only (no "
+                           "pickled weights); leave the flag out")
+    if args.unsafe_truncate_embeddings:
+        raise MergefsError("--unsafe-truncate-embeddings is not supported by mergefs: merge "
+                           "models with different vocabularies with a tokenizer: block "
+                           "(tokenizer_source: base, for the base's vocabulary)")
+    if args.verbosity >= 2 or args.debug:
+        logging.getLogger().setLevel(logging.DEBUG)
+    elif args.quiet and not args.verbosity:
+        logging.getLogger().setLevel(logging.WARNING)
+    if args.transformers_cache is not None:
+        # the CLI is the edge where the environment is set; spec loading reads it
+        os.environ["HF_HUB_CACHE"] = os.path.abspath(args.transformers_cache)
+    gpu = [f"--{f.replace('_', '-')}" for f in GPU_FLAGS if getattr(args, f)]
+    if args.device not in (None, "cpu"):
+        gpu.append(f"--device {args.device}")
+    if gpu:
+        log.warning("%s: mergefs has no GPU support; it reads into host memory and merges on "
+                    "the CPU", " ".join(gpu))
+    if args.lora_merge_dtype is not None:
+        log.warning("--lora-merge-dtype %s: not applied; mergefs applies a LoRA adapter in its "
+                    "weight's own dtype (W + delta in float32, rounded once)",
+                    args.lora_merge_dtype)
+
+
+def output_options(args: argparse.Namespace, spec: Spec) -> OutputOptions:
+    """The merge's weight layout and files, from mergekit-yaml's flags."""
+    try:
+        shard_bytes = parse_shard_size(args.out_shard_size)
+    except ValueError as exc:
+        raise MergefsError(str(exc)) from None
+    return OutputOptions(shard_bytes=shard_bytes, copy_tokenizer=args.copy_tokenizer,
+                         model_card=args.write_model_card,
+                         config_text=ops.config_text(spec) if args.write_model_card else None)
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
+    mergekit_flags(args)
     if args.ray is not None:
         ops.require_ray(args.ray)  # before anything is opened or written
-    result = ops.merge(_load(args), args.outdir, force=args.force, manifest=args.manifest,
-                       ray=args.ray, sidecars=args.sidecars)
-    print(merge_summary(args.outdir, result.totals, result.manifest))
+    budget = None if args.budget is None else parse_budget(args.budget, "--budget")
+    spec = ops.load(args.spec, strict=getattr(args, "strict", False), variant=args.variant,
+                    budget=budget,
+                    intermediate_dir=args.intermediate_dir, seed=args.random_seed)
+    if args.lazy is not None and not spec.intermediates:
+        raise MergefsError(f"--{'' if args.lazy else 'no-'}lazy: {args.spec} is not a "
+                           "multi-document spec (it has no named merges)")
+    outdir = args.outdir if args.outdir is not None else args.out_path
+    result = ops.merge(spec, outdir, force=args.force, manifest=args.manifest,
+                       ray=args.ray, sidecars=args.sidecars, threads=args.num_threads or 2,
+                       progress=not args.quiet, output=output_options(args, spec),
+                       lazy=args.lazy)
+    print(merge_summary(outdir, result.totals, result.manifest))
     return 0
 
 

@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +343,8 @@ class ManifestContents:
     tensors: list[dict[str, Any]]
     totals: dict[str, Any] | None
     torn_lines: int
+    #: files the run generated beside the weights (the model card), with their text
+    files: list[dict[str, Any]] = field(default_factory=list)
 
 
 def iter_records(path: str | Path) -> Iterator[dict[str, Any] | None]:
@@ -369,7 +371,8 @@ class _Parts:
     def __init__(self) -> None:
         self.header: dict[str, Any] | None = None
         self.totals: dict[str, Any] | None = None
-        self.lists: dict[str, list[dict[str, Any]]] = {"read": [], "output": [], "tensor": []}
+        self.lists: dict[str, list[dict[str, Any]]] = {"read": [], "output": [], "tensor": [],
+                                                       "file": []}
 
     def add(self, kind: Any, rec: dict[str, Any]) -> None:
         if kind == "header":
@@ -382,7 +385,7 @@ class _Parts:
     def contents(self, torn: int) -> ManifestContents:
         assert self.header is not None
         return ManifestContents(self.header, self.lists["read"], self.lists["output"],
-                                self.lists["tensor"], self.totals, torn)
+                                self.lists["tensor"], self.totals, torn, self.lists["file"])
 
 
 def read_manifest(path: str | Path) -> ManifestContents:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+import yaml
 
 from mergefs.methods import kernels
 from mergefs.core import memory
@@ -53,8 +54,9 @@ from mergefs.plan.planner import Plan
 from mergefs.recipe.outputs import Recipe
 from mergefs.spec.model import REFERENCE, Spec
 from mergefs.sources.base import CONFIG_NAME
+from mergefs.engine.card import CARD_NAME, CONFIG_COPY_NAME, model_card
 from mergefs.engine.layout import (
-    OutFile, OutTensor, output_extra_files, output_layout, sliced_layout,
+    OutFile, OutputOptions, OutTensor, output_extra_files, output_layout, sliced_layout,
 )
 from mergefs.engine.output import _atomic_write, _clear_temp, write_error
 from mergefs.recipe.family import expert_labels, recipe_of
@@ -92,11 +94,14 @@ class Engine:
                  index: BlockIndex, plan: Plan, manifest: ManifestWriter | None = None,
                  verify_index: bool = True, recipe: Recipe | None = None,
                  deltas: dict[int, Any] | None = None,
-                 gap_allowance: GapAllowance | None = None) -> None:
+                 gap_allowance: GapAllowance | None = None,
+                 output: OutputOptions | None = None) -> None:
         """``gap_allowance``: where remote reads of the experts (exact blocks and delta
         sidecar ranges) take the gap bytes they coalesce over; default the plan's
-        (:attr:`mergefs.plan.planner.Plan.gap_allowance_bytes`)."""
+        (:attr:`mergefs.plan.planner.Plan.gap_allowance_bytes`). ``output``: the weight
+        files' layout and the files beside them (default: as mergekit-yaml writes them)."""
         self.spec = spec
+        self.output = output if output is not None else OutputOptions()
         self.recipe = recipe if recipe is not None else recipe_of(spec, base)
         self.unit_outputs = self.recipe.units  # unit key -> its first output tensor
         #: output tensor name -> the unit it is made of (several names for a repeated unit)
@@ -117,17 +122,20 @@ class Engine:
         # the recipe's outputs, not the base's files: slices, whole units, or a tensor some
         # model reads under another name (a tied weight of a models: spec, mergefs.recipe)
         if self.recipe.layers is not None or self.derived or not self.recipe.identity:
-            self.out_files, self.index_json = sliced_layout(spec, self.recipe, base, self.tindex,
-                                                            self._whole_shapes())
+            self.out_files, self.index_json = sliced_layout(
+                spec, self.recipe, base, self.tindex, self._whole_shapes(),
+                shard_bytes=self.output.shard_bytes)
         else:
-            self.out_files, self.index_json = output_layout(spec, base, self.tindex)
+            self.out_files, self.index_json = output_layout(spec, base, self.tindex,
+                                                            self.output.shard_bytes)
         self.out_tensors = {t.name: t for f in self.out_files for t in f.tensors}
         self.extra_overrides = output_extra_files(spec, base, self.recipe)
-        #: non-weight files of the base not in the output (its tokenizer, when one is built)
-        self.extra_hidden: frozenset[str] = frozenset()
+        #: non-weight files of the base not in the output: its model card, its tokenizer when
+        #: one is built or not copied (OutputOptions.hidden)
+        self.extra_hidden: frozenset[str] = self.output.hidden(base.extra_files)
         if self.tokenizer is not None:
-            self.extra_hidden = frozenset(r for r in base.extra_files
-                                          if r in tokenizers.TOKENIZER_FILES)
+            self.extra_hidden |= frozenset(r for r in base.extra_files
+                                           if r in tokenizers.TOKENIZER_FILES)
             self.extra_overrides.update(self.tokenizer.files)
             if self.derived and (CONFIG_NAME in self.extra_overrides
                                  or CONFIG_NAME in base.extra_files):
@@ -565,7 +573,8 @@ class Engine:
     # -- materialising ---------------------------------------------------------------------
     def materialise(self, outdir: str | Path, on_bytes: Callable[[int], None] | None = None,
                     threads: int = 2, overwrite: bool = False) -> dict[str, str]:
-        """Write the merged model to ``outdir``; returns {tensor: xxh3 of its output bytes}."""
+        """Write the merged model to ``outdir`` (its model card named for its base name);
+        returns {tensor: xxh3 of its output bytes}."""
         hashes: dict[str, str] = {}
         staging = Staging(outdir, force=overwrite)  # checks the directory before any work
         self.stopped = threading.Event()  # (a fresh one: an earlier run's pool keeps its own)
@@ -575,17 +584,38 @@ class Engine:
                 with _Workers(threads, "mergefs-merge", self.stopped) as pool:
                     for f in self.out_files:
                         self._write_file(out, f, pool, hashes, on_bytes)
-                self.write_extras(out)
+                self.write_extras(out, Path(outdir).name)
                 staging.commit(self.marker())
         except OSError as exc:
             # e.g. ENOSPC: the temporary tree was removed; the output directory is untouched.
             raise write_error(exc, outdir) from None
         return hashes
 
-    def write_extras(self, out: Path) -> None:
-        """The shard index and the non-weight files (copied, or as the merge rewrites them)."""
+    def card_files(self, name: str) -> dict[str, bytes]:
+        """The model card (README.md, mergekit's plus what mergefs read) and mergekit_config.yml
+        (the spec file's text) of an output named ``name``, when the output options ask for
+        them (mergekit-yaml's ``--write-model-card``)."""
+        if not self.output.model_card:
+            return {}
+        text = self.output.config_text
+        manifest = getattr(self.manifest, "path", None)  # (a mount's recorder has none)
+        card = model_card(self.spec, self.plan, name, text,
+                          str(manifest) if manifest is not None else None)
+        return {CARD_NAME: card, CONFIG_COPY_NAME: (text if text is not None else yaml.safe_dump(
+            dict(self.spec.raw), sort_keys=False)).encode()}
+
+    def write_extras(self, out: Path, name: str) -> None:
+        """The shard index, the non-weight files (copied, or as the merge rewrites them) and
+        the model card of an output named ``name`` (each card file recorded in the manifest
+        with its text, for replay to write the same)."""
         if self.index_json is not None:
             _atomic_write(out / INDEX_NAME, [self.index_json])
+        for rel, data in self.card_files(name).items():
+            _atomic_write(out / rel, [data])
+            if self.manifest is not None:
+                self.manifest.write({"type": "file", "path": rel,
+                                     "xxh3": xxhash.xxh3_64_hexdigest(data),
+                                     "text": data.decode()})
         added = [r for r in self.extra_overrides if r not in self.base.extra_files]
         for rel in [*self.base.extra_files, *added]:
             if rel in self.extra_hidden and rel not in self.extra_overrides:

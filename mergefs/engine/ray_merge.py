@@ -234,6 +234,8 @@ class MergeJob:
     #: each task's share of the plan's gap allowance (an equal part; None: no limit), so the
     #: tasks together fetch no more gap bytes than one local merge may
     gap_share_bytes: int | None = None
+    #: the output's layout (mergefs.engine.layout.OutputOptions): the tasks cut the same shards
+    output: Any = None
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,7 @@ def merge_shard(job: MergeJob, file: str) -> ShardDone:
         records = ManifestWriter(None, keep_lines=True)
         engine = Engine(job.spec, base, experts, job.index, job.plan, records,
                         recipe=recipe_of(job.spec, base), deltas=deltas,
-                        gap_allowance=GapAllowance(job.gap_share_bytes))
+                        gap_allowance=GapAllowance(job.gap_share_bytes), output=job.output)
         f = next(o for o in engine.out_files if o.name == file)
         # unique across nodes and attempts (pids repeat across containers; a retry may run
         # while a node marked dead still writes)
@@ -330,7 +332,7 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
             share = None if allowed is None else allowed // max(1, len(engine.out_files))
             job = ray.put(MergeJob(session.spec, session.index, session.plan,
                                    identities(session.base, session.experts), str(staging.tmp),
-                                   __version__, threads, share))
+                                   __version__, threads, share, engine.output))
             task, place = ray.remote(merge_shard), placements(ray)
             files = {task.options(scheduling_strategy=place(k), **TASK_OPTIONS)
                      .remote(job, f.name): f for k, f in enumerate(engine.out_files)}
@@ -343,7 +345,7 @@ def materialise(session: Any, outdir: str | Path, address: str | None = None,
                     on_bytes(f.size_bytes - len(f.header))
             for p in staging.tmp.glob(".*.partial-*"):  # left by a worker that was lost
                 p.unlink()
-            engine.write_extras(staging.tmp)
+            engine.write_extras(staging.tmp, Path(outdir).name)
             staging.commit(engine.marker())
     except OSError as exc:
         raise write_error(exc, outdir) from None

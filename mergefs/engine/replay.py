@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from mergefs.sources.local import Checkpoint
+from mergefs.engine.layout import OutputOptions
 from mergefs.engine.merger import Engine
 from mergefs.recipe.family import expert_labels
 from mergefs.engine.session import prepare_family
@@ -96,12 +98,18 @@ class _ReplayEngine(Engine):
     """
 
     def __init__(self, *args: Any, recorded_units: dict[str, list[tuple[int, int]]],
-                 **kwargs: Any) -> None:
+                 recorded_files: dict[str, bytes] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorded_units = recorded_units
+        self.recorded_files = recorded_files or {}
 
     def units(self, name: str, unit_elems: int = 0) -> list[tuple[int, int]]:
         return self.recorded_units.get(name) or super().units(name, unit_elems)
+
+    def card_files(self, name: str) -> dict[str, bytes]:
+        """The model card as the run wrote it (its figures come from the index, which replay
+        does not read; its name from the run's output directory)."""
+        return dict(self.recorded_files)
 
 
 # field -> type, per record kind (bool is refused where an int is expected)
@@ -310,7 +318,9 @@ def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Pa
                            contents.tensors, labelled)
         engine = _ReplayEngine(spec, base, experts, index, plan,
                                manifest=checker,  # type: ignore[arg-type]
-                               verify_index=False, recorded_units={}, deltas=sidecars)
+                               verify_index=False, recorded_units={}, deltas=sidecars,
+                               output=_recorded_output(manifest_path, h),
+                               recorded_files=_recorded_files(manifest_path, contents.files))
         units = engine.recorded_units = _recorded_units(manifest_path, engine, contents.outputs)
         if out is not None:
             _check_tiling(manifest_path, engine, units)
@@ -332,6 +342,29 @@ def _replay(manifest_path: str | Path, contents: ManifestContents, out: str | Pa
     finally:
         for c in [base, *experts]:
             c.close()
+
+
+def _recorded_output(path: str | Path, h: dict[str, Any]) -> OutputOptions:
+    """The output options the run recorded (absent: as mergefs wrote outputs before)."""
+    doc = h.get("output")
+    if doc is not None and not isinstance(doc, dict):
+        raise ManifestError(f"{path}: header 'output' is not a JSON object")
+    try:
+        return OutputOptions.from_json(doc)
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"{path}: header 'output': {exc}") from None
+
+
+def _recorded_files(path: str | Path, records: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The generated files (model card) the run recorded, checked against their hashes."""
+    out: dict[str, bytes] = {}
+    for rec in records:
+        rel, text = rec.get("path"), rec.get("text")
+        if not isinstance(rel, str) or not isinstance(text, str) or "/" in rel \
+                or xxhash.xxh3_64_hexdigest(text.encode()) != rec.get("xxh3"):
+            raise ManifestError(f"{path}: a 'file' record is invalid ({rel!r})")
+        out[rel] = text.encode()
+    return out
 
 
 def _recorded_levels(path: str | Path, h: dict[str, Any], labels: list[str], n_blocks: int,

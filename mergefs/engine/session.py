@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import json
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from mergefs.engine.manifest import SCHEMA_VERSION, ManifestWriter
 from mergefs.plan.planner import Plan, make_plan, selected_runs
 from mergefs.spec.model import Spec
 from mergefs.engine.merger import Engine
+from mergefs.engine.layout import OutputOptions
 from mergefs.engine.output import MARKER, check_writes
 from mergefs.recipe.family import recipe_of
 from mergefs.recipe.family import open_family
@@ -35,7 +37,8 @@ class Session:
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
                  sidecars: bool = True, index: BlockIndex | None = None,
-                 index_runner: Any = None, reset_counters: bool | None = None) -> None:
+                 index_runner: Any = None, reset_counters: bool | None = None,
+                 output: OutputOptions | None = None) -> None:
         """``family``: the spec's (base, experts) if the caller opened them already (the
         session then owns and closes them). ``sidecars``: plan with the experts' delta
         sidecars when they have matching ones (:mod:`mergefs.deltas.sidecar`). ``index``: the family's
@@ -44,10 +47,12 @@ class Session:
         where an index build computes its chunks (:data:`mergefs.index.blocks.ChunkRunner`).
         ``reset_counters``: zero the sources' counters once the session is open, so that they
         count its merge reads only (default: when the session loaded the index itself; a
-        mount that loaded it for this session alone passes True)."""
+        mount that loaded it for this session alone passes True). ``output``: the output's
+        layout and files (default mergekit-yaml's), recorded in the manifest header."""
         self.spec = spec
         self.started = time.monotonic()
-        self.base, self.experts = family if family is not None else prepare_family(spec)
+        self.base, self.experts = family if family is not None else prepare_family(
+            spec, output=output)
         if index is not None:
             self.index, self.index_built = index, False
         else:
@@ -68,7 +73,7 @@ class Session:
             sidecars=self.deltas)
         self.manifest = manifest
         self.engine = Engine(spec, self.base, self.experts, self.index, self.plan, manifest,
-                             recipe=self.recipe, deltas=self.deltas)
+                             recipe=self.recipe, deltas=self.deltas, output=output)
         #: BLAS held at one thread while sidecars are decoded (the workers use the cores):
         #: once per session, not per decode call, which set and restored OpenBLAS's thread
         #: count per unit (the mount's 64 KiB units: seconds per file)
@@ -95,6 +100,7 @@ class Session:
             "budget_bytes": self.plan.budget_bytes,
             "selected": selected_runs(self.plan.selected),
             **self._levels_record(),
+            "output": self.engine.output.to_json(),
             "created_unix": time.time(),
         }
 
@@ -211,18 +217,37 @@ def _sources_of(spec: Spec, outdir: str) -> list[str]:
     return [p for p in spec.model_paths if p != outdir]
 
 
-def ensure_intermediates(spec: Spec) -> None:
+#: files whose presence (with config.json) makes mergekit-multi's ``--lazy`` skip a merge
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+               "pytorch_model.bin.index.json")
+
+
+def _exists(outdir: Path) -> bool:
+    """mergekit-multi's test of an existing merge: config.json and a weight file or index."""
+    return (outdir / "config.json").exists() and any((outdir / f).exists() for f in MODEL_FILES)
+
+
+def ensure_intermediates(spec: Spec, *, output: OutputOptions | None = None,
+                         lazy: bool | None = None) -> None:
     """Merge each of a multi-document spec's named merges into its output directory, in
-    dependency order, as ``mergefs merge`` would (its own manifest beside the spec); skip one
-    whose directory already holds a mergefs merge of the same plan (plan hash in its marker), as
-    mergekit-multi skips existing outputs."""
+    dependency order, as ``mergefs merge`` would (its own manifest beside the spec), with the
+    ``output`` options of the final merge (the config text: each merge's own resolved spec).
+
+    ``lazy`` None: skip one whose directory already holds a mergefs merge of the same plan
+    (plan hash in its marker); True: skip any directory holding a model (config.json and a
+    weight file), as mergekit-multi's ``--lazy``; False: merge every one again."""
+    sub_output = replace(output, config_text=None) if output is not None else None
     for name, sub, outdir in spec.intermediates:
+        if lazy is True and _exists(Path(outdir)):
+            log.info("intermediate merge %s: a model exists in %s, skipped (--lazy)", name,
+                     outdir)
+            continue
         # an intermediate is an output: never inside a source of any merge of the spec
         check_writes(_sources_of(spec, outdir), outdir=outdir,
                      manifest=sub.manifest, index_dir=sub.index_dir)
         probe = Session(sub)  # the index is built (or reused) here; the plan hash is cheap
         try:
-            done = _done(Path(outdir), probe.plan.plan_hash)
+            done = lazy is None and _done(Path(outdir), probe.plan.plan_hash)
         finally:
             probe.close()
         if done:
@@ -231,7 +256,7 @@ def ensure_intermediates(spec: Spec) -> None:
         log.info("merging intermediate %s into %s", name, outdir)
         writer = ManifestWriter.for_run(sub.manifest)
         try:
-            session = Session(sub, manifest=writer)
+            session = Session(sub, manifest=writer, output=sub_output)
             try:
                 session.engine.materialise(outdir, overwrite=True)
                 session.finish()
@@ -241,9 +266,11 @@ def ensure_intermediates(spec: Spec) -> None:
             writer.close()
 
 
-def prepare_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
+def prepare_family(spec: Spec, *, output: OutputOptions | None = None,
+                   lazy: bool | None = None) -> tuple[Checkpoint, list[Checkpoint]]:
     """:func:`~mergefs.recipe.family.open_family`, after making a multi-document spec's
-    intermediate merges (the models its final merge reads)."""
+    intermediate merges (the models its final merge reads; ``output`` and ``lazy``: as
+    :func:`ensure_intermediates` takes them)."""
     if spec.intermediates:
-        ensure_intermediates(spec)
+        ensure_intermediates(spec, output=output, lazy=lazy)
     return open_family(spec)

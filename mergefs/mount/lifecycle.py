@@ -33,7 +33,7 @@ import signal
 import stat
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from mergefs.sources.local import Checkpoint
 from mergefs.core.progress import byte_progress
 from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.layout import OutputOptions, parse_shard_size
 from mergefs.engine.merger import may_use_kernels
 from mergefs.engine.output import check_writes
 from mergefs.engine.session import prepare_family
@@ -101,6 +102,19 @@ class MountConfig:
     readahead_units: int = 8  # units merged ahead of a sequential reader
     source_cache_bytes: int = 0  # a sweep mount's shared source-block cache; 0 disables it
     strict: bool = False  # spec keys mergekit ignores are errors (reloads too)
+    #: the files served beside the weights (as ``mergefs merge`` writes them by default; a
+    #: sweep's variants each carry their own resolved spec in their card)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+
+def spec_text(path: str) -> str | None:
+    """The spec file's text, for the card's configuration (None if it cannot be read or holds
+    storage_options: the card then shows the resolved spec, credentials redacted)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if "storage_options" in text else text  # credentials: the redacted spec
 
 
 def default_cache_bytes() -> int:
@@ -155,7 +169,20 @@ def make_config(args: argparse.Namespace, spec: Spec) -> MountConfig:
         warm=warm_mode(getattr(args, "warm", None)),
         source_cache_bytes=source_cache_bytes,
         strict=bool(getattr(args, "strict", False)),
+        output=_output(args),
     )
+
+
+def _output(args: argparse.Namespace) -> OutputOptions:
+    """The files a mount serves beside the weights: ``mergefs merge``'s output flags
+    (``--out-shard-size``, ``--copy-tokenizer``, ``--write-model-card``), default as it."""
+    try:
+        shard_bytes = parse_shard_size(str(getattr(args, "out_shard_size", None) or "5B"))
+    except ValueError as exc:
+        raise MergefsError(str(exc)) from None
+    return OutputOptions(shard_bytes=shard_bytes,
+                         copy_tokenizer=bool(getattr(args, "copy_tokenizer", True)),
+                         model_card=bool(getattr(args, "write_model_card", True)))
 
 
 # -- mountpoints ---------------------------------------------------------------------------
@@ -348,10 +375,13 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
             spec.source, found, manifest, sweep=sweep, strict=cfg.strict,
             source_cache_bytes=cfg.source_cache_bytes,
             family=None if opened is None else (opened.base, opened.experts),
-            index=None if opened is None else opened.index)
+            index=None if opened is None else opened.index,
+            output=cfg.output if sweep else replace(cfg.output,
+                                                    config_text=spec_text(spec.source)))
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, mount.cache_namespace)
-            view = View(mount, cache, readahead_units=cfg.readahead_units)
+            view = View(mount, cache, readahead_units=cfg.readahead_units,
+                        name=cfg.mountpoint.name)
             try:
                 trio.run(_serve_fuse, view, cfg, ready)
             finally:

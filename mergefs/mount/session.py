@@ -54,6 +54,7 @@ from mergefs.core.errors import MergefsError, SpecError
 from mergefs.core.format import DTYPES
 from mergefs.core.version import __version__
 from mergefs.engine.manifest import ManifestWriter
+from mergefs.engine.layout import OutputOptions
 from mergefs.engine.session import Session, prepare_family
 from mergefs.index.blocks import BlockIndex, load_or_build
 from mergefs.recipe.family import expert_labels
@@ -228,12 +229,14 @@ class MountSession:
                  manifest: ManifestWriter | None, *, sweep: bool, source_cache_bytes: int = 0,
                  strict: bool = False,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
-                 index: BlockIndex | None = None) -> None:
+                 index: BlockIndex | None = None, output: OutputOptions | None = None) -> None:
         """``found``: the variants (a plain spec: one, named :data:`ROOT`). ``sweep``: record
         and key them as a sweep's. ``manifest``: where records go (None: nowhere, a plain spec
         only). ``source_cache_bytes``: a sweep's shared source-block cache (0: none; a
         plain spec has none). ``family`` and ``index``: the first variant's, if the caller opened them already (the
-        mount's ``ensure_index``; the session then owns and closes them)."""
+        mount's ``ensure_index``; the session then owns and closes them). ``output``: the
+        files every variant serves (default: as ``mergefs merge`` writes them)."""
+        self.output = output
         found = list(found)
         if not found or (not sweep and [v.name for v, _ in found] != [ROOT]):
             if family is not None:
@@ -268,6 +271,7 @@ class MountSession:
         self._attach(session.spec.source, session.spec, session.manifest,
                      (session.base, session.experts), sweep=False, strict=False)
         self.index = session.index
+        self.output = session.engine.output
         self.variants[ROOT] = VariantState(ROOT, {}, session.spec, session,
                                            passthrough_hashes(session))
         for c in [self.base, *self.experts]:  # as a mount: serving reads from here on
@@ -328,7 +332,8 @@ class MountSession:
             recorder = VariantRecorder(v.name, dict(v.settings), self.manifest,
                                        self._merged_here)
         session = Session(spec, manifest=recorder or self.manifest,  # type: ignore[arg-type]
-                          family=(self.base, self.experts), index=self.index)
+                          family=(self.base, self.experts), index=self.index,
+                          output=self.output)
         state = VariantState(v.name, dict(v.settings), spec, session,
                              passthrough_hashes(session), recorder)
         if recorder is not None:

@@ -118,15 +118,18 @@ class _Handle:
     stream: Stream = field(default_factory=Stream)
 
 
-def model_entries(engine: Engine, weights_mtime_ns: int, key_of: KeyFn | None = None
-                  ) -> Entries:
-    """The files of a merged model directory by relative path: the base's non-weight files
-    (passed through, or rewritten by the merge), the merge's weight files and shard index;
-    ``key_of``: the cache keys of merge units (:func:`~mergefs.mount.files.weight_file`)."""
+def model_entries(engine: Engine, weights_mtime_ns: int, key_of: KeyFn | None = None,
+                  name: str = "") -> Entries:
+    """The files of a merged model directory by relative path, as ``Engine.materialise``
+    writes them: the base's non-weight files (passed through, or rewritten by the merge), the
+    model card of a model named ``name`` (the mountpoint's or variant directory's base name),
+    the merge's weight files and shard index; ``key_of``: the cache keys of merge units
+    (:func:`~mergefs.mount.files.weight_file`)."""
     base = engine.base
     entries: Entries = {}
-    for rel, data in engine.extra_overrides.items():  # files the merge adds (tokenizer)
-        if rel not in base.extra_files:
+    added = {**engine.extra_overrides, **engine.card_files(name)}
+    for rel, data in added.items():  # files the merge adds (tokenizer, model card)
+        if rel not in base.extra_files or rel in engine.extra_hidden:
             entries[PurePosixPath(rel).as_posix()] = (
                 "static", {"size_bytes": len(data), "mtime_ns": weights_mtime_ns, "static": data})
     for rel in base.extra_files:
@@ -163,8 +166,12 @@ class View:
     """The virtual directory over a mount session. Thread-safe."""
 
     def __init__(self, mount: MountSession, cache: UnitCache, *, readahead_units: int = 4,
-                 readahead_threads: int = 2, readahead_pending: int = 16) -> None:
+                 readahead_threads: int = 2, readahead_pending: int = 16,
+                 name: str = "") -> None:
+        """``name``: the model's name in its card (a plain mount's: the mountpoint's base name;
+        a sweep's variants are named by their directories)."""
         self.mount = mount
+        self.name = name
         self.cache = cache
         self._reader_options = {"readahead_units": readahead_units,
                                 "readahead_threads": readahead_threads,
@@ -204,7 +211,8 @@ class View:
         reader = UnitReader(st, self.cache, source_cache=self.mount.source_cache,
                             reached=self._reached_by(st.name), merged_ahead=self.pages.push,
                             **self._reader_options)
-        entries = model_entries(st.session.engine, self._weights_mtime, st.key_of)
+        entries = model_entries(st.session.engine, self._weights_mtime, st.key_of,
+                                name=st.name if self.mount.sweep else self.name)
         with self._insert_lock:
             self.readers[st.name] = reader
             self._insert(entries, self._weights_mtime, prefix=st.name, reader=reader,

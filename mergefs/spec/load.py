@@ -85,12 +85,16 @@ def read_spec_docs(path: str | Path) -> list[Any]:
         raise SpecError(f"{p}: not valid YAML: {exc}".replace("\n", " ")) from None
 
 
-def load_spec(path: str | Path, strict: bool = False) -> Spec:
-    """Read and validate a spec file. ``strict``: ignored keys are errors, not warnings."""
+def load_spec(path: str | Path, strict: bool = False, *,
+              intermediate_dir: str | os.PathLike[str] | None = None) -> Spec:
+    """Read and validate a spec file. ``strict``: ignored keys are errors, not warnings.
+    ``intermediate_dir``: of a multi-document spec, overrides its ``intermediate_dir`` (a
+    relative path is relative to the working directory, as mergekit-multi's ``-I``)."""
     p = Path(path)
     docs = read_spec_docs(p)
     if len(docs) > 1:
-        return _load_multi(docs, p, strict)
+        return _load_multi(docs, p, strict, None if intermediate_dir is None
+                           else os.path.abspath(intermediate_dir))
     return parse_spec(docs[0] if docs else None, base_dir=p.resolve().parent, source=str(p),
                       strict=strict)
 
@@ -114,7 +118,8 @@ def _patch_refs(value: Any, paths: Mapping[str, str], used: set[str], key: str =
     return value
 
 
-def _load_multi(docs: list[Any], p: Path, strict: bool) -> Spec:
+def _load_multi(docs: list[Any], p: Path, strict: bool, intermediate_dir: str | None = None
+                ) -> Spec:
     """mergekit-multi: named merges that later documents use as models, and one unnamed final
     merge. Each named merge is materialised under ``intermediate_dir`` (a key of the final
     document; default ``.mergefs/intermediate`` beside the spec) as ``<dir>/<name>``, as
@@ -139,6 +144,8 @@ def _load_multi(docs: list[Any], p: Path, strict: bool) -> Spec:
         raise SpecError(f"{p}: a multi-document spec needs one unnamed document: the merge "
                         "to write or mount")
     inter = final.pop("intermediate_dir", ".mergefs/intermediate")
+    if intermediate_dir is not None:
+        inter = intermediate_dir
     inter_dir = Path(resolve_path(base_dir, inter, str(p), "intermediate_dir"))
     paths = {n: str(inter_dir / n) for n in named}
     deps: dict[str, set[str]] = {}

@@ -98,8 +98,9 @@ def test_merge_then_replay_end_to_end(tmp_path: Path, fam: Family) -> None:
     assert "merged into" in proc.stdout and "Traceback" not in proc.stderr
     manifest = tmp_path / "spec.manifest.jsonl"  # default: beside the spec, named after it
     assert manifest.is_file() and manifest.is_symlink()  # points at this run's own manifest
-    assert sorted(p.name for p in out.iterdir()) == [".mergefs", "config.json",
-                                                     "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".mergefs", "README.md", "config.json", "mergekit_config.yml", "model.safetensors",
+        "tokenizer.json"]  # as mergekit-yaml writes it, with the model card
     assert json.loads((out / ".mergefs" / "merge.json").read_text())["manifest"] == \
         str(manifest.resolve())
     assert tensor_names(out) == tensor_names(fam.base)

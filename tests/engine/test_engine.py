@@ -217,7 +217,7 @@ def test_non_weight_files_sharding_and_passthrough(family_sharded: Family, index
     spec_path = write_case_spec(tmp_path / "spec.yaml", family_sharded, "task_arithmetic",
                                 index_dir, budget="40%")
     out = tmp_path / "out"
-    assert cli.main(["merge", str(spec_path), str(out),
+    assert cli.main(["merge", str(spec_path), str(out), "--out-shard-size", "base",
                      "--manifest", str(tmp_path / "m.jsonl")]) == 0
     base = family_sharded.base
     base_index = json.loads((base / INDEX_NAME).read_text())
@@ -249,8 +249,9 @@ def test_single_file_output_layout(family_f16: Family, index_dir: Path, tmp_path
     spec_path = write_case_spec(tmp_path / "spec.yaml", family_f16, "dare_ties", index_dir)
     out = tmp_path / "out"
     run_merge(spec_path, out)
-    assert sorted(p.name for p in out.iterdir()) == [".mergefs", "config.json",
-                                                     "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".mergefs", "README.md", "config.json", "mergekit_config.yml", "model.safetensors",
+        "tokenizer.json"]  # as mergekit-yaml writes it, with the model card
     with safe_open(str(out / "model.safetensors"), framework="np") as fo, \
             safe_open(str(family_f16.base / "model.safetensors"), framework="np") as fb:
         names = fb.keys()

@@ -98,9 +98,14 @@ def merge(tmp_path: Path, name: str, doc: dict[str, Any]) -> Path:
     return tmp_path / name
 
 
+#: the model card's files: they name the models as the spec gives them (here a URL or an id,
+#: there a path) and the output directory, so two merges of the same weights differ there
+CARD_FILES = ("README.md", "mergekit_config.yml")
+
+
 def sha256_tree(root: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())
-            if p.is_file()}  # not .mergefs/ (which run wrote the directory)
+            if p.is_file() and p.name not in CARD_FILES}  # not .mergefs/ (which run wrote it)
 
 
 def expert_read(totals: dict) -> int:
