@@ -599,8 +599,10 @@ class Engine:
             return {}
         text = self.output.config_text
         manifest = getattr(self.manifest, "path", None)  # (a mount's recorder has none)
+        # the manifest by its file name (it lies beside the spec): a card is published, and
+        # its absolute path would name a private directory that mergekit's card never shows
         card = model_card(self.spec, self.plan, name, text,
-                          str(manifest) if manifest is not None else None)
+                          Path(manifest).name if manifest is not None else None)
         return {CARD_NAME: card, CONFIG_COPY_NAME: (text if text is not None else yaml.safe_dump(
             dict(self.spec.raw), sort_keys=False)).encode()}
 

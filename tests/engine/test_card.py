@@ -12,6 +12,7 @@ from hub_cache import COMMIT_A, COMMIT_B, cache_model
 from mergekit.card import generate_card
 from mergekit.config import MergeConfiguration
 
+from mergefs import ops
 from mergefs.engine.card import model_card
 from mergefs.engine.session import Session
 from mergefs.spec import refs as hub
@@ -110,3 +111,20 @@ def test_hub_ids_go_into_base_model_and_links(fam: Family, tmp_path: Path) -> No
     assert "using [org/base](https://huggingface.co/org/base) as a base" in card
     assert "* [org/math](https://huggingface.co/org/math)" in card
     assert "# Untitled Model (1)" in card
+
+
+def test_card_names_no_private_directory(tmp_path: Path) -> None:
+    """A spec written with relative paths: mergefs's section of the card names the manifest by
+    its file name only (it is kept beside the spec), not by an absolute path that mergekit's
+    card never shows; mergekit_config.yml is the text as written."""
+    make_family(tmp_path / "fam", n_experts=2, seed=3)
+    doc = {"merge_method": "task_arithmetic", "base_model": "fam/base",
+           "models": [{"model": f"fam/expert-{k}", "parameters": {"weight": 0.5}}
+                      for k in range(2)], "block_size": "4KiB", "index_dir": "index"}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = ops.merge(load_spec(path), tmp_path / "out", progress=False)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"mergefs replay {result.manifest.name}\n" in card
+    assert str(result.manifest.parent) not in card.split("## How mergefs made it")[1]
+    assert str(tmp_path) not in (tmp_path / "out" / "mergekit_config.yml").read_text()
