@@ -140,7 +140,8 @@ def mergekit_shards(tensors: Mapping[str, tuple[str, tuple[int, ...], int | None
     for name in sorted(tensors):
         dtype, shape, _ = tensors[name]
         nbytes = math.prod(shape) * DTYPES[dtype][0]
-        if not groups or (shard_bytes > 0 and size > 0 and size + nbytes > shard_bytes):
+        # as mergekit: a shard holding any tensor (an empty one too) is closed first
+        if not groups or (shard_bytes > 0 and size + nbytes > shard_bytes):
             groups.append([])
             size = 0
         groups[-1].append(name)
