@@ -113,8 +113,9 @@ def _add_mergekit_options(s: argparse.ArgumentParser) -> None:
     g.add_argument("--write-threads", type=int, metavar="N",
                    help="changes nothing: one writer per output file (merging uses -j threads)")
     g.add_argument("--unsafe-truncate-embeddings", action=flag, default=False,
-                   help="not supported (refused): merge different vocabularies with a "
-                   "tokenizer: block instead")
+                   help="changes nothing: models must share their tensor shapes, so "
+                   "embeddings are never truncated; merge different vocabularies with a "
+                   "tokenizer: block (differing vocabularies are refused naming the tensor)")
     g.add_argument("--transformers-cache", metavar="DIR",
                    help="where Hub models are found and downloaded (the Hugging Face hub "
                    "cache; default HF_HUB_CACHE or ~/.cache/huggingface/hub)")
@@ -397,7 +398,7 @@ def _join_option_values(argv: list[str]) -> list[str]:
     k = 0
     while k < len(argv):
         a = argv[k]
-        if a in ("--budget", "--cache-size", "--random-seed") and k + 1 < len(argv) \
+        if a in ("--budget", "--cache-size", "--random-seed", "--out-shard-size") and k + 1 < len(argv) \
                 and argv[k + 1].startswith("-") and argv[k + 1][1:2] not in ("-", ""):
             out.append(f"{a}={argv[k + 1]}")
             k += 2

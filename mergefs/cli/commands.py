@@ -125,9 +125,10 @@ def mergekit_flags(args: argparse.Namespace) -> None:
         raise MergefsError("--no-safe-serialization: mergefs writes safetensors only (no "
                            "pickled weights); leave the flag out")
     if args.unsafe_truncate_embeddings:
-        raise MergefsError("--unsafe-truncate-embeddings is not supported by mergefs: merge "
-                           "models with different vocabularies with a tokenizer: block "
-                           "(tokenizer_source: base, for the base's vocabulary)")
+        # mergekit truncates only when the vocabularies differ; mergefs refuses differing
+        # shapes (check_coordinates names the tensor), so where a merge runs it changes nothing
+        log.info("--unsafe-truncate-embeddings: nothing to truncate unless the vocabularies "
+                 "differ, which mergefs refuses; a tokenizer: block merges them")
     if args.verbosity >= 2 or args.debug:
         logging.getLogger().setLevel(logging.DEBUG)
     elif args.quiet and not args.verbosity:

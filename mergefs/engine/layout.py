@@ -116,10 +116,13 @@ def parse_shard_size(value: str, where: str = "--out-shard-size") -> int | None:
         return None
     scale = {"k": 1000, "m": 1000 ** 2, "b": 1000 ** 3}.get(text[-1:].lower(), 1)
     digits = text[:-1] if scale != 1 else text
+    sign = 1
+    if scale != 1 and digits.startswith("-"):  # mergekit: int("-5") * 1000; <= 0: one file
+        sign, digits = -1, digits[1:]
     if not digits.isdigit():
         raise ValueError(f"{where}: expected a size like 5B, 500M, 1000K or 1000000 (K, M, B: "
                          f"thousands, millions, billions of bytes) or `base`, got {value!r}")
-    return int(digits) * scale
+    return sign * int(digits) * scale
 
 
 def shard_names(count: int) -> list[str]:

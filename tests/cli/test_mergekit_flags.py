@@ -53,6 +53,9 @@ CASES: list[tuple[list[str], list[str] | None]] = [
     (["--out-shard-size", "100K"], None),
     (["--out-shard-size", "1M"], None),
     (["--out-shard-size", "150000"], None),
+    (["--out-shard-size", "-5K"], None),  # mergekit: no shard limit, one file
+    (["--out-shard-size", "0"], None),
+    (["--unsafe-truncate-embeddings"], None),  # equal vocabularies: nothing to truncate
     (["--no-copy-tokenizer"], None),
     (["--copy-tokenizer"], None),
     (["--no-write-model-card"], None),
@@ -200,7 +203,6 @@ def test_flag(fam: Family, tmp_path: Path, flags: list[str], mk_flags: list[str]
 
 @pytest.mark.parametrize("flag,words", [
     ("--no-safe-serialization", "safetensors only"),
-    ("--unsafe-truncate-embeddings", "not supported"),
 ])
 def test_refused(fam: Family, tmp_path: Path, flag: str, words: str,
                  capsys: pytest.CaptureFixture[str]) -> None:
