@@ -12,6 +12,7 @@ Pure: a function of the spec, the plan and the names given; no I/O. Any thread.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +67,20 @@ def _parts(record: Any) -> tuple[str, str | None, str | None, str | None]:
         if hub is not None:
             return hub, hub, None, None
     return str(record), None, None, None
+
+
+def _local_relative(records: list[Any], spec_dir: str | None) -> list[Any]:
+    """``records`` with local paths inside the spec's directory made relative to it, as such
+    specs are usually written (a published card should not name the author's private
+    directories); other paths as resolved (mergekit shows them as written)."""
+    def fix(rec: Any) -> Any:
+        if isinstance(rec, str) and spec_dir and os.path.isabs(rec) and "://" not in rec \
+                and rec.startswith(spec_dir.rstrip(os.sep) + os.sep):
+            return os.path.relpath(rec, spec_dir)
+        if isinstance(rec, dict):
+            return {k: (fix(v) if k in ("model", "lora") else v) for k, v in rec.items()}
+        return rec
+    return [fix(r) for r in records]
 
 
 def _link(text: str, hub: str | None) -> str:
@@ -152,8 +167,11 @@ def model_card(spec: Spec, plan: Plan, name: str, config_text: str | None,
     mountpoint's) base name, as mergekit names the card; ``config_text``: the configuration as
     the user wrote it (else the resolved spec); ``manifest``: the manifest to replay."""
     raw = dict(spec.raw)
-    records = list(_model_refs({k: v for k, v in raw.items() if k != "tokenizer"}))
-    base_record = raw.get("base_model")
+    spec_dir = os.path.dirname(os.path.abspath(spec.source)) if spec.source != "<inline>" \
+        else None
+    records = _local_relative(list(_model_refs({k: v for k, v in raw.items()
+                                                if k != "tokenizer"})), spec_dir)
+    base_record = _local_relative([raw.get("base_model")], spec_dir)[0]
     # mergekit names no base for slerp ("curse my past self", mergekit/card.py): it lists it
     actual_base = None if spec.method == "slerp" else base_record
     base_text = f" using {_ref_md(actual_base)} as a base" if actual_base is not None else ""
