@@ -21,6 +21,8 @@ SECTIONS: dict[str, str] = {
     "pairindex": "adding an expert to an indexed family vs building the whole index again",
     "ray": "index and merge on a local Ray cluster with 1, 2, 4 worker processes vs local",
     "profile-index": "where an index build's time goes: imports, numba, each stage",
+    "mergepipe": "mergefs beside the MergePipe paper's own system and mergekit: wall time, "
+                 "bytes read, peak RSS, deviation at 10%, 30% and full budgets, cold",
     "fuzz-format": "coverage-guided fuzzing of the safetensors header parser (atheris)",
     "families": "make a benchmark family on disk (python -m bench.families)",
 }
