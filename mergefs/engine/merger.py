@@ -560,6 +560,8 @@ class Engine:
         (``Checkpoint.will_need``: no wait, no bytes beyond the plan; nothing for remote
         sources)."""
         name = self.unit_of.get(name, name)  # a repeated unit first met under a later name
+        if name not in self.tindex:  # read whole, outside the plan (vocabulary, optional
+            return                   # weights some models lack): no planned ranges to hint
         lay = self.layout
         wanted = [(self.base, self._range(self.base, name, int(lay.elem_start[b0]),
                                           int(lay.elem_end[b1 - 1])))]

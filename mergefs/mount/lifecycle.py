@@ -445,6 +445,10 @@ async def _watch_signals(signals: Any, view: View) -> None:
             await trio.to_thread.run_sync(view.reload)
             continue
         log.info("received %s: unmounting", signal.Signals(signum).name)
+        # the warm-up ends first, while requests are still answered (its lookups stat files
+        # through the mount: one left pending would hold the unmount)
+        if not await trio.to_thread.run_sync(view.pages.stop_warm, 10.0):
+            log.warning("the warm-up did not stop within 10 s; unmounting anyway")
         pyfuse3.terminate()
         return
 

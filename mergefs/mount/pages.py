@@ -251,6 +251,9 @@ class PagePusher:
         stopped = "done"
         try:
             for wf in files:
+                if self._stopping.is_set():
+                    stopped = "stopped by unmount"
+                    return
                 try:
                     lookup(wf)
                 except OSError as exc:
@@ -287,15 +290,15 @@ class PagePusher:
     def _warm_one(self, reader: UnitReader, wf: WeightFile, k: int,
                   slots: threading.Semaphore) -> None:
         seg = wf.segments[k]
-        reader.prefetch(wf, k + 2 * (reader.readahead_threads + 1), wf.size_bytes)
-        try:
+        try:  # the slot is released whatever fails (else the warm-up waits for it forever)
+            reader.prefetch(wf, k + 2 * (reader.readahead_threads + 1), wf.size_bytes)
             data = reader.segment_bytes(wf, seg)
             self.push(wf, k)
             with self._lock:
                 self.warm_units += 1
                 self.warm_bytes += len(data)
         except Exception as exc:  # noqa: BLE001 - a reader's own read reports it
-            log.debug("warm-up of %s [%d, %d) failed: %s", seg.tensor, seg.b0, seg.b1, exc)
+            log.warning("warm-up of %s [%d, %d) failed: %s", seg.tensor, seg.b0, seg.b1, exc)
             with self._lock:
                 self.warm_errors += 1
         finally:
@@ -310,6 +313,13 @@ class PagePusher:
 
     def _warming(self) -> bool:
         return any(t.is_alive() for t in list(self._warm_threads))
+
+    def stop_warm(self, timeout_seconds: float | None = None) -> bool:
+        """Stop the warm-up and wait for it (its running merges finish); True once it has
+        ended. Called while the mount still answers requests: a warm-up thread may be inside a
+        stat through the mount, which only an answer ends."""
+        self._stopping.set()
+        return self.wait_warm(timeout_seconds)
 
     def stop(self) -> None:
         """Stop the warm-up (merges running finish) and pushing."""

@@ -319,3 +319,24 @@ def test_auto_warm_up_starts_when_a_loader_opens_config_json(tmp_path: Path, ind
     assert looked_up == [p for p, _, _ in view.weight_files()]
     view.open_path("config.json")
     assert len(view.pages._warm_threads) == 1
+
+
+def test_a_failing_unit_does_not_hold_the_warm_up(tmp_path: Path, index_dir: Path,
+                                                  family_f32: Family, opened: list[View],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit whose prefetch or merge fails is counted as a warm-up error and frees its slot:
+    the warm-up ends (before, a failing prefetch kept the slot, and the warm-up, then the
+    unmount that waits for it, waited forever)."""
+    spec = write_case_spec(tmp_path / "spec.yaml", family_f32, "task_arithmetic", index_dir)
+    view = open_view(spec, opened)
+    engine = session_of(view).engine
+
+    def broken(name: str, b0: int, b1: int) -> None:
+        raise KeyError(name)
+
+    monkeypatch.setattr(engine, "prefetch", broken)
+    view.start_warm(lambda path: None)
+    assert view.pages.wait_warm(30)
+    warm = view.stats()["kernel_pages"]["warm"]
+    merged = sum(1 for _, _, wf in view.weight_files() for s in wf.segments if s.merged)
+    assert warm["errors"] > 0 and warm["errors"] + warm["units"] == merged
