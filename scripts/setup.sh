@@ -39,5 +39,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "[setup] installing mergefs[$EXTRAS] (torch==2.13.0 CPU build first)"
     .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+    if [ "$KIND" = test ]; then
+        # consensus_ta/consensus_ties are compared with mergekitty's own code; its metadata pins
+        # torch 2.10 (it would replace the test torch), so it goes in without its dependencies:
+        # everything it imports is already here (mergekit's, the same versions or newer)
+        .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "mergekitty==0.3.0"
+    fi
     touch "$stamp"
 fi
