@@ -10,7 +10,7 @@ from typing import Any
 from mergefs.recipe import tokenizer as tokenizers
 from mergefs.sources.local import Checkpoint
 from mergefs.sources import open_source
-from mergefs.core.errors import SpecError
+from mergefs.core.errors import SourceError, SpecError
 from mergefs.core.format import FLOAT_DTYPES
 from mergefs.recipe.modules import Weight, architecture_weights, vocab_size_key
 from mergefs.recipe.outputs import (PRE_WEIGHT, Recipe, RoleSource, build_recipe, layer_of,
@@ -93,13 +93,25 @@ def _configs(spec: Spec, opened: dict[str, Checkpoint]) -> dict[str, dict[str, A
     return out
 
 
+def _open(spec: Spec, path: str, base: Checkpoint | None = None) -> Checkpoint:
+    """``open_source``; a local path that does not exist is named by the spec key giving it."""
+    try:
+        return open_source(path, spec.source_options(path), base)
+    except SourceError:
+        named = None if "://" in path or Path(path).exists() else spec.key_naming(path)
+        if named is None:
+            raise
+        key, value = named
+        raise SpecError(f"{spec.source}: {key}: {value}: no such file or directory "
+                        f"({path})") from None
+
+
 def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
     """The base and experts; for a sliced spec, the recipe's roles (:class:`RoleSource`) over
     every model the slices name, keyed by the output's units. A multi-document spec's
     named merges must exist already: :func:`mergefs.engine.session.prepare_family` makes them."""
-    base = open_source(spec.base, spec.source_options(spec.base))
-    experts = [open_source(e.path, spec.source_options(e.path), base)  # model+lora too
-               for e in spec.experts]
+    base = _open(spec, spec.base)
+    experts = [_open(spec, e.path, base) for e in spec.experts]  # model+lora too
     plain = not spec.slices or spec.slices[0].module is None  # models: or slices:
     weights: dict[str, dict[str, Weight]] | None = None
     if plain and not spec.sliced and any(set(e.tensors) != set(base.tensors)
@@ -123,7 +135,7 @@ def open_family(spec: Spec) -> tuple[Checkpoint, list[Checkpoint]]:
             for sl in spec.slices:
                 for r in (sl.ref, *sl.experts):
                     if r.path not in opened:
-                        opened[r.path] = open_source(r.path, spec.source_options(r.path), base)
+                        opened[r.path] = _open(spec, r.path, base)
             if plain and spec.sliced and not _uniform(opened.values()):
                 weights = _weight_tables(opened)
             configs = _configs(spec, opened)

@@ -1,9 +1,12 @@
 """The frozen spec a merge runs from: models, slices, parameters, budget and mergefs' own keys. Plain data."""
 
 from __future__ import annotations
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 from mergefs import methods as registry
 from mergefs.methods.base import Method
 from mergefs.spec.options import RemoteOptions
@@ -169,3 +172,36 @@ class Spec:
     def source_options(self, path: str) -> RemoteOptions | None:
         """Options to open the source at ``path``: None for a local path."""
         return self.remote_sources.get(path)
+
+    def key_naming(self, path: str) -> tuple[str, str] | None:
+        """The first key of the spec as written (``models[1].model``) whose local path value
+        resolves to ``path``, and that value; None if no key names it (a Hub id, a URL)."""
+        written: Any = self.raw
+        base_dir = Path.cwd()
+        if self.source != "<inline>":
+            base_dir = Path(self.source).parent
+            try:  # the file as written: raw holds the inputs resolved and reordered
+                docs = [d for d in yaml.safe_load_all(Path(self.source).read_text()) if d]
+                written = docs[0] if len(docs) == 1 else docs
+            except (OSError, ValueError, yaml.YAMLError):
+                pass
+        for key, value in _model_values(written, ""):
+            local = value.split("+")[0].partition("@")[0]
+            if value == path or (local and str((base_dir / Path(local).expanduser()).resolve())
+                                 == str(Path(path).expanduser().resolve())):
+                return key, value
+        return None
+
+
+def _model_values(node: Any, key: str) -> Iterator[tuple[str, str]]:
+    """``(key, value)`` of every ``model``/``base_model``/``path`` string under ``node``."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            if k in ("model", "base_model", "path") and isinstance(v, str):
+                yield sub, v
+            else:
+                yield from _model_values(v, sub)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _model_values(v, f"{key}[{i}]")

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import yaml
-from families import DEFAULT_SHAPES, Family, make_family, write_spec
+from families import DEFAULT_SHAPES, Family, make_family, make_llama_family, write_spec
 from cli_checks import assert_one_line_error, mergefs_argv
 
 import mergefs
 from mergefs.cli.render import bound_in_words
 from mergefs.core.errors import MergefsError, SpecError
+from mergefs.recipe.family import open_family
 from mergefs.spec.load import load_spec
 from mergefs.spec.variants import load_variants
 
@@ -301,3 +302,28 @@ def test_readme_first_page() -> None:
     assert "--warm" in text or "docs/cli.md" in text
     assert re.search(r"test suite takes about \d+ minutes", text)
     assert "(measured)" not in text  # no method's deviation is measured for you
+
+
+# -- a model path that does not exist names the spec key that gives it --------------------------
+
+def test_missing_model_path_names_the_spec_key(tmp_path: Path, fam: Family) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["models"][1]["model"] = "./no-such-expert"
+    spec = edited(spec_file(tmp_path, fam), "missing.yaml", edit)
+    line = assert_one_line_error(run("merge", str(spec), str(tmp_path / "out")),
+                                 f"{spec}: models[1].model: ./no-such-expert: no such file or "
+                                 "directory")
+    assert str(tmp_path / "no-such-expert") in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_slice_model_names_the_slice_key(tmp_path: Path) -> None:
+    fam = make_llama_family(tmp_path / "fam", n_experts=1, seed=3)
+    doc = {"merge_method": "passthrough", "dtype": "float32",
+           "slices": [{"sources": [{"model": str(fam.base), "layer_range": [0, 1]}]},
+                      {"sources": [{"model": "../gone", "layer_range": [0, 1]}]}]}
+    spec = tmp_path / "slices.yaml"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(SpecError, match=re.escape(
+            f"{spec}: slices[1].sources[0].model: ../gone: no such file or directory")):
+        open_family(load_spec(spec))
