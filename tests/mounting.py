@@ -111,6 +111,21 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def assert_mount_serves_the_merge(doc: dict[str, Any], tmp_path: Path, mounts: Any,
+                                  **keys: Any) -> None:
+    """Write ``doc`` (plus ``keys``) as a spec, merge it, mount it and assert the mount serves
+    the merged directory's files byte for byte (``mounts``: the ``mounts`` fixture)."""
+    import yaml
+    from viewcases import tree
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({**doc, "index_dir": str(tmp_path / "index"), **keys}))
+    out = merge(spec, tmp_path / "out")
+    m = mounts.start(spec)
+    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
+        {r: sha256(p) for r, p in tree(out).items()}
+
+
 #: the marks of every test module that mounts: ``pytestmark = MOUNT_MARKS``
 MOUNT_MARKS = [
     pytest.mark.mount,

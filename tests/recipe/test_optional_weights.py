@@ -142,17 +142,10 @@ def test_an_optional_weight_the_base_lacks_is_refused_as_mergekit_refuses_it(
 @pytest.mark.skipif(not Path("/dev/fuse").exists(), reason="needs /dev/fuse")
 def test_mount_serves_optional_weights(fam: dict[str, Path], tmp_path: Path,
                                        mounts: Any) -> None:
-    import yaml
-    from mounting import merge, sha256
-    from viewcases import tree
+    from mounting import assert_mount_serves_the_merge
 
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({**cases(fam)["task_arithmetic"], "budget": "50%",
-                                    "block_size": "4KiB", "index_dir": str(tmp_path / "index")}))
-    out = merge(spec, tmp_path / "out")
-    m = mounts.start(spec)
-    assert {r: sha256(p) for r, p in tree(m.path).items()} == \
-        {r: sha256(p) for r, p in tree(out).items()}
+    assert_mount_serves_the_merge(cases(fam)["task_arithmetic"], tmp_path, mounts, budget="50%",
+                                  block_size="4KiB")
 
 
 def test_the_optional_weight_rules_are_mergekits() -> None:
