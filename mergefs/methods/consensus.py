@@ -23,8 +23,10 @@ from mergefs.methods.base import (
 L1_EPS = 1e-8
 
 ARITHMETIC = """\
-The reference is mergekitty 0.3.0 (`merge_method: consensus_ta` / `consensus_ties`, the same
-names in mergefs). Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order
+Paper: [Localizing Task Information for Improved Model Merging and
+Compression](https://arxiv.org/abs/2405.07813) (TALL masks, consensus merging; Wang et al.,
+ICML 2024). The reference is mergekitty 0.3.0 (`merge_method: consensus_ta` / `consensus_ties`,
+the same names in mergefs). Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order
 and `w_i` their weights (float32):
 
 1. consensus_ties only: sparsify each `D_i` as `ties` does (the `max(1, int(density * n))`
@@ -38,7 +40,7 @@ and `w_i` their weights (float32):
    run over the input axis in torch's order (see Generalised task arithmetic). There is no
    global `lambda` scale.
 3. TALL masks: `m_i = |D_i| > lambda_i * |mixed - D_i|` (`lambda_i` as float32; strictly
-   greater, as mergekitty; the paper writes >=); keep where at least `k` masks hold:
+   greater, as mergekitty); keep where at least `k` masks hold:
    `mixed = mixed * (sum_i m_i >= k)`, with `k` the first model's value.
 4. `M = W0 + mixed`.
 

@@ -166,7 +166,7 @@ def render() -> str:
                  "magmax": "MagMax (FusionBench)",
                  "consensus": "Consensus merging, TALL masks (mergekitty)"}[family]
         body.append(f"## {title}\n")
-        if family == "gta":
+        if family in ("gta", "consensus"):
             body.append(ms[0].arithmetic.rstrip() + "\n")
             for m in ms:
                 body.append(f"### `{m.name}`\n\n{m.summary[0].upper()}{m.summary[1:]}.\n\n"

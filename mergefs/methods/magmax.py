@@ -14,8 +14,9 @@ import numpy as np
 from mergefs.methods.base import NO_TORCH, BasePolicy, Capabilities, Method, ParamDef, Scope, Unit
 
 ARITHMETIC = """\
-The reference is FusionBench 0.2.33's `MagMaxAlgorithm` (config name `magmax`; mergefs uses the
-same name). Per floating tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
+Paper: [MagMax](https://arxiv.org/abs/2407.06322) (Marczak et al., ECCV 2024). The reference is
+FusionBench 0.2.33's `MagMaxAlgorithm` (config name `magmax`; mergefs uses the same name). Per
+floating tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
 
 1. `tau = D_1`; for `i = 2..n`: `tau = D_i where |D_i| >= |tau| else tau` (a later model wins a
    tie of magnitudes, as in the paper's release).
