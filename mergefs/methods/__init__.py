@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
+from mergefs.methods import consensus, magmax
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
 )
 from mergefs.methods.exact import TORCH_SUM_MAX
 from mergefs.methods.gta import SEQUENTIAL_SUM_MAX
+from mergefs.methods.papers import PAPERS
 
 __all__ = [
     "METHODS",
@@ -33,7 +35,8 @@ __all__ = [
 ]
 
 _ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
-                            *spherical.METHODS, *simple.METHODS, *ram.METHODS)
+                            *spherical.METHODS, *simple.METHODS, *ram.METHODS,
+                            *magmax.METHODS, *consensus.METHODS)
 _BY_NAME: dict[str, Method] = {m.name: m for m in _ALL}
 assert len(_BY_NAME) == len(_ALL), "duplicate method names"
 
@@ -53,8 +56,9 @@ def _param_row(p: ParamDef) -> dict[str, Any]:
 
 
 def describe_methods() -> list[dict[str, Any]]:
-    """One JSON-able row per method: name, family, parameters with defaults, capabilities, and
-    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`)."""
+    """One JSON-able row per method: name, family, parameters with defaults, capabilities,
+    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`) and its
+    paper (name as published and URL, from :mod:`.papers`)."""
     rows = []
     for m in _ALL:
         c = m.caps
@@ -67,6 +71,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "blockwise": blockwise_note(m),
             "random": c.random,
             "needs_torch": m.torch_use.note,
+            "paper": dict(zip(("name", "url"), PAPERS.get(m.name, (m.name, None)))),
         })
     return rows
 

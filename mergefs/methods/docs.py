@@ -162,9 +162,11 @@ def render() -> str:
         title = {"linear": "Linear", "gta": "Generalised task arithmetic",
                  "slerp": "Spherical interpolation", "stock": "Model stock and SCE",
                  "spherical": "Means on the hypersphere", "simple": "Small methods",
-                 "ram": "RAM"}[family]
+                 "ram": "RAM",
+                 "magmax": "MagMax (FusionBench)",
+                 "consensus": "Consensus merging, TALL masks (mergekitty)"}[family]
         body.append(f"## {title}\n")
-        if family == "gta":
+        if family in ("gta", "consensus"):
             body.append(ms[0].arithmetic.rstrip() + "\n")
             for m in ms:
                 body.append(f"### `{m.name}`\n\n{m.summary[0].upper()}{m.summary[1:]}.\n\n"

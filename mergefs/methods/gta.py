@@ -63,13 +63,23 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
     g = u.params
     w = [np.float32(x) for x in u.per_input("weight")]
     xs = []
-    divisor: np.ndarray | np.float32
     for k, x in enumerate(u.inputs):
         d = x - base
         if sparsifier == "random" and u.input_params[k]["density"] < 1:
             d = d * prng.keep_mask(g["seed"], u.tensor, u.expert_ids[k], u.elem_offset,
                                    np.full(d.size, u.input_params[k]["density"], np.float32))
         xs.append(d * w[k])
+    mixed = mix_numpy(u, xs, w, consensus)
+    if g["lambda"] != 1:
+        mixed = mixed * np.float32(g["lambda"])
+    return base + mixed
+
+
+def mix_numpy(u: Unit, xs: list[np.ndarray], w: list[np.float32], consensus: bool
+              ) -> np.ndarray:
+    """Steps 3-4 of the arithmetic but lambda, in numpy: the weighted deltas ``xs`` (float32
+    weights ``w``) of unit ``u`` mixed, with sign consensus or not, divided when normalize."""
+    divisor: np.ndarray | np.float32
     if consensus:
         majority = (exact.outer_sum(xs) >= 0).astype(np.float32) * np.float32(2) - np.float32(1)
         masks = [np.sign(x) == majority for x in xs]
@@ -78,19 +88,17 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
         divisor[divisor == 0] = 1
     else:
         mixed = (exact.outer_sum(xs) if len(xs) <= SEQUENTIAL_SUM_MAX else
-                 exact.torch_order_sum(xs, u.elem_offset, u.tensor_size or base.size))
+                 exact.torch_order_sum(xs, u.elem_offset, u.tensor_size or u.base.size))
         total = exact.small_sum(w) if len(w) <= exact.SMALL_SUM_MAX else np.float32(0)
         divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
-    if g["normalize"]:
+    if u.params["normalize"]:
         mixed = mixed / divisor
-    if g["lambda"] != 1:
-        mixed = mixed * np.float32(g["lambda"])
-    return base + mixed
+    return mixed
 
 
 def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "gta") -> Any:
     """The arithmetic in torch, as mergekit runs it (``name``: the row, for require_torch)."""
-    torch = require_torch(name)
+    require_torch(name)
     u = u.torch()
     base = u.base
     assert base is not None
@@ -112,7 +120,18 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
             d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
                          u.expert_ids[k])
         deltas[k] = d
-    w = torch.tensor(u.per_input("weight"), dtype=deltas.dtype)
+    mixed = mix_torch(deltas, u.per_input("weight"), consensus, g["normalize"])
+    if g["lambda"] != 1:
+        mixed *= g["lambda"]
+    return base + mixed
+
+
+def mix_torch(deltas: Any, weights: Sequence[float], consensus: bool, normalize: bool) -> Any:
+    """Steps 2-4 of the arithmetic but lambda, in torch as mergekit runs them: the (sparsified)
+    deltas stacked along dim 0 are weighted in place, mixed with sign consensus or not, and
+    divided when ``normalize``."""
+    torch = require_torch("gta")
+    w = torch.tensor(list(weights), dtype=deltas.dtype)
     while w.dim() < deltas.dim():
         w.unsqueeze_(-1)
     deltas.mul_(w)
@@ -126,11 +145,9 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
         mixed = deltas.sum(dim=0)
         divisor = w.sum(dim=0)
         divisor[divisor.abs() < 1e-8] = 1
-    if g["normalize"]:
+    if normalize:
         mixed /= divisor
-    if g["lambda"] != 1:
-        mixed *= g["lambda"]
-    return base + mixed
+    return mixed
 
 
 def _numpy_path(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any],
@@ -172,6 +189,21 @@ def _torch_use(sparsifier: str | None, consensus: bool) -> TorchUse:
         return TorchUse(f"only with rescale: true (the default) or more than "
                         f"{SEQUENTIAL_SUM_MAX} models", when)
     return TORCH
+
+
+def task_arithmetic_numpy(n: int, g: Mapping[str, Any], tensor_size: int) -> bool:
+    """Whether task arithmetic's weighted sum (no sparsifier, no consensus) of ``n`` inputs runs
+    in numpy (:func:`mix_numpy`, equal to torch's) for a tensor of ``tensor_size`` elements."""
+    return _numpy_path(None, False, n, g, tensor_size)
+
+
+def task_arithmetic_elementwise(n: int, g: Mapping[str, Any]) -> bool:
+    """Whether task arithmetic's weighted sum of ``n`` inputs may run on slices of a tensor."""
+    return n <= SEQUENTIAL_SUM_MAX or _torch_order(None, False, n, g)
+
+
+#: when task arithmetic's weighted sum imports torch
+TASK_ARITHMETIC_TORCH = _torch_use(None, False)
 
 
 def _torch_order(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any]) -> bool:

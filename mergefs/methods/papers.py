@@ -28,6 +28,9 @@ PAPERS: dict[str, tuple[str, str | None]] = {
     "ram": ("Reinforced Agent Merging", "https://arxiv.org/abs/2601.13572"),
     "ramplus_tl": ("Reinforced Agent Merging Plus (Tensor-Local)",
                    "https://arxiv.org/abs/2601.13572"),
+    "magmax": ("MagMax", "https://arxiv.org/abs/2407.06322"),
+    "consensus_ta": ("Consensus Task Arithmetic", "https://arxiv.org/abs/2405.07813"),
+    "consensus_ties": ("Consensus TIES", "https://arxiv.org/abs/2405.07813"),
 }
 
 

@@ -73,10 +73,16 @@ def magnitude(t: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
     n = t.numel()
     if density <= 0 or n == 0:
         return torch.zeros_like(t)
-    k = max(1, int(density * n))
+    return rescaled(t, magnitude_mask(t, density), rescale)
+
+
+def magnitude_mask(t: torch.Tensor, density: float) -> torch.Tensor:
+    """TIES' keep mask (float32 0/1, ``t``'s shape) for ``0 < density < 1`` and a non-empty
+    ``t``: the ``max(1, int(density * n))`` largest ``|t|``, in torch's descending order."""
+    torch = _torch()
+    k = max(1, int(density * t.numel()))
     keep = _sorted_slice(t.abs().reshape(-1).float(), 0, k, descending=True)
-    mask = torch.from_numpy(keep.astype(np.float32)).reshape(t.shape)
-    return rescaled(t, mask, rescale)
+    return torch.from_numpy(keep.astype(np.float32)).reshape(t.shape)
 
 
 def magnitude_outliers(t: torch.Tensor, density: float, gamma: float, rescale: bool
