@@ -22,6 +22,7 @@ False). Nothing here runs on the trio thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -66,6 +67,9 @@ class BlockIndex:
     #: (B,) float64 ``||W0_b||``, the base's block norms (the output-rounding term of the
     #: planner's bounds); None: not known (an index built elsewhere), no rounding term
     base_norms: np.ndarray | None = None
+    #: the stored pieces it was assembled from (file names under ``index_dir/pieces``; what a
+    #: live mount registers, :func:`mergefs.index.collect.register_live`); empty: not stored
+    pieces: tuple[str, ...] = ()
 
     @property
     def n_experts(self) -> int:
@@ -199,9 +203,25 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                 on_bytes, runner)
     b.load(rebuild, sidecars)
     b.build(sidecars)
-    index = b.assemble()
+    index = dataclasses.replace(b.assemble(), pieces=tuple(sorted(store.used)))
     store.note_use([str(base.root), *(str(e.root) for e in experts)])
     return index, b.built
+
+
+def reached_pieces(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
+                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None
+                   ) -> set[str]:
+    """The stored pieces the family's index is assembled from now, building nothing (a
+    touched or copied source is hashed to find its pieces, as :func:`load_or_build` does)."""
+    layout = build_layout(base, block_size)
+    store = PieceStore(index_dir, layout)
+    b = _Family(base, experts, layout, store, BuildReport(), on_bytes)
+    b.load(False, True)
+    read = b._read_from_bytes()
+    for a, i in enumerate(read):
+        for j in read[a + 1:]:
+            b._wanted(i, j)  # marks the stored pair as used
+    return set(store.used)
 
 
 class _Family:

@@ -326,7 +326,7 @@ class PieceStore:
                   base_sq: np.ndarray) -> None:
         self._write(self.folder / piece_name("base", key),
                     {"base_hash": base_hash, "base_sq_norms": base_sq},
-                    {"kind": "base", "root": str(base.root)})
+                    {"kind": "base", "root": str(base.root), "digest": content_digest(base_hash)})
 
     def save_expert(self, key: str, expert: Checkpoint, piece: ExpertPiece,
                     base_hash: np.ndarray) -> None:
@@ -334,7 +334,7 @@ class PieceStore:
                     {"expert_hash": piece.expert_hash, "sq_norms": piece.sq_norms,
                      "norms": piece.norms, "zero": piece.zero},
                     {"kind": "expert", "origin": piece.origin, "root": str(expert.root),
-                     "base_xxh3": content_digest(base_hash)})
+                     "base_xxh3": content_digest(base_hash), "digest": piece.digest()})
 
     def save_pair(self, key: str, gram: np.ndarray) -> None:
         self._write(self.folder / piece_name("pair", key), {"gram": gram}, {"kind": "pair"})
