@@ -143,7 +143,7 @@ def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress:
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total, enabled=progress) as tick:
         got = load_or_build(base, experts, spec.block_size, spec.index_dir, tick, runner=runner,
-                            **options)
+                            max_size_bytes=spec.index_max_size_bytes, **options)
     if runner is not None and runner.parts and progress:
         nodes = {p["worker"]["node"] for p in runner.parts}
         print(f"indexed on Ray: {len(runner.parts)} tasks on {len(nodes)} node(s)")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +36,13 @@ import xxhash
 from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
 from mergefs.core.format import DTYPES
+from mergefs.core.sizes import human_bytes
 from mergefs.index.build import BuildReport, ChunkRunner, Pass
 from mergefs.index.store import (
     ExpertPiece, PieceStore, base_key, content_digest, dtype_digest, expert_key, pair_key,
     source_id,
 )
+from mergefs.index.collect import collect
 from mergefs.index.verify import match_content
 from mergefs.index.published import ExpertStats
 from mergefs.index.layout import BlockLayout, build_layout
@@ -188,7 +191,8 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
                   rebuild: bool = False, sidecars: bool = True,
                   report: BuildReport | None = None,
-                  runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
+                  runner: ChunkRunner | None = None,
+                  max_size_bytes: int | None = None) -> tuple[BlockIndex, bool]:
     """Return (index, built_now): the family's index assembled from stored pieces, building
     only the pieces that are missing or stale (each rebuild logged with the source's name).
 
@@ -196,6 +200,9 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     read; without, only pieces read from every source (hence the full Gram) are accepted.
     ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
     ``runner``: where the build passes compute their chunks (default: two local threads).
+    ``max_size_bytes`` (the spec's ``index_max_size``): after a build, remove the least
+    recently used pieces of other families until ``index_dir`` fits
+    (:func:`mergefs.index.collect.collect`).
     """
     layout = build_layout(base, block_size)
     store = PieceStore(index_dir, layout)
@@ -205,6 +212,13 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     b.build(sidecars)
     index = dataclasses.replace(b.assemble(), pieces=tuple(sorted(store.used)))
     store.note_use([str(base.root), *(str(e.root) for e in experts)])
+    if b.built and max_size_bytes is not None:
+        got = collect(index_dir, keep_seconds=math.inf, max_size_bytes=max_size_bytes,
+                      protect=frozenset(index.pieces))
+        if got.removed:
+            log.info("index_max_size %s: removed %d least recently used index pieces and "
+                     "files (%s); %s left", human_bytes(max_size_bytes), len(got.removed),
+                     human_bytes(got.freed_bytes()), human_bytes(got.kept_bytes))
     return index, b.built
 
 

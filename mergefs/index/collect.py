@@ -122,7 +122,7 @@ class Collected:
     removed: list[Removal] = field(default_factory=list)
     kept_pieces: int = 0
     kept_bytes: int = 0
-    live_pieces: int = 0
+    live_pieces: int = 0  # kept because a running mount registered them
 
     def freed_bytes(self, kind: str | None = None) -> int:
         return sum(r.size_bytes for r in self.removed if kind in (None, r.kind))
@@ -142,15 +142,17 @@ def _meta(path: Path) -> dict[str, str] | None:
 
 def collect(index_dir: str | Path, *, reached: set[str] | None = None,
             keep_seconds: float = 30 * 86400.0, max_size_bytes: int | None = None,
-            dry_run: bool = False, now: float | None = None) -> Collected:
+            dry_run: bool = False, now: float | None = None,
+            protect: frozenset[str] = frozenset()) -> Collected:
     """Collect ``index_dir`` by the module's rules. ``reached``: the piece names the given
-    specs reach (None: those of usage records of the last ``keep_seconds``)."""
+    specs reach (None: those of usage records of the last ``keep_seconds``); ``protect``:
+    pieces never removed (the family just assembled), as a live mount's."""
     now = time.time() if now is None else now
     folder = Path(index_dir) / PIECES_DIR
     out = Collected(folder, dry_run)
     if not folder.is_dir():
         return out
-    live = _live(folder, dry_run)
+    live = _live(folder, dry_run) | protect
     files = {p.name: p.stat() for p in folder.iterdir() if p.is_file()}
     pieces = {n: st for n, st in files.items() if n.endswith(".safetensors")
               and not n.startswith(".")}
@@ -220,5 +222,5 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
                 drop("record", n)
     kept = [n for n in pieces if n not in gone]
     out.kept_pieces, out.kept_bytes = len(kept), sum(pieces[n].st_size for n in kept)
-    out.live_pieces = len(live & set(kept))
+    out.live_pieces = len((live - protect) & set(kept))
     return out

@@ -238,7 +238,8 @@ def ensure_index(spec: Spec, progress: bool = True) -> Opened:
     try:
         total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
-            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
+            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
+                                         max_size_bytes=spec.index_max_size_bytes)
         if built:
             log.info("index built in %s", spec.index_dir)
     except BaseException:

@@ -166,3 +166,29 @@ def test_a_live_registration_keeps_its_pieces(fam: Family, tmp_path: Path) -> No
     stale.write_text(json.dumps({"pid": 999999, "pieces": []}))
     collect(idx)
     assert not stale.exists()
+
+
+def test_index_max_size_collects_after_a_build_never_its_own_pieces(fam: Family,
+                                                                    tmp_path: Path) -> None:
+    """The spec key ``index_max_size``: after each build, least recently used pieces of
+    other families go until the folder fits; the family just built keeps all of its own."""
+    from mergefs.core.errors import SpecError
+    from mergefs.spec.load import load_spec
+
+    idx = tmp_path / "idx"
+    first, _ = index_of(fam, [0], idx)
+    for p in (idx / "pieces").iterdir():
+        os.utime(p, (time.time() - DAY,) * 2)
+    base, experts = open_source(fam.base), [open_source(fam.experts[1])]
+    try:  # a cap below what the new family alone needs
+        index, built = load_or_build(base, experts, BLOCK, idx, max_size_bytes=1)
+    finally:
+        for c in [base, *experts]:
+            c.close()
+    assert built and names(idx) == set(index.pieces)  # expert 0's piece went, none of its own
+    assert not first <= names(idx) and set(index.pieces) & first  # (the shared base piece)
+    spec = write_spec(tmp_path / "s.yaml", fam, extra={"index_max_size": "2GiB"})
+    assert load_spec(spec).index_max_size_bytes == 2 << 30
+    assert load_spec(write_spec(tmp_path / "n.yaml", fam)).index_max_size_bytes is None
+    with pytest.raises(SpecError, match="index_max_size"):
+        load_spec(write_spec(tmp_path / "bad.yaml", fam, extra={"index_max_size": "lots"}))
