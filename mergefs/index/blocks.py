@@ -270,26 +270,26 @@ class _Family:
         return expert_key(content_digest(self.base_hash), self.base_dt, digest, self.dts[i],
                           self.layout.block_size)
 
-    def load(self, rebuild: bool, sidecars: bool, verify: bool = True) -> None:
+    def load(self, rebuild: bool, sidecars: bool) -> None:
         """The stored pieces that hold; without the base's, none do (all are rebuilt). A
-        source not known by its stamp is verified (``verify``): its bytes hashed and
-        compared with the stored pieces of its kind."""
+        source not known by its stamp is verified: its bytes hashed and compared with the
+        stored pieces of its kind."""
         whys: list[str] = []
         if rebuild:
             whys.append("rebuild requested")
         else:
-            self._load_base(whys, verify)
+            self._load_base(whys)
         for i in self.uniq if self.base_hash is not None else []:
-            self._load_expert(i, sidecars, whys, verify)
+            self._load_expert(i, sidecars, whys)
         for why in dict.fromkeys(whys):
             log.info("building block index: %s", why)
 
-    def _verified(self, src: Checkpoint, digest: str) -> None:
+    def _verified(self, src: Checkpoint) -> None:
         self.report.verified.append(str(src.root))
         log.info("block index: %s holds the bytes it was indexed with (its files were touched, "
                  "copied or moved): pieces reused", src.root)
 
-    def _load_base(self, whys: list[str], verify: bool) -> None:
+    def _load_base(self, whys: list[str]) -> None:
         bs = self.layout.block_size
         digest, why = self.store.lookup(self.base_sid)
         if digest is not None:
@@ -303,14 +303,14 @@ class _Family:
         kin = self.store.kin(self.base_sid)
         cands = {d: got for d, _ in kin
                  if (got := self.store.load_base(base_key(d, self.base_dt, bs))) is not None}
-        if cands and verify:
+        if cands:
             m = match_content(self.base, self.layout, {d: h for d, (h, _) in cands.items()},
                               self.report, self.on_bytes)
             if m.digest is not None:
                 self.store.use("base", base_key(m.digest, self.base_dt, bs))
                 self.base_hash, self.base_sq = cands[m.digest]
                 self.store.remember(self.base_sid, m.digest)
-                self._verified(self.base, m.digest)
+                self._verified(self.base)
                 return
             if m.last is not None:
                 self.handed[-1] = m.last
@@ -321,7 +321,7 @@ class _Family:
             return f"{src.root} changed since the last index (size, mtime or header differ)"
         return self.store.first_time(src)
 
-    def _load_expert(self, i: int, sidecars: bool, whys: list[str], verify: bool) -> None:
+    def _load_expert(self, i: int, sidecars: bool, whys: list[str]) -> None:
         e = self.experts[i]
         assert self.base_hash is not None
         digest, why = self.store.lookup(self.sids[i])
@@ -344,14 +344,14 @@ class _Family:
             got = self.store.load_expert(self._expert_key(i, d), e, self.base_hash, sidecars)
             if got.piece is not None:
                 cands[d] = got.piece
-        if cands and verify:
+        if cands:
             m = match_content(e, self.layout, {d: p.expert_hash for d, p in cands.items()},
                               self.report, self.on_bytes)
             if m.digest is not None:
                 self.store.use("expert", self._expert_key(i, m.digest))
                 self.pieces[i] = cands[m.digest]
                 self.store.remember(self.sids[i], m.digest)
-                self._verified(e, m.digest)
+                self._verified(e)
                 return
             if m.last is not None:
                 self.handed[i] = m.last

@@ -123,14 +123,14 @@ def source_id(src: Checkpoint, layout_xxh3: str) -> SourceId:
     ident = src.identity_json()
     extra = {k: v for k, v in ident.items() if k not in ("root", "files")}  # adapter, recipe
     stats = []
-    for f in src.files:
+    for f in src.files if not src.is_remote and src.file_ctimes() else []:
         try:
             st = os.stat(src.path_of(f))
         except (OSError, ValueError):
             stats = []
             break
         stats.append(st)
-    local = bool(stats) and bool(src.file_ctimes()) and not src.is_remote
+    local = bool(stats)
     if not local:
         whole = _h64([layout_xxh3, ident])
         return SourceId(whole, whole, None, str(src.root))
