@@ -205,7 +205,8 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
                 continue
             size -= files[n].st_size
             drop("over the size cap", n)
-    held = {m.get("digest") for n, m in metas.items() if m is not None and n not in gone}
+    held = {m["digest"] for n, m in metas.items()
+            if m is not None and n not in gone and "digest" in m}
     for n in sorted(files):
         if n in gone:
             continue

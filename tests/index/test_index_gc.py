@@ -192,3 +192,24 @@ def test_index_max_size_collects_after_a_build_never_its_own_pieces(fam: Family,
     assert load_spec(write_spec(tmp_path / "n.yaml", fam)).index_max_size_bytes is None
     with pytest.raises(SpecError, match="index_max_size"):
         load_spec(write_spec(tmp_path / "bad.yaml", fam, extra={"index_max_size": "lots"}))
+
+
+def test_an_index_of_the_earlier_format_is_collected(fam: Family, tmp_path: Path) -> None:
+    """Pieces of another format version are never read again: unreached at once, and the
+    source records of that format (no content digest) with them."""
+    from safetensors.numpy import save_file
+
+    import numpy as np
+
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0], idx)
+    folder = idx / "pieces"
+    old = folder / ("expert-" + "0" * 32 + ".safetensors")
+    save_file({"zero": np.zeros(3, dtype=bool)}, str(old), metadata={
+        "mergefs_index_version": "3"})
+    record = folder / "source-0123456789abcdef.json"  # format 3's identity record
+    record.write_text(json.dumps({"root": "/old", "files": []}))
+    got = collect(idx)
+    assert [(r.kind, r.name) for r in got.removed] == [("unreached", old.name),
+                                                        ("record", record.name)]
+    assert names(idx) == used
