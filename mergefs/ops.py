@@ -32,7 +32,8 @@ from mergefs.engine.output import check_outdir, check_outside, check_source_file
 from mergefs.engine.replay import ReplayResult
 from mergefs.engine.replay import replay as replay_manifest
 from mergefs.engine.session import Session, prepare_family
-from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
+from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build, reached_pieces
+from mergefs.index.collect import Collected, collect
 from mergefs.index.published import publish as publish_index
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
@@ -142,7 +143,7 @@ def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress:
     total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
     with byte_progress("indexing", total, enabled=progress) as tick:
         got = load_or_build(base, experts, spec.block_size, spec.index_dir, tick, runner=runner,
-                            **options)
+                            max_size_bytes=spec.index_max_size_bytes, **options)
     if runner is not None and runner.parts and progress:
         nodes = {p["worker"]["node"] for p in runner.parts}
         print(f"indexed on Ray: {len(runner.parts)} tasks on {len(nodes)} node(s)")
@@ -263,6 +264,41 @@ def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str 
     finally:
         close_family(family)
     return IndexResult(got, built, len(family[1]), published)
+
+
+def index_gc(specs: Sequence[str], *, index_dir: str | None = None,
+             max_size_bytes: int | None = None, keep_days: float = 30.0,
+             dry_run: bool = False, strict: bool = False) -> Collected:
+    """Collect an index directory (:mod:`mergefs.index.collect`): ``specs`` given, keep the
+    pieces their families assemble now (touched or copied sources are hashed to find them;
+    nothing is built) and remove the others; without, keep those used in the last
+    ``keep_days``. Every spec must use the one index directory collected."""
+    if not specs and index_dir is None:
+        raise MergefsError("index gc: name the specs whose pieces to keep, or --index-dir DIR")
+    reached: set[str] | None = None
+    dirs: dict[str, str] = {}
+    if specs:
+        reached = set()
+        for path in specs:
+            spec = load(path, strict=strict, any_variant=True)
+            dirs.setdefault(os.path.realpath(spec.index_dir), path)
+            if index_dir is not None and os.path.realpath(spec.index_dir) != \
+                    os.path.realpath(index_dir):
+                raise MergefsError(f"{path}: its index_dir is {spec.index_dir}, not "
+                                   f"--index-dir {index_dir}")
+            family = prepare_family(spec)
+            try:
+                reached |= reached_pieces(family[0], family[1], spec.block_size,
+                                          spec.index_dir)
+            finally:
+                close_family(family)
+        if len(dirs) > 1:
+            raise MergefsError("index gc: the specs use different index directories ("
+                               + ", ".join(f"{d} by {p}" for d, p in dirs.items())
+                               + "); collect one at a time")
+    target = index_dir if index_dir is not None else next(iter(dirs))
+    return collect(target, reached=reached, keep_seconds=keep_days * 86400.0,
+                   max_size_bytes=max_size_bytes, dry_run=dry_run)
 
 
 def compress(spec: Spec, *, publish: bool = False, ray: str | None = None,

@@ -338,3 +338,7 @@ def forget_ctimes(index_dir: Path) -> None:
             meta = dict(f.metadata() or {})
         if meta.pop("ctime_ns", None) is not None:
             save_file(load_file(str(piece)), str(piece), metadata=meta)
+    for record in Path(index_dir).glob("pieces/source-*.json"):  # the times of sources
+        rec = json.loads(record.read_text())
+        if rec.pop("ctime_ns", None) is not None:
+            record.write_text(json.dumps(rec))

@@ -18,8 +18,8 @@ from typing import Any
 from mergefs.core.version import __version__
 from mergefs.core.errors import MergefsError
 from mergefs.cli.commands import (
-    cmd_compress, cmd_index, cmd_merge, cmd_methods, cmd_mount, cmd_plan, cmd_reload, cmd_replay,
-    cmd_stats, cmd_sweep, cmd_umount,
+    cmd_compress, cmd_index, cmd_index_gc, cmd_merge, cmd_methods, cmd_mount, cmd_plan,
+    cmd_reload, cmd_replay, cmd_stats, cmd_sweep, cmd_umount,
 )
 
 log = logging.getLogger("mergefs")
@@ -143,6 +143,7 @@ def _add_mergekit_options(s: argparse.ArgumentParser) -> None:
                    help="the output directory, instead of the positional OUTDIR")
 
 
+GC_COMMAND = "index-gc"  # `mergefs index gc`, as argparse sees it
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 #: the commands that read a spec (and so take --strict)
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
@@ -182,9 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents = [common, reads_spec] if name in SPEC_COMMANDS else [common]
         return sub.add_parser(name, parents=parents, **kw)
 
-    s = add("index", help="build (or reuse) the block index of a spec's family",
+    s = add("index", help="build (or reuse) the block index of a spec's family; "
+            "`index gc`: collect an index directory",
             description="Read base and experts once; store per-block delta norms, "
-            "hashes and zero flags under index_dir. Reused while sources are unchanged.")
+            "hashes and zero flags under index_dir. Reused while sources hold the same bytes "
+            "(a touched or copied source is hashed once to check; a renamed one is not read). "
+            "`mergefs index gc --help`: removing pieces no spec uses.")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
@@ -196,6 +200,39 @@ def build_parser() -> argparse.ArgumentParser:
                    "remote experts need not read them")
     _add_ray(s, "tasks per run of blocks, every expert of them; the driver assembles the index")
     s.set_defaults(func=cmd_index)
+
+    # `mergefs index gc ...` (main() turns "index gc" into this hidden command)
+    s = sub.add_parser(
+        GC_COMMAND, parents=[common, reads_spec], prog="mergefs index gc",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraphs(
+            "Remove what an index directory no longer needs, from its pieces/ folder: pieces "
+            "no recent spec reaches (each index, plan, merge or mount records which pieces its "
+            "family assembled, and when), pieces of an earlier index format, temporary files "
+            "of builds whose process died, and records left pointing at nothing; with "
+            "--max-size, then the least recently used pieces until the folder fits.",
+            "With SPEC files, the pieces their families assemble now are kept and every other "
+            "piece goes (a touched or copied source is hashed to find its pieces; nothing is "
+            "built). Without, pieces used in the last --keep-days are kept. Pieces written in "
+            "the last 10 minutes (a build in progress) and pieces a running mount uses are "
+            "never removed. Prints one line per kind of removal and the total freed."),
+        epilog="examples:\n"
+        "  mergefs index gc --index-dir .mergefs/index --dry-run   # what would go\n"
+        "  mergefs index gc spec.yaml other.yaml     # keep only what these two use\n"
+        "  mergefs index gc --index-dir idx --max-size 20GiB   # and cap its size, LRU first")
+    s.add_argument("specs", nargs="*", metavar="SPEC",
+                   help="specs whose pieces to keep (all must use one index_dir)")
+    s.add_argument("--index-dir", metavar="DIR",
+                   help="the index directory to collect (default: the specs' index_dir)")
+    s.add_argument("--max-size", metavar="SIZE",
+                   help="then remove least recently used pieces until pieces/ holds at most "
+                   "SIZE (e.g. 20GiB)")
+    s.add_argument("--keep-days", type=float, default=30.0, metavar="DAYS",
+                   help="without SPEC: keep pieces some spec used in the last DAYS days "
+                   "(default 30)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="say what would be removed; remove nothing")
+    s.set_defaults(func=cmd_index_gc)
 
     s = add("compress", help="write compressed delta sidecars of each expert (into index_dir; "
             "--publish: beside each expert)",
@@ -408,12 +445,22 @@ def _join_option_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _index_gc(argv: list[str]) -> list[str]:
+    """``index gc ...`` -> ``index-gc ...``: a subcommand of ``index``, whose own positional
+    is a spec (a spec file named ``gc`` is ``./gc``)."""
+    k = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if k is not None and argv[k:k + 2] == ["index", "gc"]:
+        return [*argv[:k], GC_COMMAND, *argv[k + 2:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_join_option_values(list(sys.argv[1:] if argv is None else argv)))
+    args = parser.parse_args(_index_gc(_join_option_values(
+        list(sys.argv[1:] if argv is None else argv))))
     if args.command == "merge" and (args.outdir is None) == (args.out_path is None):
         parser.error("merge: give the output directory once: OUTDIR or --out-path OUTDIR")
-    if args.strict and args.command not in SPEC_COMMANDS:
+    if args.strict and args.command not in (*SPEC_COMMANDS, GC_COMMAND):
         parser.error(f"--strict: `{args.command}` reads no spec (--strict applies to "
                      f"{', '.join(SPEC_COMMANDS)})")
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,

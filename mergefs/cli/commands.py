@@ -13,11 +13,11 @@ from rich.console import Console
 
 from mergefs import ops
 from mergefs.cli.render import (
-    bound_in_words, merge_summary, plan_table, replay_checked, sweep_table, tensor_reads_table,
+    bound_in_words, gc_summary, merge_summary, plan_table, replay_checked, sweep_table, tensor_reads_table,
     tensor_table,
 )
 from mergefs.core.errors import MergefsError
-from mergefs.core.sizes import human_bytes
+from mergefs.core.sizes import human_bytes, parse_size
 from mergefs.engine.layout import OutputOptions, parse_shard_size
 from mergefs.engine.session import Session, ensure_intermediates
 from mergefs.methods import describe_methods
@@ -63,6 +63,20 @@ def cmd_index(args: argparse.Namespace) -> int:
         console().print(tensor_table(index, args.tensors))
     for where in got.published:
         print(f"published {where}")
+    return 0
+
+
+def cmd_index_gc(args: argparse.Namespace) -> int:
+    """Collect an index directory: what was removed (or would be), by kind, and the total."""
+    try:
+        cap = None if args.max_size is None else parse_size(args.max_size, "--max-size")
+    except ValueError as exc:
+        raise MergefsError(str(exc)) from None
+    got = ops.index_gc(args.specs, index_dir=args.index_dir, max_size_bytes=cap,
+                       keep_days=args.keep_days, dry_run=args.dry_run,
+                       strict=getattr(args, "strict", False))
+    for line in gc_summary(got):
+        print(line)
     return 0
 
 

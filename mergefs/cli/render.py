@@ -7,6 +7,7 @@ import numpy as np
 from rich.table import Table
 from mergefs.spec.model import Spec
 from mergefs.core.sizes import human_bytes
+from mergefs.index.collect import Collected
 
 
 def tensor_table(index: Any, top: int) -> Table:
@@ -173,3 +174,23 @@ def merge_summary(outdir: str, totals: dict[str, Any], manifest: Any) -> str:
             f"{human_bytes(totals['expert_bytes_planned'])} planned of "
             f"{human_bytes(totals['total_expert_bytes'])} in blocks{whole}) and "
             f"{human_bytes(read['base'])} base; manifest {manifest}")
+
+
+GC_WORDS = {"unreached": "pieces no recent spec reaches",
+            "temporary": "temporary files of dead builds",
+            "over the size cap": "least recently used pieces over the size cap",
+            "record": "records of sources and uses left pointing at nothing"}
+
+
+def gc_summary(got: Collected) -> list[str]:
+    """What ``mergefs index gc`` prints: one line per kind of removal, then the total."""
+    verb = "would remove" if got.dry_run else "removed"
+    lines = []
+    for kind, words in GC_WORDS.items():
+        mine = [r for r in got.removed if r.kind == kind]
+        lines.append(f"{verb} {len(mine)} {words} ({human_bytes(got.freed_bytes(kind))})")
+    live = f", {got.live_pieces} used by running mounts" if got.live_pieces else ""
+    lines.append(f"{'would free' if got.dry_run else 'freed'} {human_bytes(got.freed_bytes())} "
+                 f"in {got.folder}; kept {got.kept_pieces} pieces "
+                 f"({human_bytes(got.kept_bytes)}){live}")
+    return lines

@@ -58,7 +58,7 @@ class Session:
         else:
             self.index, self.index_built = load_or_build(
                 self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
-                runner=index_runner)
+                runner=index_runner, max_size_bytes=spec.index_max_size_bytes)
         self.recipe = recipe_of(spec, self.base)
         self.deltas = find_deltas(self.base, self.experts, self.index, spec.index_dir) \
             if sidecars else {}

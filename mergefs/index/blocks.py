@@ -22,8 +22,10 @@ False). Nothing here runs on the trio thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +36,14 @@ import xxhash
 from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
 from mergefs.core.format import DTYPES
+from mergefs.core.sizes import human_bytes
 from mergefs.index.build import BuildReport, ChunkRunner, Pass
 from mergefs.index.store import (
-    ExpertPiece, PieceStore, base_key, dtype_digest, expert_key, pair_key,
+    ExpertPiece, PieceStore, base_key, content_digest, dtype_digest, expert_key, pair_key,
+    source_id,
 )
+from mergefs.index.collect import collect
+from mergefs.index.verify import match_content
 from mergefs.index.published import ExpertStats
 from mergefs.index.layout import BlockLayout, build_layout
 
@@ -64,6 +70,9 @@ class BlockIndex:
     #: (B,) float64 ``||W0_b||``, the base's block norms (the output-rounding term of the
     #: planner's bounds); None: not known (an index built elsewhere), no rounding term
     base_norms: np.ndarray | None = None
+    #: the stored pieces it was assembled from (file names under ``index_dir/pieces``; what a
+    #: live mount registers, :func:`mergefs.index.collect.register_live`); empty: not stored
+    pieces: tuple[str, ...] = ()
 
     @property
     def n_experts(self) -> int:
@@ -182,7 +191,8 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
                   rebuild: bool = False, sidecars: bool = True,
                   report: BuildReport | None = None,
-                  runner: ChunkRunner | None = None) -> tuple[BlockIndex, bool]:
+                  runner: ChunkRunner | None = None,
+                  max_size_bytes: int | None = None) -> tuple[BlockIndex, bool]:
     """Return (index, built_now): the family's index assembled from stored pieces, building
     only the pieces that are missing or stale (each rebuild logged with the source's name).
 
@@ -190,6 +200,9 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     read; without, only pieces read from every source (hence the full Gram) are accepted.
     ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
     ``runner``: where the build passes compute their chunks (default: two local threads).
+    ``max_size_bytes`` (the spec's ``index_max_size``): after a build, remove the least
+    recently used pieces of other families until ``index_dir`` fits
+    (:func:`mergefs.index.collect.collect`).
     """
     layout = build_layout(base, block_size)
     store = PieceStore(index_dir, layout)
@@ -197,7 +210,32 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                 on_bytes, runner)
     b.load(rebuild, sidecars)
     b.build(sidecars)
-    return b.assemble(), b.built
+    index = dataclasses.replace(b.assemble(), pieces=tuple(sorted(store.used)))
+    store.note_use([str(base.root), *(str(e.root) for e in experts)])
+    if b.built and max_size_bytes is not None:
+        got = collect(index_dir, keep_seconds=math.inf, max_size_bytes=max_size_bytes,
+                      protect=frozenset(index.pieces))
+        if got.removed:
+            log.info("index_max_size %s: removed %d least recently used index pieces and "
+                     "files (%s); %s left", human_bytes(max_size_bytes), len(got.removed),
+                     human_bytes(got.freed_bytes()), human_bytes(got.kept_bytes))
+    return index, b.built
+
+
+def reached_pieces(base: Checkpoint, experts: Sequence[Checkpoint], block_size: int,
+                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None
+                   ) -> set[str]:
+    """The stored pieces the family's index is assembled from now, building nothing (a
+    touched or copied source is hashed to find its pieces, as :func:`load_or_build` does)."""
+    layout = build_layout(base, block_size)
+    store = PieceStore(index_dir, layout)
+    b = _Family(base, experts, layout, store, BuildReport(), on_bytes)
+    b.load(False, True)
+    read = b._read_from_bytes()
+    for a, i in enumerate(read):
+        for j in read[a + 1:]:
+            b._wanted(i, j)  # marks the stored pair as used
+    return set(store.used)
 
 
 class _Family:
@@ -209,46 +247,115 @@ class _Family:
                  runner: ChunkRunner | None = None) -> None:
         self.base, self.experts, self.layout, self.store = base, experts, layout, store
         self.report, self.on_bytes, self.runner = report, on_bytes, runner
-        bs = layout.block_size
         # before reading: a change during the build shows at the next load
-        self.base_ctimes = base.file_ctimes()
-        self.ctimes = [e.file_ctimes() for e in experts]
-        self.bkey = base_key(base, bs)
-        self.keys = [expert_key(base, e, bs) for e in experts]
-        self.first = [self.keys.index(k) for k in self.keys]  # the same expert twice: once
+        self.base_sid = source_id(base, store.layout_xxh3)
+        self.sids = [source_id(e, store.layout_xxh3) for e in experts]
+        stamps = [sid.stamp for sid in self.sids]
+        self.first = [stamps.index(k) for k in stamps]  # the same expert twice: once
         self.uniq = sorted(set(self.first))
+        self.base_dt = dtype_digest(base, layout.tensors)
+        self.dts = [dtype_digest(e, layout.tensors) for e in experts]
         self.base_hash: np.ndarray | None = None
         self.base_sq: np.ndarray | None = None
         self.pieces: dict[int, ExpertPiece] = {}
         self.grams: dict[tuple[int, int], np.ndarray] = {}  # by unique expert, i < j
         self.fresh: set[int] = set()  # built now, from the bytes
-        self.changed: set[int] = set()  # stored pieces that no longer hold
+        self.changed: set[int] = set()  # content known, piece missing: its pairs may hold
+        #: the chunk a verifying read stopped in, by source (-1: the base), for the rebuild
+        self.handed: dict[int, tuple[tuple[int, int], memoryview]] = {}
         self.built = False
 
+    def _expert_key(self, i: int, digest: str) -> str:
+        assert self.base_hash is not None
+        return expert_key(content_digest(self.base_hash), self.base_dt, digest, self.dts[i],
+                          self.layout.block_size)
+
     def load(self, rebuild: bool, sidecars: bool) -> None:
-        """The stored pieces that hold; without the base's, none do (all are rebuilt)."""
-        whys = []
+        """The stored pieces that hold; without the base's, none do (all are rebuilt). A
+        source not known by its stamp is verified: its bytes hashed and compared with the
+        stored pieces of its kind."""
+        whys: list[str] = []
         if rebuild:
             whys.append("rebuild requested")
         else:
-            got_base, why = self.store.load_base(self.bkey, self.base)
-            if got_base is not None:
-                self.base_hash, self.base_sq = got_base
-            whys += [why] if why else []
-        base_hash = self.base_hash
-        for i in self.uniq:
-            if base_hash is None:
-                break
-            got = self.store.load_expert(self.keys[i], self.experts[i], self.base, base_hash,
+            self._load_base(whys)
+        for i in self.uniq if self.base_hash is not None else []:
+            self._load_expert(i, sidecars, whys)
+        for why in dict.fromkeys(whys):
+            log.info("building block index: %s", why)
+
+    def _verified(self, src: Checkpoint) -> None:
+        self.report.verified.append(str(src.root))
+        log.info("block index: %s holds the bytes it was indexed with (its files were touched, "
+                 "copied or moved): pieces reused", src.root)
+
+    def _load_base(self, whys: list[str]) -> None:
+        bs = self.layout.block_size
+        digest, why = self.store.lookup(self.base_sid)
+        if digest is not None:
+            got = self.store.load_base(base_key(digest, self.base_dt, bs))
+            if got is not None:
+                self.store.use("base", base_key(digest, self.base_dt, bs))
+                self.base_hash, self.base_sq = got
+                return
+            whys.append(f"the index piece of {self.base.root} is missing")
+            return
+        kin = self.store.kin(self.base_sid)
+        cands = {d: got for d, _ in kin
+                 if (got := self.store.load_base(base_key(d, self.base_dt, bs))) is not None}
+        if cands:
+            m = match_content(self.base, self.layout, {d: h for d, (h, _) in cands.items()},
+                              self.report, self.on_bytes)
+            if m.digest is not None:
+                self.store.use("base", base_key(m.digest, self.base_dt, bs))
+                self.base_hash, self.base_sq = cands[m.digest]
+                self.store.remember(self.base_sid, m.digest)
+                self._verified(self.base)
+                return
+            if m.last is not None:
+                self.handed[-1] = m.last
+        whys.append(why or self._unknown(self.base, kin))
+
+    def _unknown(self, src: Checkpoint, kin: list[tuple[str, str]]) -> str:
+        if any(root == str(src.root) for _, root in kin):
+            return f"{src.root} changed since the last index (size, mtime or header differ)"
+        return self.store.first_time(src)
+
+    def _load_expert(self, i: int, sidecars: bool, whys: list[str]) -> None:
+        e = self.experts[i]
+        assert self.base_hash is not None
+        digest, why = self.store.lookup(self.sids[i])
+        if digest is not None:
+            got = self.store.load_expert(self._expert_key(i, digest), e, self.base_hash,
                                          sidecars)
             if got.piece is not None:
+                self.store.use("expert", self._expert_key(i, digest))
                 self.pieces[i] = got.piece
             elif got.why is not None:
                 whys.append(got.why)
-                if got.may_be_same:
-                    self.changed.add(i)
-        for why in dict.fromkeys(whys):
-            log.info("building block index: %s", why)
+            else:
+                whys.append(f"{self.base.root} changed since {e.root} was indexed (or its "
+                            "index piece was removed)")
+                self.changed.add(i)  # same content: its stored pairs may still hold
+            return
+        kin = self.store.kin(self.sids[i])
+        cands: dict[str, ExpertPiece] = {}
+        for d, _ in kin:
+            got = self.store.load_expert(self._expert_key(i, d), e, self.base_hash, sidecars)
+            if got.piece is not None:
+                cands[d] = got.piece
+        if cands:
+            m = match_content(e, self.layout, {d: p.expert_hash for d, p in cands.items()},
+                              self.report, self.on_bytes)
+            if m.digest is not None:
+                self.store.use("expert", self._expert_key(i, m.digest))
+                self.pieces[i] = cands[m.digest]
+                self.store.remember(self.sids[i], m.digest)
+                self._verified(e)
+                return
+            if m.last is not None:
+                self.handed[i] = m.last
+        whys.append(why or self._unknown(e, kin))
 
     def build(self, sidecars: bool) -> None:
         """Build the missing pieces: from sidecars, by reading, then the missing pairs."""
@@ -310,10 +417,17 @@ class _Family:
         p = Pass(self.base, self.experts, self.layout, own, pairs,
                   {j: self.pieces[j].zero for j in old}, self.base_hash is None,
                   self.on_bytes, self.report)
+        for src, q in [(-1, 0), *((i, 1 + k) for k, i in enumerate(own))]:
+            if src in self.handed and (src >= 0 or self.base_hash is None):
+                chunk, buf = self.handed.pop(src)
+                p.handed.setdefault(chunk, {})[q] = buf
         p.run(2, self.runner)
         if self.base_hash is None:
             self.base_hash, self.base_sq = p.base_hash, p.base_sq
-            self.store.save_base(self.bkey, self.base, p.base_hash, p.base_sq, self.base_ctimes)
+            digest = content_digest(p.base_hash)
+            self.store.save_base(base_key(digest, self.base_dt, self.layout.block_size),
+                                 self.base, p.base_hash, p.base_sq)
+            self.store.remember(self.base_sid, digest)
             self.report.base_built = self.built = True
         for k, i in enumerate(own):
             self._save_expert(i, _piece(p, k, pairs))
@@ -323,8 +437,9 @@ class _Family:
     def _save_expert(self, i: int, piece: ExpertPiece) -> None:
         self.pieces[i] = piece
         assert self.base_hash is not None
-        self.store.save_expert(self.keys[i], self.experts[i], piece, self.base_hash,
-                               self.ctimes[i])
+        self.store.save_expert(self._expert_key(i, piece.digest()), self.experts[i], piece,
+                               self.base_hash)
+        self.store.remember(self.sids[i], piece.digest())
         self.report.experts_built.append(str(self.experts[i].root))
         self.built = True
 

@@ -72,13 +72,17 @@ class BuildReport:
 
     ``bytes_read``: bytes read from each source (by root) while indexing; ``experts_built``: the
     roots whose expert piece was built now (read, or taken from a published sidecar);
-    ``pairs_built``: Gram pair pieces computed now; ``base_built``: the base piece was built.
+    ``pairs_built``: Gram pair pieces computed now; ``base_built``: the base piece was built;
+    ``verified``: the roots whose bytes were hashed and found equal to stored pieces (touched,
+    copied: reused); ``verify_bytes``: of ``bytes_read``, those read to compare (by root).
     """
 
     bytes_read: dict[str, int] = field(default_factory=dict)
     experts_built: list[str] = field(default_factory=list)
     pairs_built: int = 0
     base_built: bool = False
+    verified: list[str] = field(default_factory=list)
+    verify_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +139,9 @@ class Pass:
         self.gram = np.zeros((len(pairs), nb), dtype=np.float64)
         self.on_bytes, self.report = on_bytes, report
         self.lock = threading.Lock()
+        #: bytes read already (a verifying read, :mod:`mergefs.index.verify`), not read again:
+        #: chunk (b0, b1) -> {position in :meth:`_full_sources`: its bytes there}
+        self.handed: dict[tuple[int, int], dict[int, memoryview]] = {}
 
     def run(self, threads: int, runner: ChunkRunner | None = None) -> None:
         """Compute every chunk. A pass that reads its sources in full from plain local files
@@ -190,13 +197,16 @@ class Pass:
                         if int(sizes[b0:b1].sum()) > CHUNK_BYTES:  # one block above a chunk
                             ready.put((k, None))  # read where computed: buffers stay bounded
                             continue
-                        got = [[v] for v in pool.map(
+                        hand = self.handed.pop((b0, b1), {})
+                        want = [q for q in range(len(srcs)) if q not in hand]
+                        views = dict(zip(want, pool.map(
                             lambda q: rd.read(srcs[q], source_ranges(srcs[q], self.layout,
                                                                      b0, b1),  # noqa: B023
                                               (k % READ_SETS) * len(srcs) + q),  # noqa: B023
-                            range(len(srcs)))]
-                        self._count(srcs, got)
-                        ready.put((k, got))
+                            want)))
+                        self._count([srcs[q] for q in want], [[views[q]] for q in want])
+                        ready.put((k, [[hand[q] if q in hand else views[q]]
+                                       for q in range(len(srcs))]))
                 ready.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the computing thread
                 ready.put(exc)
@@ -260,6 +270,16 @@ class Pass:
         self._count([src for src, _ in requests], got)
         return got
 
+    def _read_full(self, b0: int, b1: int) -> list[list[memoryview]]:
+        """The bytes of :meth:`_full_sources` in chunk [b0, b1): those handed over, the rest
+        read here."""
+        srcs = self._full_sources()
+        hand = self.handed.pop((b0, b1), {})
+        want = [q for q in range(len(srcs)) if q not in hand]
+        got = dict(zip(want, self._read([(srcs[q], [source_ranges(srcs[q], self.layout, b0,
+                                                                  b1)]) for q in want])))
+        return [hand[q] if q in hand else got[q] for q in range(len(srcs))]
+
     def _full_sources(self) -> list[Checkpoint]:
         return [self.base, *(self.experts[i] for i in self.own)]
 
@@ -289,8 +309,7 @@ class Pass:
         zero = {i: z[b0:b1] for i, z in self.zero_known.items()}
         base_blocks: list[memoryview | None] = [None] * nb
         if self.full:
-            got = full if full is not None else self._read(
-                [(src, [source_ranges(src, lay, b0, b1)]) for src in self._full_sources()])
+            got = full if full is not None else self._read_full(b0, b1)
             base_buf = got[0][0]
             base_blocks = list(block_views(spans, base_buf, bdt))
             bh = hash_blocks(spans, base_buf, bdt)

@@ -48,6 +48,7 @@ from mergefs.engine.merger import may_use_kernels
 from mergefs.engine.output import check_writes
 from mergefs.engine.session import prepare_family
 from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
+from mergefs.index.collect import register_live
 from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
 from mergefs.mount.control import run_stats
@@ -237,7 +238,8 @@ def ensure_index(spec: Spec, progress: bool = True) -> Opened:
     try:
         total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
         with byte_progress("indexing", total, enabled=progress) as tick:
-            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick)
+            index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
+                                         max_size_bytes=spec.index_max_size_bytes)
         if built:
             log.info("index built in %s", spec.index_dir)
     except BaseException:
@@ -378,6 +380,7 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
             index=None if opened is None else opened.index,
             output=cfg.output if sweep else replace(cfg.output,
                                                     config_text=spec_text(spec.source)))
+        live = register_live(spec.index_dir, mount.index.pieces)  # index gc keeps them
         try:
             cache = UnitCache(cfg.cache_bytes, cfg.cache_dir, mount.cache_namespace)
             view = View(mount, cache, readahead_units=cfg.readahead_units,
@@ -389,6 +392,8 @@ def serve(spec: Spec, cfg: MountConfig, ready: Callable[[], None],
             totals = mount.finish()
         finally:
             mount.close()
+            if live is not None:
+                live.close()
     finally:
         manifest.close()
     stats = view.stats()

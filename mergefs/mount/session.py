@@ -250,7 +250,8 @@ class MountSession:
                      sweep=sweep, strict=strict)
         try:
             self.index = index if index is not None else load_or_build(
-                self.base, self.experts, self.first.block_size, self.first.index_dir)[0]
+                self.base, self.experts, self.first.block_size, self.first.index_dir,
+                max_size_bytes=self.first.index_max_size_bytes)[0]
             if sweep:
                 self._write(self._header())
             for v, spec in found:

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters",
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
-                 "storage_options", "remote", "strict", "sweep", "variants", "decode_limit")
+                 "storage_options", "remote", "strict", "sweep", "variants", "decode_limit",
+                 "index_max_size")
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
@@ -174,6 +175,8 @@ def _load_multi(docs: list[Any], p: Path, strict: bool, intermediate_dir: str | 
     intermediates = []
     for n in order:
         doc = {"index_dir": final.get("index_dir", ".mergefs/index"),
+               **({"index_max_size": final["index_max_size"]} if "index_max_size" in final
+                  else {}),
                "manifest": f"{stem}.{n}.manifest.jsonl", **patched[n]}
         intermediates.append((n, parse_spec(doc, base_dir, source=f"{p}#{n}", strict=strict),
                               paths[n]))
@@ -298,6 +301,12 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     manifest = resolve_path(base_dir, data.get("manifest", f"{stem}.manifest.jsonl"), source,
                              "manifest", follow=False)  # the pointer itself, not its target
     decode_limit = _decode_limit(data.get("decode_limit", DEFAULT_DECODE_LIMIT), source)
+    index_max_size = None
+    if data.get("index_max_size") not in (None, "none"):
+        try:
+            index_max_size = parse_size(data["index_max_size"], "index_max_size")
+        except ValueError as exc:
+            raise spec_error(source, "index_max_size", str(exc)) from None
     cache = data.get("cache") or {}
     if not isinstance(cache, dict) or set(cache) - {"memory", "dir"}:
         raise spec_error(source, "cache", "expected a mapping with 'memory' (a size) and/or 'dir'")
@@ -360,7 +369,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
-                settings=glob_settings, tokenizer=tok, decode_limit=decode_limit)
+                settings=glob_settings, tokenizer=tok, decode_limit=decode_limit,
+                index_max_size_bytes=index_max_size)
 
 
 def _decode_limit(value: Any, source: str) -> float | None:

@@ -124,6 +124,10 @@ class Spec:
     #: read time of the exact bytes it replaces (:class:`mergefs.plan.levels.DecodeCost`);
     #: None: no limit
     decode_limit: float | None = DEFAULT_DECODE_LIMIT
+    #: ``index_max_size``: after an index build, least recently used pieces of ``index_dir``
+    #: are removed until it holds at most this many bytes (:mod:`mergefs.index.collect`);
+    #: None (the default): no automatic collection
+    index_max_size_bytes: int | None = None
 
     @property
     def method_def(self) -> Method:

@@ -40,6 +40,7 @@ SWEEP_KEY = "sweep"
 VARIANTS_KEY = "variants"
 #: keys a variant may not change: they define the family, the index or the mount itself
 FIXED_KEYS = frozenset({"base_model", "models", "slices", "modules", "block_size", "index_dir",
+                        "index_max_size",
                         "manifest", "cache", "storage_options", "remote", "tokenizer_source",
                         "tokenizer", "name", SWEEP_KEY, VARIANTS_KEY})
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")

@@ -187,7 +187,8 @@ def test_writes_only_where_the_spec_says(tmp_path: Path, mounts: Mounts) -> None
     assert [p.name for p in (work / "idx").iterdir()] == ["pieces"]
     names = sorted(p.name for p in (work / "idx" / "pieces").iterdir())
     assert names and all(re.fullmatch(r"(base|expert|pair)-[0-9a-f]{32}\.safetensors"
-                                      r"|source-[0-9a-f]{16}\.json", n) for n in names), names
+                                      r"|source-[0-9a-f]{16}-[0-9a-f]{16}\.json|usage-[0-9a-f]{32}\.json", n)
+                                  for n in names), names
     logs = {p.name for p in (work / "logs").iterdir()}
     assert {n for n in logs if not re.fullmatch(r"run\.manifest\.\d{8}T\d{6}Z(-\d+)?\.jsonl", n)
             } <= {"run.manifest.jsonl", "run.manifest.log", "first.manifest.jsonl",
