@@ -223,7 +223,8 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
     w0 = _decode_ref(k, ref_buf, ref_dtype)
     n = w0.size
     acc = np.zeros(n, np.float32)  # +0.0, as the numpy kernels start
-    for runs, w in zip(inputs, form.weights, strict=True):
+    cascade = _Cascade(k, len(form.weights)) if form.order == "torch" else None
+    for i, (runs, w) in enumerate(zip(inputs, form.weights, strict=True)):
         c = np.float32(w)
         pos = 0
         for lo, buf, dtype in runs or ():
@@ -235,7 +236,10 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
             pos = hi
         if pos < n:
             _accumulate(k, form.form, acc[pos:], w0[pos:], None, ref_dtype, c)
-    if form.order == "torch":
+        if cascade is not None:
+            acc = cascade.row_done(i + 1, acc)
+    if cascade is not None:
+        acc = cascade.total(acc, len(form.weights))
         whole = exact.torch_sum_tail(tensor_size or n, len(form.weights))
         assert whole is not None
         tail = max(whole - elem_offset, 0)  # in this unit
@@ -252,6 +256,46 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
         out = np.empty(n, np.uint16)
         (k.fin_bf16 if out_dtype == "BF16" else k.fin_f16)(*args, out)
     return out.tobytes()
+
+
+class _Cascade:
+    """The levels of torch's ``multi_row_sum`` (:func:`mergefs.methods.exact.multi_row_sum`)
+    over the inputs, with the kernel's arrays: level 0 is the accumulator the inputs are added
+    to. A level at +0.0 everywhere is None and ``0 + x`` is ``x`` itself: ``x`` is a sum from
+    +0.0 (never -0.0, its NaNs quiet), so the copy has the bits of the addition."""
+
+    def __init__(self, k: Any, rows: int) -> None:
+        self.k = k
+        self.power = exact.cascade_power(rows)
+        self.levels: list[np.ndarray | None] = [None] * exact.CASCADE_LEVELS
+
+    def row_done(self, done: int, acc: np.ndarray) -> np.ndarray:
+        """After input ``done - 1`` was added to ``acc`` (level 0): the carry at the end of a
+        block; returns level 0 (a fresh accumulator after a carry)."""
+        if done % (1 << self.power):
+            return acc
+        lv = self.levels
+        lv[0] = acc
+        for j in range(1, exact.carry_levels(done, self.power) + 1):
+            lower = lv[j - 1]
+            assert lower is not None
+            if lv[j] is None:
+                lv[j] = lower
+            else:
+                self.k.add_into(lv[j], lower)
+            lv[j - 1] = None
+        return np.zeros(acc.size, np.float32)
+
+    def total(self, acc: np.ndarray, rows: int) -> np.ndarray:
+        """Level 0 (``acc``; +0.0 when ``rows`` ends a block) plus levels 1, 2, 3 in order."""
+        total = acc if rows % (1 << self.power) else None
+        for lv in self.levels[1:]:
+            if lv is not None:
+                if total is None:
+                    total = lv
+                else:
+                    self.k.add_into(total, lv)
+        return acc if total is None else total
 
 
 def _torch_tail(w0: np.ndarray, tail: int, inputs: Sequence[Runs | None],
@@ -314,6 +358,7 @@ def warm_up() -> None:
                              Fused("delta", (0.5, 0.25), order="torch")):
                     _merge(form, b, src, [[(0, b, src)], [(1, b[:-_RAW[src].itemsize], src)]],
                            out)
+        _kernels().add_into(np.zeros(4, np.float32), np.zeros(4, np.float32))  # 17+ inputs
     except Exception as exc:  # noqa: BLE001 - a compiler failure of this numba/LLVM
         UNAVAILABLE_REASON = (f"the numba kernels failed to compile ({type(exc).__name__}); "
                               "mergefs merges with numpy: same bytes, slower")
