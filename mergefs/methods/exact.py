@@ -111,7 +111,7 @@ def multi_row_sum(rows: Sequence[np.ndarray]) -> np.ndarray:
 def torch_sum_tail(numel: int, n: int) -> int | None:
     """Where the tail begins in torch's ``stack(xs).sum(dim=0)`` of ``n`` contiguous float32
     tensors of ``numel`` elements (x86, ATen's ``SumKernel.cpp``, ``vectorized_outer_sum``):
-    flat positions before it are :func:`multi_row_sum`\ s of the inputs (input order for up to
+    flat positions before it are summed by :func:`multi_row_sum` (input order for up to
     16 inputs), positions from it on are ``row_sum`` (:func:`row_sum`). None: a case this does
     not model (one element and 8 or more inputs: torch then sums along the contiguous input
     axis; more than TORCH_SUM_MAX inputs)."""
