@@ -48,11 +48,11 @@ Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
    `divisor = sum_i w_i * mask_i`, 1 where 0. Otherwise `mixed = sum_i X_i`,
    `divisor = sum_i w_i` (1 where `|divisor| < 1e-8`). Sums run over the input axis in order from
    +0.0 (torch's order for up to 4 models; for 5-256 models without sparsifier or consensus,
-   torch's order, which mergefs models on x86: input order up to 16 models, from 17 on a sum per
-   block of 16 models, the blocks' sums added in order and the last partial block's sum first,
-   except in the last `numel % 32` elements of the tensor, which use 4 interleaved partial
-   sums; the weight sum in torch's vectorised order; other cases with more models make the
-   units whole tensors).
+   torch's order, which mergefs models on x86: input order up to 16 models; from 17
+   `S_rest + ((B_1 + B_2) + ...)` with `B_b` the sums of the full blocks of 16 models and
+   `S_rest` that of the models after them (ATen's `multi_row_sum`); in the last `numel % 32`
+   elements of the tensor 4 interleaved partial sums; the weight sum in torch's vectorised
+   order; other cases with more models make the units whole tensors).
 4. `mixed /= divisor` if normalize; `mixed *= lambda` if lambda != 1.
 5. `M = W0 + mixed`.
 """

@@ -1,8 +1,8 @@
 """Compiled merge kernels (numba): decode, subtract, scale, accumulate and encode in one pass.
 
 :func:`fused_merge` computes one unit of a method whose registry entry declares its arithmetic
-as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 15 models, linear up to 7),
-operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`,
+as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 256 models on x86, linear with
+any number), operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`,
 :mod:`mergefs.methods.linear`), so the bytes are the registry's, hence mergekit's:
 
 - ``"delta"``: per input in mergekit's order, ``S = S + (X_k - W0) * w_k`` from ``S = +0.0``
@@ -10,23 +10,31 @@ operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`
   ``S / divisor``, ``S * lambda`` and ``W0 + S``, each rounded to float32;
 - ``"fma"``: ``S = fma(X_k, w_k, S)`` from ``+0.0`` with one rounding per step (LLVM's
   ``llvm.fma.f32``: the same correctly rounded result as torch's ``addcmul_`` and the numpy
-  kernel's float64 round-to-odd emulation), then ``S / divisor``.
+  kernel's float64 round-to-odd emulation), then ``S / divisor`` (any number of inputs:
+  mergekit's linear is a loop of ``addcmul_``; the divisor is torch's sum of the weights,
+  :func:`mergefs.methods.exact.vector_sum`).
 
 An input the plan omits in a range holds the reference's values there, as in the numpy path
 (``(W0 - W0) * w`` is not always 0: it is NaN where ``W0`` is inf or NaN, so the kernel computes
-it rather than skipping it). With 5 to 15 models (whole tensors, the registry's torch path) the
-sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends on the element's
-position (ATen's ``SumKernel.cpp``: input order in groups of 32 columns, 4-way interleaved
-partial sums in the last ``numel % 32``; a multi-threaded reduction splits at multiples of 32
-columns, so this holds for any thread count below 47 — with 47 or more torch threads, a last
-chunk of fewer than 8 columns is summed by another routine, which differs for small tensors with
-``numel % 32`` in 4..7: a mergekit run with that many threads can differ there in the last
-elements): the kernel sums in input order, then recomputes
-those tail elements in torch's order with numpy (:func:`mergefs.methods.exact.torch_sum_tail`;
-tested against torch). Not fused, the registry's path runs: normalize with more than 4 models
-(torch's sum of the weights is not modelled), more than 15 models (torch adds cascade levels),
-sparsified and sign-consensus methods (masks, whole-tensor ranks), units with delta sidecar
-levels, and non-x86 machines (other SIMD widths).
+it rather than skipping it). With 5 to 256 models (the registry's torch order,
+``order="torch"``) the sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends
+on the element's position (ATen's ``SumKernel.cpp``): in groups of 32 columns ``multi_row_sum``
+(input order into a first level from +0.0; after each block of 16 inputs that level is added
+into the next, ``level_1 = level_1 + level_0``, and restarts at +0.0; at the end the levels are
+added in order: ``S_rest + ((B_1 + B_2) + ...)``, input order for up to 16 inputs;
+:func:`mergefs.methods.exact.multi_row_sum`); 4-way interleaved partial sums in the last
+``numel % 32`` (``row_sum``; with 64 or more inputs each partial has its own cascade). A
+multi-threaded reduction splits at multiples of 32 columns, so this holds for any thread count
+below 47 — with 47 or more torch threads, a last chunk of fewer than 8 columns is summed by
+another routine, which differs for small tensors with ``numel % 32`` in 4..7: a mergekit run
+with that many threads can differ there in the last elements. The kernel accumulates each
+input into level 0 and carries the levels at block ends (:class:`_Cascade`, the compiled
+``add_into``), then recomputes the tail elements in torch's order with numpy
+(:func:`mergefs.methods.exact.torch_sum_tail`; tested against torch up to 256 inputs). Not
+fused, the registry's path runs: more than 256 models, one-element tensors with 8 or more
+(torch sums them along the contiguous input axis), sparsified and sign-consensus methods
+(masks, whole-tensor ranks), units with delta sidecar levels, and non-x86 machines (other SIMD
+widths) with more than 4 models.
 
 NaN payloads: IEEE 754 leaves open which payload ``a + b`` carries when both are NaN, and numpy
 is not consistent about it (its vector loops return ``a``'s, its scalar tail loop, a
