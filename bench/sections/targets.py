@@ -23,9 +23,9 @@ that a change in machine load hits every variant alike):
         --no-scaling-loads --repeats 3 --baseline OLD --baseline-sections scaling
 
 Families (made once with :func:`bench.families.make_synthetic`, then reused): ``small`` (150M
-parameters x (1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 24), 2.0 GB; for the scaling rows) and
-``large`` (the issue's size: 500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge
-sections on it) under ``--families``. ``--baseline TREE`` runs the same commands with
+parameters x (1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 24), 2.0 GB, the last 3 experts
+LoRA-merged; for the scaling rows) and ``large`` (the issue's size: 500M x (1 + 8), ~9 GB;
+``--family large`` runs the load and merge sections on it) under ``--families``. ``--baseline TREE`` runs the same commands with
 ``PYTHONPATH=TREE`` (a mergefs source tree, e.g. ``git archive`` of the code before) in the same
 rounds. Results: ``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table, written
 after every row, so partial results survive).
@@ -66,10 +66,11 @@ from bench.common import (
 )
 
 #: the families (``make_synthetic`` arguments; the tiny one has 24 experts for the scaling
-#: rows, the others 8)
+#: rows, the last 3 LoRA-merged, so that 8, 16 and 24 experts read 8, 16 and 21 full deltas;
+#: the others 8)
 SHAPES: dict[str, dict[str, Any]] = {
     "small": {"params": 150_000_000, "layers": 12, "vocab": 16000, "n_experts": 8},
-    "tiny": {"params": 40_000_000, "layers": 8, "vocab": 8000, "n_experts": 24},
+    "tiny": {"params": 40_000_000, "layers": 8, "vocab": 8000, "n_experts": 24, "n_lora": 3},
     # the size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
     "large": {"params": 500_000_000, "layers": 24, "vocab": 32000, "n_experts": 8},
 }
