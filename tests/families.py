@@ -214,13 +214,17 @@ def make_llama_family(
     *,
     sharded: bool = False,
     num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    vocab_size: int = 128,
 ) -> Family:
     """Write a tiny Llama base and fine-tune-like experts with transformers' ``save_pretrained``.
 
     Each directory holds what ``save_pretrained`` writes (weights, ``config.json``,
     ``generation_config.json``) plus the stand-in ``tokenizer.json``.
 
-    The base is ``LlamaForCausalLM`` (hidden 64, 2 layers, vocab 128) initialised under
+    The base is ``LlamaForCausalLM`` (by default hidden 64, intermediate 128, 2 layers, vocab
+    128; other sizes give tensors whose sizes are not multiples of 32) initialised under
     ``torch.manual_seed(seed)``. Each expert adds a random delta of about ``RELATIVE_DELTA``
     relative size to every weight except the norms and layer 1's attention projections, which
     stay bit-identical to the base. ``sharded=True`` saves with ``max_shard_size="100KB"``.
@@ -232,9 +236,9 @@ def make_llama_family(
         dtype
     ]
     config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

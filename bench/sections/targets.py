@@ -11,17 +11,21 @@ that a change in machine load hits every variant alike):
             read and mmap from mergefs' cache with the kernel's copy dropped (warm)
 - index     ``mergefs index --rebuild`` vs a plain sequential read of the same files (cold)
 - memory    peak RSS of a mount whose cache is a quarter of the model
-- scaling   merge and mount + from_pretrained with 2, 4 and 8 experts, on two model sizes
+- scaling   merge (CPU seconds per GB merged: user + sys of the process, not wall time) and
+            mount + from_pretrained with 2 to 24 experts (``--scaling-experts``), on two model
+            sizes (``--scaling-sizes``); ``--no-scaling-loads``: the merges only
 
     python -m bench targets --out results/targets            # ~20 minutes here
     python -m bench targets --sections load,merge --repeats 3
     python -m bench targets --sections load,merge --experts 4,8 --baseline OLD
     python -m bench targets --sections load,merge --family large --repeats 1
+    python -m bench targets --sections scaling --scaling-sizes tiny --scaling-experts 8,16,24 \
+        --no-scaling-loads --repeats 3 --baseline OLD --baseline-sections scaling
 
 Families (made once with :func:`bench.families.make_synthetic`, then reused): ``small`` (150M
-parameters x (1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 16), 1.4 GB; for the scaling rows) and
-``large`` (the issue's size: 500M x (1 + 8), ~9 GB; ``--family large`` runs the load and merge
-sections on it) under ``--families``. ``--baseline TREE`` runs the same commands with
+parameters x (1 + 8), bf16, 2.7 GB), ``tiny`` (40M x (1 + 24), 2.0 GB, the last 3 experts
+LoRA-merged; for the scaling rows) and ``large`` (the issue's size: 500M x (1 + 8), ~9 GB;
+``--family large`` runs the load and merge sections on it) under ``--families``. ``--baseline TREE`` runs the same commands with
 ``PYTHONPATH=TREE`` (a mergefs source tree, e.g. ``git archive`` of the code before) in the same
 rounds. Results: ``<out>/<timestamp>/targets.json`` and ``targets.md`` (the table, written
 after every row, so partial results survive).
@@ -61,11 +65,12 @@ from bench.common import (
     umount,
 )
 
-#: the families (``make_synthetic`` arguments; the tiny one has 16 experts for the scaling
-#: rows, the others 8)
+#: the families (``make_synthetic`` arguments; the tiny one has 24 experts for the scaling
+#: rows, the last 3 LoRA-merged, so that 8, 16 and 24 experts read 8, 16 and 21 full deltas;
+#: the others 8)
 SHAPES: dict[str, dict[str, Any]] = {
     "small": {"params": 150_000_000, "layers": 12, "vocab": 16000, "n_experts": 8},
-    "tiny": {"params": 40_000_000, "layers": 8, "vocab": 8000, "n_experts": 16},
+    "tiny": {"params": 40_000_000, "layers": 8, "vocab": 8000, "n_experts": 24, "n_lora": 3},
     # the issue's size (~0.5B parameters per model): base 1 GB + 8 experts, ~9 GB
     "large": {"params": 500_000_000, "layers": 24, "vocab": 32000, "n_experts": 8},
 }
@@ -424,27 +429,46 @@ class Targets:
 
     # -- scaling ----------------------------------------------------------------------------------
     def section_scaling(self) -> None:
-        for size in ("tiny", "small"):
+        counts = [int(x) for x in self.args.scaling_experts.split(",")]
+        trees = (False, True) if self.args.baseline and \
+            "scaling" in self.args.baseline_sections.split(",") else (False,)
+        for size in self.args.scaling_sizes.split(","):
             fam = self.family(size)
             gb = self.model_bytes(fam) / 1e9
             n_models = len(yaml.safe_load((fam / "spec.yaml").read_text())["models"])
-            for k in [k for k in (2, 4, 8, 16) if k <= n_models]:
+            for k in [k for k in counts if k <= n_models]:
                 spec = self.spec(fam, k)
                 self.ensure_index(spec)
                 o = self.work / "scale-out"
+                cpu: dict[bool, list[float]] = {b: [] for b in trees}
+                walls: dict[bool, list[float]] = {b: [] for b in trees}
+                for r in range(self.args.repeats):  # interleaved rounds, order alternating
+                    for baseline in (trees if r % 2 == 0 else trees[::-1]):
+                        shutil.rmtree(o, ignore_errors=True)
+                        evict(fam)
+                        p = run(MERGEFS + ["merge", spec, o, "--force"],
+                                env=self.baseline_env(baseline))
+                        cpu[baseline].append(p.cpu_seconds / gb)
+                        walls[baseline].append(p.wall)
                 shutil.rmtree(o, ignore_errors=True)
-                evict(fam)
-                p = run(MERGEFS + ["merge", spec, o, "--force"])
-                shutil.rmtree(o, ignore_errors=True)
+                for baseline in trees:
+                    self.row("scaling", f"{size} ({gb:.2f} GB model), {k} experts, merge"
+                             + (" (baseline)" if baseline else ""),
+                             f"CPU {median(cpu[baseline]):.2f} s/GB (runs "
+                             + ", ".join(f"{c:.2f}" for c in cpu[baseline])
+                             + f"); wall {median(walls[baseline]):.2f} s", "cold",
+                             q(MERGEFS + ["merge", spec, "OUT", "--force"]),
+                             cpu_s_per_gb=cpu[baseline], wall_s=walls[baseline],
+                             baseline=baseline)
+                if not self.args.scaling_loads:
+                    continue
                 variants = self.load_variants(fam, spec, ("full",), warm=False, mergekit=False)
                 res = self.run_loads(fam, spec, variants, 1)
                 mount = res["mount full"][0]["total"]
                 merge = res["merge full"][0]["total"]
-                self.row("scaling", f"{size} ({gb:.2f} GB model), {k} experts",
-                         f"merge {p.wall:.2f} s, CPU {p.cpu_seconds / gb:.2f} s/GB; "
+                self.row("scaling", f"{size} ({gb:.2f} GB model), {k} experts, load",
                          f"mount+fp {mount:.2f} s vs merge+fp {merge:.2f} s = "
-                         f"{mount / merge:.2f}x", "cold",
-                         q(MERGEFS + ["merge", spec, "OUT"]) + "; load rows as above")
+                         f"{mount / merge:.2f}x", "cold", "load rows as above")
 
     def run(self) -> None:
         self.log(f"results in {self.out}")
@@ -466,6 +490,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench targets") -
     ap.add_argument("--family", default="small", choices=sorted(SHAPES),
                     help="the family of the load and merge sections (large: the issue's "
                     "~0.5B parameters per model, ~9 GB with 8 experts)")
+    ap.add_argument("--scaling-experts", default="2,4,8,16",
+                    help="expert counts of the scaling section (the tiny family has 24)")
+    ap.add_argument("--scaling-sizes", default="tiny,small",
+                    help="families of the scaling section")
+    ap.add_argument("--no-scaling-loads", dest="scaling_loads", action="store_false",
+                    help="the scaling section's merges only (no mount + from_pretrained rows)")
     ap.add_argument("--baseline", default="", help="a mergefs source tree (PYTHONPATH) to run "
                     "beside this one in the load and serving sections, e.g. the code before")
     ap.add_argument("--baseline-sections", default="load,merge,serving",

@@ -82,8 +82,8 @@ def blockwise_note(m: Method) -> str:
     if m.elementwise(TORCH_SUM_MAX + 1, _defaults(m)):
         return "yes"
     if m.elementwise(SEQUENTIAL_SUM_MAX + 1, _defaults(m)):
-        return (f"yes, up to {TORCH_SUM_MAX} models (x86; with normalize, up to "
-                f"{SEQUENTIAL_SUM_MAX})")
+        return (f"yes, up to {TORCH_SUM_MAX} models (x86; up to {SEQUENTIAL_SUM_MAX} "
+                "elsewhere)")
     if m.elementwise(2, _defaults(m)):
         return f"yes, up to {SEQUENTIAL_SUM_MAX} models"
     if m.elementwise(2, {**_defaults(m), "rescale": False}):

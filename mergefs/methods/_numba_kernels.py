@@ -105,6 +105,15 @@ def fma_f16(acc: Any, raw: Any, c: Any, table: Any) -> None:
         acc[j] = _fma(np.float32(table[raw[j]]), c, np.float32(acc[j]))
 
 
+# -- torch's cascade levels (order "torch", 17 or more inputs) ------------------------------------
+
+@_jit
+def add_into(acc: Any, x: Any) -> None:
+    """``acc = acc + x`` (a level of torch's ``multi_row_sum`` carried into the next)."""
+    for j in range(acc.size):
+        acc[j] = _add(acc[j], x[j])
+
+
 # -- finishing: divide, scale, add the base, encode -----------------------------------------------
 
 @_jit

@@ -207,8 +207,8 @@ class Fused:
       ``M = S / divisor`` (when not None).
 
     ``order="torch"`` (delta form): the sum over inputs is torch's ``stack(...).sum(dim=0)``
-    over the whole tensor: in input order up to :func:`.exact.torch_sum_tail` (a flat position
-    in the tensor), then :func:`.exact.row_sum`.
+    over the whole tensor: :func:`.exact.multi_row_sum` (input order up to 16 inputs) up to
+    :func:`.exact.torch_sum_tail` (a flat position in the tensor), then :func:`.exact.row_sum`.
     """
 
     form: str  # "delta" | "fma"

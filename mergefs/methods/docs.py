@@ -34,7 +34,10 @@ the method registry (`mergefs/methods/`), which spec validation, the planner, th
   position-dependent beyond, Sleef transcendentals), which numpy does not reproduce in general.
   The elementwise methods (linear; task_arithmetic, DARE without rescale and ram up to 4 models;
   nearswap; passthrough) have numpy kernels equal to torch's bit for bit
-  (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch.
+  (linear's fused multiply-add by float64 round-to-odd), so they run without importing torch;
+  so does task_arithmetic with 5-256 models on x86, whose position-dependent sum order (ATen's
+  `multi_row_sum` cascade: a sum per block of 16 models) and weight sum mergefs models
+  (`mergefs/methods/exact.py`, tested against torch).
   Python scalars (weights, lambda, t) enter as torch does: weights as a float32 tensor, other
   scalars converted to float32 by the kernel.
 - torch is not a dependency of mergefs: the `torch` column below (and `mergefs methods`) says
@@ -104,7 +107,7 @@ probabilities). `seed` is a mergefs parameter (default 0).
 - Random masks are mergefs' own (above); with the same mask mergekit gives the same bytes.
 - arcee_fusion sorts every element for its quantiles; mergekit samples 10^6 elements with
   replacement above 10^6 elements (not reproducible).
-- task_arithmetic with 5-15 models follows torch's input-axis sum order as it is for fewer
+- task_arithmetic with 5-256 models follows torch's input-axis sum order as it is for fewer
   than 47 torch threads (mergefs/methods/exact.py: torch_sum_tail); a mergekit run with 47 or
   more threads can differ in the last elements of small tensors whose size is 4-7 past a
   multiple of 32.

@@ -47,10 +47,12 @@ Per tensor, with `D_i = W_i - W0` (float32) for the non-base models in order:
    else -1`; `mask_i = sign(X_i) == majority`; `mixed = sum_i X_i * mask_i`,
    `divisor = sum_i w_i * mask_i`, 1 where 0. Otherwise `mixed = sum_i X_i`,
    `divisor = sum_i w_i` (1 where `|divisor| < 1e-8`). Sums run over the input axis in order from
-   +0.0 (torch's order for up to 4 models; for 5-15 models without sparsifier, consensus or
-   normalize, torch's order is input order except in the last `numel % 32` elements of the
-   tensor, which use 4 interleaved partial sums (mergefs models it on x86); other cases with
-   more models make the units whole tensors).
+   +0.0 (torch's order for up to 4 models; for 5-256 models without sparsifier or consensus,
+   torch's order, which mergefs models on x86: input order up to 16 models; from 17
+   `S_rest + ((B_1 + B_2) + ...)` with `B_b` the sums of the full blocks of 16 models and
+   `S_rest` that of the models after them (ATen's `multi_row_sum`); in the last `numel % 32`
+   elements of the tensor 4 interleaved partial sums; the weight sum in torch's vectorised
+   order; other cases with more models make the units whole tensors).
 4. `mixed /= divisor` if normalize; `mixed *= lambda` if lambda != 1.
 5. `M = W0 + mixed`.
 """
@@ -89,7 +91,7 @@ def mix_numpy(u: Unit, xs: list[np.ndarray], w: list[np.float32], consensus: boo
     else:
         mixed = (exact.outer_sum(xs) if len(xs) <= SEQUENTIAL_SUM_MAX else
                  exact.torch_order_sum(xs, u.elem_offset, u.tensor_size or u.base.size))
-        total = exact.small_sum(w) if len(w) <= exact.SMALL_SUM_MAX else np.float32(0)
+        total = exact.vector_sum(w)
         divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
     if u.params["normalize"]:
         mixed = mixed / divisor
@@ -182,9 +184,9 @@ def _torch_use(sparsifier: str | None, consensus: bool) -> TorchUse:
 
     if sparsifier is None and not consensus:
         return TorchUse(
-            f"only with more than {SEQUENTIAL_SUM_MAX} models and normalize, more than "
-            f"{exact.TORCH_SUM_MAX} models, more than {SEQUENTIAL_SUM_MAX} models off x86-64, "
-            "or 8 or more models on a one-element tensor", when)
+            f"only with more than {exact.TORCH_SUM_MAX} models, more than "
+            f"{SEQUENTIAL_SUM_MAX} models off x86-64, or 8 or more models on a one-element "
+            "tensor", when)
     if sparsifier == "random":
         return TorchUse(f"only with rescale: true (the default) or more than "
                         f"{SEQUENTIAL_SUM_MAX} models", when)
@@ -207,28 +209,28 @@ TASK_ARITHMETIC_TORCH = _torch_use(None, False)
 
 
 def _torch_order(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any]) -> bool:
-    """Task arithmetic with 5-15 models without normalize on x86: torch's input-axis sum is
-    modelled (:func:`.exact.torch_sum_tail`), so units may be slices of tensors."""
+    """Task arithmetic with 5-TORCH_SUM_MAX models on x86: torch's input-axis sum is modelled
+    (:func:`.exact.torch_sum_tail`), so units may be slices of tensors."""
     return (sparsifier is None and not consensus and SEQUENTIAL_SUM_MAX < n <= exact.TORCH_SUM_MAX
-            and not g.get("normalize") and platform.machine().lower() in ("x86_64", "amd64"))
+            and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
     """The arithmetic without sparsifier and consensus (task arithmetic) as the kernel's delta
     form: ``_merge_numpy``'s up to SEQUENTIAL_SUM_MAX models; beyond (whole tensors,
-    ``_merge_torch``) up to TORCH_SUM_MAX models without normalize on x86, where torch's
-    input-axis sum is modelled (:func:`.exact.torch_sum_tail`)."""
+    ``_merge_torch``) up to TORCH_SUM_MAX models on x86, where torch's input-axis sum is
+    modelled (:func:`.exact.torch_sum_tail`)."""
     n = len(per)
     w = [np.float32(p["weight"]) for p in per]
     scale = float(np.float32(g["lambda"])) if g["lambda"] != 1 else None
-    if _torch_order(None, False, n, g):  # _merge_numpy with torch's input-axis sum order
-        return Fused("delta", tuple(float(x) for x in w), None, scale, order="torch")
-    if not 1 <= n <= SEQUENTIAL_SUM_MAX:
+    torch_order = _torch_order(None, False, n, g)  # _merge_numpy with torch's sum order
+    if not (torch_order or 1 <= n <= SEQUENTIAL_SUM_MAX):
         return None
-    total = exact.small_sum(w)
+    total = exact.vector_sum(w)
     divisor = np.float32(1) if abs(total) < np.float32(1e-8) else total
     return Fused("delta", tuple(float(x) for x in w),
-                 float(divisor) if g["normalize"] else None, scale)
+                 float(divisor) if g["normalize"] else None, scale,
+                 order="torch" if torch_order else "sequential")
 
 
 def _coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:

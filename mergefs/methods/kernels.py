@@ -1,8 +1,8 @@
 """Compiled merge kernels (numba): decode, subtract, scale, accumulate and encode in one pass.
 
 :func:`fused_merge` computes one unit of a method whose registry entry declares its arithmetic
-as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 15 models, linear up to 7),
-operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`,
+as a :class:`~mergefs.methods.Fused` form (task arithmetic up to 256 models on x86, linear with
+any number), operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`,
 :mod:`mergefs.methods.linear`), so the bytes are the registry's, hence mergekit's:
 
 - ``"delta"``: per input in mergekit's order, ``S = S + (X_k - W0) * w_k`` from ``S = +0.0``
@@ -10,23 +10,31 @@ operation for operation as the method's numpy kernel (:mod:`mergefs.methods.gta`
   ``S / divisor``, ``S * lambda`` and ``W0 + S``, each rounded to float32;
 - ``"fma"``: ``S = fma(X_k, w_k, S)`` from ``+0.0`` with one rounding per step (LLVM's
   ``llvm.fma.f32``: the same correctly rounded result as torch's ``addcmul_`` and the numpy
-  kernel's float64 round-to-odd emulation), then ``S / divisor``.
+  kernel's float64 round-to-odd emulation), then ``S / divisor`` (any number of inputs:
+  mergekit's linear is a loop of ``addcmul_``; the divisor is torch's sum of the weights,
+  :func:`mergefs.methods.exact.vector_sum`).
 
 An input the plan omits in a range holds the reference's values there, as in the numpy path
 (``(W0 - W0) * w`` is not always 0: it is NaN where ``W0`` is inf or NaN, so the kernel computes
-it rather than skipping it). With 5 to 15 models (whole tensors, the registry's torch path) the
-sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends on the element's
-position (ATen's ``SumKernel.cpp``: input order in groups of 32 columns, 4-way interleaved
-partial sums in the last ``numel % 32``; a multi-threaded reduction splits at multiples of 32
-columns, so this holds for any thread count below 47 — with 47 or more torch threads, a last
-chunk of fewer than 8 columns is summed by another routine, which differs for small tensors with
-``numel % 32`` in 4..7: a mergekit run with that many threads can differ there in the last
-elements): the kernel sums in input order, then recomputes
-those tail elements in torch's order with numpy (:func:`mergefs.methods.exact.torch_sum_tail`;
-tested against torch). Not fused, the registry's path runs: normalize with more than 4 models
-(torch's sum of the weights is not modelled), more than 15 models (torch adds cascade levels),
-sparsified and sign-consensus methods (masks, whole-tensor ranks), units with delta sidecar
-levels, and non-x86 machines (other SIMD widths).
+it rather than skipping it). With 5 to 256 models (the registry's torch order,
+``order="torch"``) the sum over inputs is torch's ``stack(...).sum(dim=0)``, whose order depends
+on the element's position (ATen's ``SumKernel.cpp``): in groups of 32 columns ``multi_row_sum``
+(input order into a first level from +0.0; after each block of 16 inputs that level is added
+into the next, ``level_1 = level_1 + level_0``, and restarts at +0.0; at the end the levels are
+added in order: ``S_rest + ((B_1 + B_2) + ...)``, input order for up to 16 inputs;
+:func:`mergefs.methods.exact.multi_row_sum`); 4-way interleaved partial sums in the last
+``numel % 32`` (``row_sum``; with 64 or more inputs each partial has its own cascade). A
+multi-threaded reduction splits at multiples of 32 columns, so this holds for any thread count
+below 47 — with 47 or more torch threads, a last chunk of fewer than 8 columns is summed by
+another routine, which differs for small tensors with ``numel % 32`` in 4..7: a mergekit run
+with that many threads can differ there in the last elements. The kernel accumulates each
+input into level 0 and carries the levels at block ends (:class:`_Cascade`, the compiled
+``add_into``), then recomputes the tail elements in torch's order with numpy
+(:func:`mergefs.methods.exact.torch_sum_tail`; tested against torch up to 256 inputs). Not
+fused, the registry's path runs: more than 256 models, one-element tensors with 8 or more
+(torch sums them along the contiguous input axis), sparsified and sign-consensus methods
+(masks, whole-tensor ranks), units with delta sidecar levels, and non-x86 machines (other SIMD
+widths) with more than 4 models.
 
 NaN payloads: IEEE 754 leaves open which payload ``a + b`` carries when both are NaN, and numpy
 is not consistent about it (its vector loops return ``a``'s, its scalar tail loop, a
@@ -223,7 +231,8 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
     w0 = _decode_ref(k, ref_buf, ref_dtype)
     n = w0.size
     acc = np.zeros(n, np.float32)  # +0.0, as the numpy kernels start
-    for runs, w in zip(inputs, form.weights, strict=True):
+    cascade = _Cascade(k, len(form.weights)) if form.order == "torch" else None
+    for i, (runs, w) in enumerate(zip(inputs, form.weights, strict=True)):
         c = np.float32(w)
         pos = 0
         for lo, buf, dtype in runs or ():
@@ -235,7 +244,10 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
             pos = hi
         if pos < n:
             _accumulate(k, form.form, acc[pos:], w0[pos:], None, ref_dtype, c)
-    if form.order == "torch":
+        if cascade is not None:
+            acc = cascade.row_done(i + 1, acc)
+    if cascade is not None:
+        acc = cascade.total(acc, len(form.weights))
         whole = exact.torch_sum_tail(tensor_size or n, len(form.weights))
         assert whole is not None
         tail = max(whole - elem_offset, 0)  # in this unit
@@ -252,6 +264,46 @@ def _merge(form: Fused, ref_buf: Any, ref_dtype: str, inputs: Sequence[Runs | No
         out = np.empty(n, np.uint16)
         (k.fin_bf16 if out_dtype == "BF16" else k.fin_f16)(*args, out)
     return out.tobytes()
+
+
+class _Cascade:
+    """The levels of torch's ``multi_row_sum`` (:func:`mergefs.methods.exact.multi_row_sum`)
+    over the inputs, with the kernel's arrays: level 0 is the accumulator the inputs are added
+    to. A level at +0.0 everywhere is None and ``0 + x`` is ``x`` itself: ``x`` is a sum from
+    +0.0 (never -0.0, its NaNs quiet), so the copy has the bits of the addition."""
+
+    def __init__(self, k: Any, rows: int) -> None:
+        self.k = k
+        self.power = exact.cascade_power(rows)
+        self.levels: list[np.ndarray | None] = [None] * exact.CASCADE_LEVELS
+
+    def row_done(self, done: int, acc: np.ndarray) -> np.ndarray:
+        """After input ``done - 1`` was added to ``acc`` (level 0): the carry at the end of a
+        block; returns level 0 (a fresh accumulator after a carry)."""
+        if done % (1 << self.power):
+            return acc
+        lv = self.levels
+        lv[0] = acc
+        for j in range(1, exact.carry_levels(done, self.power) + 1):
+            lower = lv[j - 1]
+            assert lower is not None
+            if lv[j] is None:
+                lv[j] = lower
+            else:
+                self.k.add_into(lv[j], lower)
+            lv[j - 1] = None
+        return np.zeros(acc.size, np.float32)
+
+    def total(self, acc: np.ndarray, rows: int) -> np.ndarray:
+        """Level 0 (``acc``; +0.0 when ``rows`` ends a block) plus levels 1, 2, 3 in order."""
+        total = acc if rows % (1 << self.power) else None
+        for lv in self.levels[1:]:
+            if lv is not None:
+                if total is None:
+                    total = lv
+                else:
+                    self.k.add_into(total, lv)
+        return acc if total is None else total
 
 
 def _torch_tail(w0: np.ndarray, tail: int, inputs: Sequence[Runs | None],
@@ -314,6 +366,7 @@ def warm_up() -> None:
                              Fused("delta", (0.5, 0.25), order="torch")):
                     _merge(form, b, src, [[(0, b, src)], [(1, b[:-_RAW[src].itemsize], src)]],
                            out)
+        _kernels().add_into(np.zeros(4, np.float32), np.zeros(4, np.float32))  # 17+ inputs
     except Exception as exc:  # noqa: BLE001 - a compiler failure of this numba/LLVM
         UNAVAILABLE_REASON = (f"the numba kernels failed to compile ({type(exc).__name__}); "
                               "mergefs merges with numpy: same bytes, slower")

@@ -11,7 +11,7 @@ import numpy as np
 
 from mergefs.methods import exact
 from mergefs.methods.base import (
-    BasePolicy, Capabilities, Fused, Method, Scope, TorchUse, Unit, flag, require_torch, weight,
+    NO_TORCH, BasePolicy, Capabilities, Fused, Method, Scope, Unit, flag, weight,
 )
 
 ARITHMETIC = """\
@@ -20,53 +20,32 @@ Inputs `W_m` are the models in `models:` order, then `base_model` if it is set a
 
     R = zeros(float32)
     for m in order:  R = fma(W_m, w_m, R)        # torch addcmul_: one rounding per step
-    M = R / (sum_m w_m)  if normalize  else R    # the weight sum in float32, input order
+    M = R / (sum_m w_m)  if normalize  else R    # torch's float32 sum of the weights
 
 Under a budget an omitted block of model m holds the reference model's values there (`W_m := W0`),
 so `M_B - M = sum_m c_m (W0 - W_m)` on omitted blocks with `c_m = w_m / n` (`n` the weight sum
-when normalize, else 1): the additive bound holds. Elementwise.
+when normalize, else 1): the additive bound holds. Elementwise. The weight sum is torch's:
+up to 7 weights four interleaved partial sums, from 8 on its vectorised order
+(mergefs/methods/exact.py: vector_sum).
 """
 
 
-def _needs_torch(n: int, g: Mapping[str, Any], tensor_size: int) -> bool:
-    """Beyond SMALL_SUM_MAX inputs torch vectorises the weight sum: not modelled in numpy."""
-    return n > exact.SMALL_SUM_MAX
-
-
 def _merge(u: Unit) -> Any:
-    w = u.per_input("weight")
-    if _needs_torch(len(w), u.params, u.tensor_size):
-        require_torch("linear")
-        return _merge_torch(u.torch())
-    w32 = [np.float32(x) for x in w]
+    w32 = [np.float32(x) for x in u.per_input("weight")]
     result = np.zeros_like(u.inputs[0])
     for x, c in zip(u.inputs, w32):
         result = exact.fma32(x, c, result)
     if u.params["normalize"]:
-        result = result / exact.small_sum(w32)
+        result = result / exact.vector_sum(w32)
     return result
 
 
-def _merge_torch(u: Unit) -> Any:
-    import torch
-
-    first = u.inputs[0]
-    w = torch.tensor([u.per_input("weight")], dtype=torch.float32)  # (1, n): one output
-    rows = [x.reshape(1, -1) for x in u.inputs]
-    result = torch.zeros_like(rows[0])
-    for x, c in zip(rows, w.unbind(1)):
-        result.addcmul_(x, c.reshape(1, 1))
-    if u.params["normalize"]:
-        result.div_(w.sum(dim=1).reshape(1, 1))
-    return result.reshape(first.shape)
-
-
 def _fused(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> Fused | None:
-    """``_merge``'s numpy arithmetic (up to SMALL_SUM_MAX inputs) as the kernel's fma form."""
-    if not 1 <= len(per) <= exact.SMALL_SUM_MAX:
+    """``_merge``'s numpy arithmetic as the kernel's fma form."""
+    if not per:
         return None
     w32 = [np.float32(p["weight"]) for p in per]
-    divisor = float(exact.small_sum(w32)) if g["normalize"] else None
+    divisor = float(exact.vector_sum(w32)) if g["normalize"] else None
     return Fused("fma", tuple(float(w) for w in w32), divisor)
 
 
@@ -92,6 +71,5 @@ METHODS = (
                           additive=True, elementwise=lambda n, g: True),
         merge=_merge, coefficients=_coefficients, check=_check, fused=_fused,
         summary="weighted average sum w_m W_m / sum w_m (model soup)", arithmetic=ARITHMETIC,
-        torch_use=TorchUse(f"only with more than {exact.SMALL_SUM_MAX} models (the base "
-                           "included)", _needs_torch)),
+        torch_use=NO_TORCH),
 )

@@ -309,3 +309,47 @@ def test_selections_are_the_sort_slices(vals: list[float], density: float, gamma
     keep = torch.zeros(n, dtype=torch.bool)
     keep[torch.sort(t).indices[n_bot:n_bot + target]] = True
     assert same(sp.magnitude_outliers(t, density, gamma, False), keep)
+
+
+# -- many experts (issue 30): torch's cascade sum order, in the compiled kernel -------------------
+
+MANY: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "task_arithmetic-16": ("task_arithmetic", 16, {"lambda": 0.8}),
+    "task_arithmetic-17-normalize": ("task_arithmetic", 17, {"normalize": True}),
+    "task_arithmetic-24": ("task_arithmetic", 24, {}),
+    "task_arithmetic-32": ("task_arithmetic", 32, {"lambda": 1.3}),
+    "task_arithmetic-32-normalize": ("task_arithmetic", 32, {"normalize": True}),
+    "linear-17": ("linear", 17, {}),
+    "linear-32-plain": ("linear", 32, {"normalize": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    """32 bf16 experts of a Llama whose tensor sizes are 0, 8, 16 and 24 past a multiple of 32
+    (embeddings 131 x 40, projections 40 x 40, 20 x 40, 98 x 40, norms 40: RoPE wants an even
+    head size, so the hidden size is a multiple of 8; tails of 1-7 elements are tested against
+    torch in tests/methods/test_kernels.py), embeddings summed by torch's threads (16 x 5240
+    elements and more)."""
+    return make_llama_family(tmp_path_factory.mktemp("many") / "fam", n_experts=32,
+                             dtype="bfloat16", seed=5, hidden_size=40, intermediate_size=98,
+                             vocab_size=131)
+
+
+@pytest.mark.parametrize("case", sorted(MANY))
+def test_many_experts_equal_mergekit(case: str, many_experts: Family, tmp_path: Path) -> None:
+    """16-32 experts: byte-identical to mergekit, merged by the compiled kernel in block units
+    (the sum order of 16+ inputs is torch's cascade: mergefs.methods.exact.multi_row_sum)."""
+    from mergefs.methods import kernels
+
+    method, n, params = MANY[case]
+    rng = np.random.default_rng(n)
+    weights = (rng.uniform(-0.4, 1.0, n) * np.exp2(rng.integers(-6, 4, n))).tolist()
+    cfg = config(many_experts, method, n, weights=weights, parameters=params,
+                 base="none" if method == "linear" else "separate")
+    mk = run_mergekit(cfg, tmp_path / "mk")
+    before = kernels.counters.units
+    fs = run_mergefs(cfg, tmp_path / "fs")
+    assert_identical(mk, fs)
+    if kernels.available():
+        assert kernels.counters.units > before  # the fast path ran

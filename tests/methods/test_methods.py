@@ -136,7 +136,7 @@ def test_fma32_equals_torch_addcmul() -> None:
         assert np.array_equal(_bits(exact.fma32(x, c32, acc)), _bits(want.numpy())), c
 
 
-@pytest.mark.parametrize("n", range(1, 8))
+@pytest.mark.parametrize("n", [*range(1, 41), 63, 64, 65, 100, 255, 256, 257])
 def test_small_sum_equals_torch_sum(n: int) -> None:
     import numpy as np
     import torch
@@ -147,7 +147,11 @@ def test_small_sum_equals_torch_sum(n: int) -> None:
     for _ in range(200):
         v = (rng.normal(size=n) * np.exp2(rng.integers(-30, 30, size=n))).astype(np.float32)
         want = torch.from_numpy(v).reshape(1, n).sum(dim=1)[0].item()
-        assert _bits(exact.small_sum(v.tolist())) == _bits(np.float32(want))
+        assert _bits(exact.vector_sum(v.tolist())) == _bits(np.float32(want))
+        if n <= exact.SMALL_SUM_MAX:
+            assert _bits(exact.small_sum(v.tolist())) == _bits(np.float32(want))
+        column = torch.from_numpy(v).reshape(n, 1, 1).sum(dim=0).reshape(-1)[0].item()
+        assert _bits(np.float32(column)) == _bits(np.float32(want))  # gta's w.sum(dim=0)
 
 
 def test_elementwise_methods_need_no_torch_import(llama4: Family, tmp_path: Path) -> None:
@@ -231,19 +235,28 @@ def test_gta_numpy_kernel_equals_torch(row: str, n: int) -> None:
             assert np.array_equal(_bits(a), _bits(b)), (normalize, lam)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 9, 16, 17, 32, 33])
 def test_linear_numpy_kernel_equals_torch(n: int) -> None:
+    """linear's numpy arithmetic against mergekit's in torch (addcmul_ per input, the weights'
+    (1, n) row summed by torch, a broadcast division)."""
     import numpy as np
+    import torch
 
     from mergefs.methods import linear
 
     rng = np.random.default_rng(n)
     for normalize in (False, True):
-        per = [{"weight": float(w)} for w in rng.uniform(0.1, 1.0, size=n)]
+        per = [{"weight": float(w)} for w in rng.uniform(0.1, 1.0, size=n)
+               * np.exp2(rng.integers(-12, 12, size=n))]
         u = _random_unit(rng, n, 5003, {"normalize": normalize}, per, base=False)
         a = linear._merge(u)
-        b = linear._merge_torch(u.torch()).numpy()
-        assert np.array_equal(_bits(a), _bits(b)), normalize
+        w = torch.tensor([[p["weight"] for p in per]], dtype=torch.float32)
+        b = torch.zeros(1, 5003)
+        for x, c in zip(u.inputs, w.unbind(1)):
+            b.addcmul_(torch.from_numpy(x).reshape(1, -1), c.reshape(1, 1))
+        if normalize:
+            b.div_(w.sum(dim=1).reshape(1, 1))
+        assert np.array_equal(_bits(a), _bits(b.reshape(-1).numpy())), normalize
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
