@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
             "hashes and zero flags under index_dir. Reused while sources are unchanged.")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
+    s.add_argument("--exact", action="store_true",
+                   help="also compute the exact cross terms <D_i, D_j> of every pair of experts "
+                   "that has none stored (reads both experts where both deltas are non-zero); "
+                   "without, plan and sweep estimate them from the pieces' sketches")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N tensors with the largest deltas (per-expert norms)")
     s.add_argument("--publish", action="store_true",
