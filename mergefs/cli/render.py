@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 import numpy as np
+from rich.markup import escape
 from rich.table import Table
 from mergefs.spec.model import Spec
 from mergefs.core.sizes import human_bytes
@@ -89,8 +90,8 @@ def figure(fig: dict[str, Any]) -> str:
     """An exact figure, or an estimate with its interval."""
     if fig["exact"]:
         return f"{fig['value']:.6g}"
-    return (f"≈{fig['value']:.6g} (in [{fig['low']:.4g}, {fig['high']:.4g}] with "
-            f"probability ≥ {fig['probability']:.0%})")
+    return escape(f"≈{fig['value']:.6g} (in [{fig['low']:.4g}, {fig['high']:.4g}] with "
+                  f"probability ≥ {fig['probability']:.0%})")
 
 
 def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
@@ -171,11 +172,11 @@ def sweep_table(spec_path: str, rows: Sequence[Any]) -> Table:
     pct = (lambda x: "-" if x is None else f"{100 * x:.1f}%")
     est = any(r.estimated for r in rows)
     table = Table(title=f"what budgets buy ({spec_path}; from the index, nothing read)",
-                  caption="≈: estimated from the index's sketches, [low-high] holding with "
-                  "probability ≥ 90% (each norm's interval ≥ 95%); `mergefs index --exact` "
-                  "makes them exact" if est else None)
-    rng = (lambda r, lo, hi: "" if not r.estimated or lo is None or hi is None
-           else f" [{pct(lo)}-{pct(hi)}]")
+                  caption=escape("≈: estimated from the index's sketches, [low-high] holding "
+                                 "with probability ≥ 90% (each norm's interval ≥ 95%); "
+                                 "`mergefs index --exact` makes them exact") if est else None)
+    rng = (lambda on, lo, hi: "" if not on or lo is None or hi is None
+           else escape(f" [{pct(lo)}-{pct(hi)}]"))
     for col in ("variant", "budget", "expert bytes read", "bound / update",
                 "error / update", "update energy kept"):
         table.add_column(col, justify="left" if col == "variant" else "right",
@@ -184,15 +185,17 @@ def sweep_table(spec_path: str, rows: Sequence[Any]) -> Table:
         err = None if r.error_exact is None or not r.update_norm else \
             r.error_exact / r.update_norm
         share = r.planned_bytes / r.total_expert_bytes if r.total_expert_bytes else 0
-        mark = "≈" if r.estimated else ""
         rr = r.ranges()
+        on_share = "bound_relative_to_update" in r.estimated
+        on_err = r.error_estimated()
         table.add_row(r.variant, r.budget, f"{human_bytes(r.planned_bytes)} ({pct(share)})",
-                      mark + pct(r.bound_share) + rng(r, *rr["share"])
+                      "≈" * on_share + pct(r.bound_share) + rng(on_share, *rr["share"])
                       if r.bound_share is not None else
                       ("no bound" if r.bound_tight is None else "-"),
-                      mark * (err is not None) + pct(err) + rng(r, *rr["error"]),
-                      mark * (r.energy_kept is not None) + pct(r.energy_kept)
-                      + rng(r, *rr["kept"]))
+                      "≈" * (on_err and err is not None) + pct(err)
+                      + rng(on_err, *rr["error"]),
+                      "≈" * (on_err and r.energy_kept is not None) + pct(r.energy_kept)
+                      + rng(on_err, *rr["kept"]))
     return table
 
 

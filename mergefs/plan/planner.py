@@ -135,7 +135,7 @@ class Plan:
             out.append("error_exact")
         if self.update_norm is not None and self.update_sq_stderr is not None:
             out.append("update_norm")
-            if self.bound_tight is not None and self.update_norm:
+            if self.bound_tight and self.update_norm:  # a bound of 0 is 0 of any update
                 out.append("bound_relative_to_update")
         return out
 

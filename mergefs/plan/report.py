@@ -51,14 +51,21 @@ class SweepRow:
     energy_kept: float | None  # 1 - (error/update)^2, from the index's Gram matrices
     bound_share: float | None  # bound_tight / update_norm (before output rounding)
     bound_output_tight: float | None = None  # of the output bytes (mergefs.plan.planner)
-    #: error_exact and update_norm (so energy_kept and bound_share) are estimated from the
-    #: index's sketches; their intervals (mergefs.plan.planner), each with probability >= 95%
-    estimated: bool = False
+    #: which of error_exact, update_norm and bound_relative_to_update (bound_share) are
+    #: estimated from the index's sketches (Plan.estimated); the norms' intervals
+    #: (mergefs.plan.planner), each with probability >= 95%
+    estimated: tuple[str, ...] = ()
     error_interval: tuple[float, float] | None = None
     update_interval: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def error_estimated(self) -> bool:
+        """error / update (and the energy kept) is an estimate: the error is, or the update
+        is and the error is not exactly 0."""
+        return "error_exact" in self.estimated or (
+            "update_norm" in self.estimated and self.error_exact != 0.0)
 
     def ranges(self) -> dict[str, tuple[float | None, float | None]]:
         """Intervals of the ratios (error / update, energy kept, bound / update) from those of
@@ -103,7 +110,7 @@ def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -
     return SweepRow(variant, spec.method, b.describe(), plan.budget_bytes, plan.planned_bytes,
                     plan.total_expert_bytes, plan.bound_tight, plan.error_exact,
                     plan.update_norm, kept, share, plan.bound_output_tight,
-                    bool(plan.estimated()), None if ei is None else ei[:2],
+                    tuple(plan.estimated()), None if ei is None else ei[:2],
                     None if ui is None else ui[:2])
 
 
