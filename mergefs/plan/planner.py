@@ -55,7 +55,7 @@ norms). Blocks are independent and a block of at most ``k`` elements is sketched
 variance): ``sq_stderr = sqrt(sum over blocks of more than k elements of 2 S_b^2 / k)`` bounds
 the standard deviation of ``Q``. The report's interval is Chebyshev's at 95%:
 ``Q +- sqrt(20) sq_stderr``, its square roots (the error's upper end capped by ``bound_tight``,
-which holds always). Where no estimated pair has two non-zero sides with non-zero
+which holds always, as is the estimate itself). Where no estimated pair has two non-zero sides with non-zero
 coefficients in an included block, ``S_b`` is 0 everywhere and the figure is exact, bit for
 bit. The stored sketches are float32: their rounding (relative 2^-24 per bucket) is not in the
 bar. Plans, bounds and the plan hash never depend on an estimate.
@@ -440,6 +440,8 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
     if got[2] is not None:
         stderr = {"error_sq_stderr": cross_sq_stderr(index, coeffs * (nonzero & ~selected)),
                   "update_sq_stderr": cross_sq_stderr(index, coeffs)}
+        if stderr["error_sq_stderr"] is not None and got[0] is not None:
+            got = (got[0], got[1], min(got[2], got[0]), *got[3:])  # ||E|| <= tight, always
     return _assemble(index, selected, int(budget_bytes), planned, total, nonzero_bytes,
                      got, plan_hash(spec, index, selected), **stderr)
 
@@ -494,6 +496,8 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
                 omitted = ~index.zero & ~got.selected
                 exact = _bounds(index, per_block, omitted)[2]
                 stderr["error_sq_stderr"] = cross_sq_stderr(index, per_block * omitted)
+                if stderr["error_sq_stderr"] is not None and tight is not None:
+                    exact = min(exact, tight)  # ||E|| <= tight, always
     return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
                      (tight, loose, exact, update, out_tight, out_loose),
                      plan_hash(spec, index, got.selected, got.levels, sidecars),
