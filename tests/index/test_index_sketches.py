@@ -238,3 +238,23 @@ def test_plan_json_names_the_estimates(dense: Family, tmp_path: Path,
     # the estimate's interval holds here (a fixed hash: this could fail, at most 5% of draws)
     assert rep["error"]["low"] <= exact["error_exact"] <= rep["error"]["high"]
     assert rep["update"]["low"] <= exact["update_norm"] <= rep["update"]["high"]
+
+
+def test_sweep_marks_each_estimated_figure(dense: Family, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", dense, "task_arithmetic",
+                      extra={"block_size": BLOCK, "index_dir": str(tmp_path / "idx")})
+    capsys.readouterr()
+    assert cli.main(["sweep", str(spec), "--budgets", "10%,full", "--json"]) == 0
+    tenth, full = json.loads(capsys.readouterr().out)
+    assert tenth["estimated"] == ["error_exact", "update_norm", "bound_relative_to_update"]
+    lo, hi = tenth["error_interval"]
+    assert lo <= tenth["error_exact"] <= hi <= tenth["bound_tight"]
+    assert full["error_exact"] == 0.0 and "error_exact" not in full["estimated"]
+    assert cli.main(["sweep", str(spec), "--budgets", "10%,full"]) == 0
+    out = capsys.readouterr().out
+    assert "≈" in out  # (the caption saying how to make them exact wraps with the width)
+    assert cli.main(["index", str(spec), "--exact"]) == 0
+    capsys.readouterr()
+    assert cli.main(["sweep", str(spec), "--budgets", "10%,full"]) == 0
+    assert "≈" not in capsys.readouterr().out
