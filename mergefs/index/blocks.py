@@ -6,19 +6,20 @@ For every block the index holds the xxh3 of the base bytes, the base norm ``||W0
 expert, the xxh3 of the
 expert bytes, the delta L2 norm ``||W_i - W0||`` (float32 deltas, float64 accumulation), a zero
 flag (bytes identical to the base) and the Gram matrix ``<D_i, D_j>`` of the experts' deltas, which
-gives the exact norm of any additive combination (bounds relative to the merge update, and the
-exact error of a plan).
+gives the norm of any additive combination (bounds relative to the merge update, and the error
+of a plan): exact where its cross terms are, else an estimate with a stated error bar.
 
 The index is stored as pieces (:mod:`mergefs.index.store`): one per base, one per (base,
 expert), and one per pair of experts for the exact Gram cross terms. An expert's piece also
 holds per-block sketches of its delta (:mod:`mergefs.index.stats`), from which the cross terms
 of two experts are *estimated* without reading either (``BlockIndex.gram_exact`` says which
 pairs are exact). A family's :class:`BlockIndex` is assembled from the pieces in spec order
-(:func:`assemble`): adding an expert reads only it (and the base, if not indexed yet), removing
-or reordering experts builds nothing, and specs sharing experts share pieces. Exact pairs are
-built only on request (``exact``: ``mergefs index --exact``), reading each pair's experts where
-both deltas are non-zero; stored exact pairs are always used. Building reads files in order on two worker threads (:mod:`mergefs.index.build`); the
-statistics themselves are pure functions of bytes (:mod:`mergefs.index.stats`). A remote expert with a
+(:func:`assemble`): adding an expert reads only it and the base (a delta needs the base's
+values), never the other experts; removing or reordering experts builds nothing, and specs
+sharing experts share pieces. Exact pairs are built only on request (``exact``: ``mergefs
+index --exact``), reading each pair's experts where both deltas are non-zero; stored exact
+pairs are always used. Building reads files in order on two worker threads
+(:mod:`mergefs.index.build`); the statistics themselves are pure functions of bytes (:mod:`mergefs.index.stats`). A remote expert with a
 matching published sidecar (:mod:`mergefs.index.published`) is not read at all: its piece comes from
 the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
 False). Nothing here runs on the trio thread.
@@ -295,6 +296,9 @@ class _Family:
                         "differ from %s", self.experts[i].root, self.base.root)
             del found[i]
         if stale:
+            if self.on_total is not None:  # read too, after all
+                self.on_total(sum(self.report.bytes_read.values())
+                              + self._planned_bytes(stale, set(stale)))
             self._describe(stale, first_time=set(stale))
         for i, s in found.items():
             piece = ExpertPiece(s.expert_hash, s.norms**2, s.norms, s.zero, origin="sidecar")
