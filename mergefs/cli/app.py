@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("index", help="build (or reuse) the block index of a spec's family",
             description="Read base and experts once; store per-block delta norms, "
-            "hashes and zero flags under index_dir. Reused while sources are unchanged.")
+            "hashes, zero flags and delta sketches under index_dir. Reused while sources are "
+            "unchanged; adding an expert reads only it and the base.")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
     s.add_argument("--exact", action="store_true",
