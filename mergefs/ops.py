@@ -32,10 +32,9 @@ from mergefs.engine.output import check_outdir, check_outside, check_source_file
 from mergefs.engine.replay import ReplayResult
 from mergefs.engine.replay import replay as replay_manifest
 from mergefs.engine.session import Session, prepare_family
-from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build, reached_pieces
+from mergefs.index.blocks import BlockIndex, load_or_build, reached_pieces
 from mergefs.index.collect import Collected, collect
 from mergefs.index.published import publish as publish_index
-from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
 from mergefs.mount.lifecycle import check_mountpoint, ensure_index, require_mount_extra, run_mount
 from mergefs.sources.local import Checkpoint
@@ -140,10 +139,10 @@ def build_index(spec: Spec, family: Family, *, ray: str | None = None, progress:
     progress bar; returns (index, built)."""
     base, experts = family
     runner = chunk_runner(ray, spec, family)
-    total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-    with byte_progress("indexing", total, enabled=progress) as tick:
+    with byte_progress("indexing", enabled=progress) as tick:  # total: what it will read
         got = load_or_build(base, experts, spec.block_size, spec.index_dir, tick, runner=runner,
-                            max_size_bytes=spec.index_max_size_bytes, **options)
+                            on_total=tick.set_total, max_size_bytes=spec.index_max_size_bytes,
+                            **options)
     if runner is not None and runner.parts and progress:
         nodes = {p["worker"]["node"] for p in runner.parts}
         print(f"indexed on Ray: {len(runner.parts)} tasks on {len(nodes)} node(s)")
@@ -160,12 +159,12 @@ def open_session(spec: Spec, *, manifest: ManifestWriter | None = None, progress
     family = family if family is not None else prepare_family(spec)
     try:
         runner = chunk_runner(ray, spec, family)
-        total = index_bytes_total(family[0], family[1], build_layout(family[0], spec.block_size))
     except BaseException:
         close_family(family)
         raise
-    with byte_progress("indexing", total, enabled=progress) as tick:
+    with byte_progress("indexing", enabled=progress) as tick:  # total: what it will read
         session = Session(spec, manifest=manifest, on_index_bytes=tick, family=family,
+                          on_index_total=tick.set_total,
                           index_runner=runner, sidecars=sidecars, output=output)
     say_budget_capped(spec, session.plan.total_expert_bytes)
     return session
@@ -251,15 +250,16 @@ class IndexResult:
 
 
 def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str | None = None,
-          progress: bool = True) -> IndexResult:
+          progress: bool = True, exact: bool = False) -> IndexResult:
     """Build or reuse the block index; ``publish`` (asked for explicitly) also writes each
     expert's index sidecar beside it, into the source. ``rebuild`` and ``publish`` read every
-    source (sidecars are never built from sidecars)."""
+    source (sidecars are never built from sidecars). ``exact``: also build the exact Gram
+    cross terms the stored pieces lack (else they are estimated from sketches)."""
     require_ray(ray)
     family = prepare_family(spec)
     try:
         got, built = build_index(spec, family, ray=ray, progress=progress, rebuild=rebuild,
-                                 sidecars=not (rebuild or publish))
+                                 sidecars=not (rebuild or publish), exact=exact)
         published = publish_index(family[0], family[1], got) if publish else []
     finally:
         close_family(family)

@@ -19,6 +19,8 @@ SECTIONS: dict[str, str] = {
     "decode": "delta sidecar decoding alone, by route and thread count, vs the reads it "
               "replaces",
     "pairindex": "adding an expert to an indexed family vs building the whole index again",
+    "growindex": "bytes read adding experts one at a time (2 -> 16, dense): exact Gram pairs "
+                 "on every addition vs sketches",
     "ray": "index and merge on a local Ray cluster with 1, 2, 4 worker processes vs local",
     "profile-index": "where an index build's time goes: imports, numba, each stage",
     "mergepipe": "mergefs beside the MergePipe paper's own system and mergekit: wall time, "

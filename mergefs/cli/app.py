@@ -186,11 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("index", help="build (or reuse) the block index of a spec's family; "
             "`index gc`: collect an index directory",
             description="Read base and experts once; store per-block delta norms, "
-            "hashes and zero flags under index_dir. Reused while sources hold the same bytes "
-            "(a touched or copied source is hashed once to check; a renamed one is not read). "
+            "hashes, zero flags and delta sketches under index_dir. Reused while sources hold "
+            "the same bytes (a touched or copied source is hashed once to check; a renamed one "
+            "is not read); adding an expert reads only it and the base. "
             "`mergefs index gc --help`: removing pieces no spec uses.")
     s.add_argument("spec", help=SPEC_HELP)
     s.add_argument("--rebuild", action="store_true", help="rebuild even if a valid index exists")
+    s.add_argument("--exact", action="store_true",
+                   help="also compute the exact cross terms <D_i, D_j> of every pair of experts "
+                   "that has none stored (reads both experts where both deltas are non-zero); "
+                   "without, plan and sweep estimate them from the pieces' sketches")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list the N tensors with the largest deltas (per-expert norms)")
     s.add_argument("--publish", action="store_true",

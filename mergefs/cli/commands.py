@@ -54,11 +54,16 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.ray is not None:
         ops.require_ray(args.ray)  # before anything is opened or written
     spec = _load(args, any_variant=True)
-    got = ops.index(spec, rebuild=args.rebuild, publish=args.publish, ray=args.ray)
+    got = ops.index(spec, rebuild=args.rebuild, publish=args.publish, ray=args.ray,
+                    exact=args.exact)
     index = got.index
     print(f"{'built' if got.built else 'reused'} index {index.key[:16]} in {spec.index_dir}: "
           f"{got.experts} experts x {index.layout.n_blocks} blocks of "
           f"~{human_bytes(spec.block_size)}, {int(index.zero.sum())} zero-delta expert blocks")
+    if index.gram_exact is not None and not index.gram_exact.all():
+        pairs = int((~index.gram_exact).sum()) // 2
+        print(f"  {pairs} expert pairs have estimated cross terms (from sketches); "
+              "`mergefs index --exact` computes them exactly")
     if args.tensors:
         console().print(tensor_table(index, args.tensors))
     for where in got.published:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 import numpy as np
+from rich.markup import escape
 from rich.table import Table
 from mergefs.spec.model import Spec
 from mergefs.core.sizes import human_bytes
@@ -74,11 +75,24 @@ def plan_table(spec: Spec, session: Any) -> Table:
             table.add_row("||E|| loose bound of the output bytes",
                           f"{rep['bound_output_loose']:.6g}")
         exact, update = rep["error_exact"], rep["update_norm"]
-        table.add_row("||E|| exact (from index)",
+        est = rep["estimated"]
+        table.add_row("||E|| estimated (from sketches)" if "error_exact" in est
+                      else "||E|| exact (from index)",
                       "- (reconstructed blocks)" if exact is None and plan.levels is not None
-                      else "- (index from sidecars)" if exact is None else f"{exact:.6g}")
-        table.add_row("||sum c_i D_i|| (merge update)", "-" if update is None else f"{update:.6g}")
+                      else "- (index from sidecars)" if exact is None
+                      else figure(rep["error"]))
+        table.add_row("||sum c_i D_i|| (merge update)" + (
+            ", estimated" if "update_norm" in est else ""),
+            "-" if update is None else figure(rep["update"]))
     return table
+
+
+def figure(fig: dict[str, Any]) -> str:
+    """An exact figure, or an estimate with its interval."""
+    if fig["exact"]:
+        return f"{fig['value']:.6g}"
+    return escape(f"≈{fig['value']:.6g} (in [{fig['low']:.4g}, {fig['high']:.4g}] with "
+                  f"probability ≥ {fig['probability']:.0%})")
 
 
 def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
@@ -103,10 +117,20 @@ def bound_in_words(method: str, rep: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"the guaranteed bound ({rel:.0%} of the norm of the merge update) is "
                      "larger than the update itself: this budget guarantees nothing useful")
+    if rep["estimated"]:
+        lines.append("estimated from the index's sketches (`mergefs index --exact` computes "
+                     "the cross terms exactly): the merge update's norm, so the share above, "
+                     "and the error below; the bound itself uses exact norms only")
     if exact is not None:
         kept = 1 - (exact / update) ** 2
-        lines.append(f"measured from the index: the error is {exact / update:.1%} of the "
-                     f"norm of the merge update ({kept:.1%} of its energy kept)")
+        err, upd = rep["error"], rep["update"]
+        lines.append(f"{'estimated' if rep['estimated'] else 'measured'} from the index: the "
+                     f"error is {exact / update:.1%} of the norm of the merge update "
+                     f"({kept:.1%} of its energy kept)" + (
+                         "" if err["exact"] and upd["exact"] else
+                         f"; error within [{err['low']:.4g}, {err['high']:.4g}], update within "
+                         f"[{upd['low']:.4g}, {upd['high']:.4g}], each with probability "
+                         f"≥ {min(err['probability'], upd['probability']):.0%}"))
     return lines
 
 
@@ -147,7 +171,13 @@ def replay_checked(res: Any) -> str:
 def sweep_table(spec_path: str, rows: Sequence[Any]) -> Table:
     """``mergefs sweep``'s rows: what each budget (and variant) buys."""
     pct = (lambda x: "-" if x is None else f"{100 * x:.1f}%")
-    table = Table(title=f"what budgets buy ({spec_path}; from the index, nothing read)")
+    est = any(r.estimated for r in rows)
+    table = Table(title=f"what budgets buy ({spec_path}; from the index, nothing read)",
+                  caption=escape("≈: estimated from the index's sketches, [low-high] holding "
+                                 "with probability ≥ 90% (each norm's interval ≥ 95%); "
+                                 "`mergefs index --exact` makes them exact") if est else None)
+    rng = (lambda on, lo, hi: "" if not on or lo is None or hi is None
+           else escape(f" [{pct(lo)}-{pct(hi)}]"))
     for col in ("variant", "budget", "expert bytes read", "bound / update",
                 "error / update", "update energy kept"):
         table.add_column(col, justify="left" if col == "variant" else "right",
@@ -156,10 +186,17 @@ def sweep_table(spec_path: str, rows: Sequence[Any]) -> Table:
         err = None if r.error_exact is None or not r.update_norm else \
             r.error_exact / r.update_norm
         share = r.planned_bytes / r.total_expert_bytes if r.total_expert_bytes else 0
+        rr = r.ranges()
+        on_share = "bound_relative_to_update" in r.estimated
+        on_err = r.error_estimated()
         table.add_row(r.variant, r.budget, f"{human_bytes(r.planned_bytes)} ({pct(share)})",
-                      pct(r.bound_share) if r.bound_share is not None else
+                      "≈" * on_share + pct(r.bound_share) + rng(on_share, *rr["share"])
+                      if r.bound_share is not None else
                       ("no bound" if r.bound_tight is None else "-"),
-                      pct(err), pct(r.energy_kept))
+                      "≈" * (on_err and err is not None) + pct(err)
+                      + rng(on_err, *rr["error"]),
+                      "≈" * (on_err and r.energy_kept is not None) + pct(r.energy_kept)
+                      + rng(on_err, *rr["kept"]))
     return table
 
 

@@ -121,6 +121,13 @@ def _share(part: float | None, whole: float | None) -> str:
     return f" ({100.0 * part / whole:.3g}% of the merge update)"
 
 
+def _range(got: tuple[float, float, float] | None) -> str:
+    if got is None:
+        return ""
+    low, high, prob = got
+    return f"; within [{_number(low)}, {_number(high)}] with probability ≥ {prob:.0%}"
+
+
 def mergefs_section(spec: Spec, plan: Plan, manifest: str | None) -> str:
     """What mergefs adds to the card: the plan's figures and how to check them."""
     budget = spec.budget.describe()
@@ -136,10 +143,17 @@ def mergefs_section(spec: Spec, plan: Plan, manifest: str | None) -> str:
     if plan.sidecar_bytes:
         rows.append(("of which delta sidecars", human_bytes(plan.sidecar_bytes)))
     if spec.is_additive:
+        est = plan.estimated()
         rows.append(("error bound, ‖E‖ ≤ (tight)",
-                     _number(plan.bound_tight) + _share(plan.bound_tight, plan.update_norm)))
-        rows.append(("exact error ‖E‖", _number(plan.error_exact)
-                     + _share(plan.error_exact, plan.update_norm)))
+                     _number(plan.bound_tight) + _share(plan.bound_tight, plan.update_norm)
+                     + (", the update estimated" if "update_norm" in est else "")))
+        if "error_exact" in est:
+            rows.append(("estimated error ‖E‖ (from sketches)", "≈ " + _number(plan.error_exact)
+                         + _share(plan.error_exact, plan.update_norm)
+                         + _range(plan.error_interval())))
+        else:
+            rows.append(("exact error ‖E‖", _number(plan.error_exact)
+                         + _share(plan.error_exact, plan.update_norm)))
         if plan.bound_output_tight is not None:
             rows.append(("bound on the output bytes (rounding included)",
                          _number(plan.bound_output_tight)))

@@ -34,6 +34,7 @@ class Session:
     def __init__(self, spec: Spec, *, budget_bytes: int | None = None,
                  manifest: ManifestWriter | None = None,
                  on_index_bytes: Callable[[int], None] | None = None,
+                 on_index_total: Callable[[int], None] | None = None,
                  plan: Plan | None = None,
                  family: tuple[Checkpoint, list[Checkpoint]] | None = None,
                  sidecars: bool = True, index: BlockIndex | None = None,
@@ -58,7 +59,8 @@ class Session:
         else:
             self.index, self.index_built = load_or_build(
                 self.base, self.experts, spec.block_size, spec.index_dir, on_index_bytes,
-                runner=index_runner, max_size_bytes=spec.index_max_size_bytes)
+                runner=index_runner, on_total=on_index_total,
+                max_size_bytes=spec.index_max_size_bytes)
         self.recipe = recipe_of(spec, self.base)
         self.deltas = find_deltas(self.base, self.experts, self.index, spec.index_dir) \
             if sidecars else {}

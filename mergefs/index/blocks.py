@@ -6,15 +6,20 @@ For every block the index holds the xxh3 of the base bytes, the base norm ``||W0
 expert, the xxh3 of the
 expert bytes, the delta L2 norm ``||W_i - W0||`` (float32 deltas, float64 accumulation), a zero
 flag (bytes identical to the base) and the Gram matrix ``<D_i, D_j>`` of the experts' deltas, which
-gives the exact norm of any additive combination (bounds relative to the merge update, and the
-exact error of a plan).
+gives the norm of any additive combination (bounds relative to the merge update, and the error
+of a plan): exact where its cross terms are, else an estimate with a stated error bar.
 
 The index is stored as pieces (:mod:`mergefs.index.store`): one per base, one per (base,
-expert), one per pair of experts for the Gram cross terms. A family's :class:`BlockIndex` is
-assembled from them in spec order (:func:`assemble`), so adding an expert builds only its piece
-and its pairs, removing or reordering experts builds nothing, and specs sharing experts share
-pieces. Building reads files in order on two worker threads (:mod:`mergefs.index.build`); the
-statistics themselves are pure functions of bytes (:mod:`mergefs.index.stats`). A remote expert with a
+expert), and one per pair of experts for the exact Gram cross terms. An expert's piece also
+holds per-block sketches of its delta (:mod:`mergefs.index.stats`), from which the cross terms
+of two experts are *estimated* without reading either (``BlockIndex.gram_exact`` says which
+pairs are exact). A family's :class:`BlockIndex` is assembled from the pieces in spec order
+(:func:`assemble`): adding an expert reads only it and the base (a delta needs the base's
+values), never the other experts; removing or reordering experts builds nothing, and specs
+sharing experts share pieces. Exact pairs are built only on request (``exact``: ``mergefs
+index --exact``), reading each pair's experts where both deltas are non-zero; stored exact
+pairs are always used. Building reads files in order on two worker threads
+(:mod:`mergefs.index.build`); the statistics themselves are pure functions of bytes (:mod:`mergefs.index.stats`). A remote expert with a
 matching published sidecar (:mod:`mergefs.index.published`) is not read at all: its piece comes from
 the sidecar, and an index with such an expert has no Gram cross terms for it (``has_gram``
 False). Nothing here runs on the trio thread.
@@ -46,6 +51,7 @@ from mergefs.index.collect import collect
 from mergefs.index.verify import match_content
 from mergefs.index.published import ExpertStats
 from mergefs.index.layout import BlockLayout, build_layout
+from mergefs.index.stats import sketch_buckets
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,12 @@ class BlockIndex:
     #: the stored pieces it was assembled from (file names under ``index_dir/pieces``; what a
     #: live mount registers, :func:`mergefs.index.collect.register_live`); empty: not stored
     pieces: tuple[str, ...] = ()
+    #: (N, N) bool: the pair's Gram terms are exact (stored pair, or the same expert twice);
+    #: False: estimated from the two pieces' sketches. None: every known term is exact
+    gram_exact: np.ndarray | None = None
+    #: buckets of the sketches the estimated terms come from (blocks of at most this many
+    #: elements are sketched whole: exact); 0 without estimates
+    sketch_buckets: int = 0
 
     @property
     def n_experts(self) -> int:
@@ -127,7 +139,7 @@ def build_index(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLa
 def _piece(p: Pass, k: int, pairs: list[tuple[int, int]]) -> ExpertPiece:
     i = p.own[k]
     sq = p.gram[pairs.index((i, i))]
-    return ExpertPiece(p.expert_hash[k], sq, np.sqrt(sq), p.zero[k])
+    return ExpertPiece(p.expert_hash[k], sq, np.sqrt(sq), p.zero[k], sketch=p.sketch[k])
 
 
 def _expand(grams: dict[tuple[int, int], np.ndarray], first: list[int]
@@ -147,16 +159,22 @@ def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
              expert_itemsize: np.ndarray | None = None,
              base_norms: np.ndarray | None = None) -> BlockIndex:
     """The family's index from stored pieces in spec order: ``pieces[i]`` is expert i's,
-    ``grams[(i, j)]`` (i < j) their cross terms. The same expert twice has its squared norms as
-    cross terms; a pair left out (an expert known from a sidecar only) makes ``has_gram`` False.
+    ``grams[(i, j)]`` (i < j) their exact cross terms. The same expert twice has its squared
+    norms as cross terms; a pair left out is estimated from the two pieces' sketches
+    (``gram_exact`` False there), or, where a piece has none (an expert known from a sidecar
+    only), makes ``has_gram`` False.
     """
     n, nb = len(pieces), layout.n_blocks
     gram = np.zeros((nb, n, n), dtype=np.float64)
+    exact = np.ones((n, n), dtype=bool)
     complete = True
     for i, pi in enumerate(pieces):
         gram[:, i, i] = pi.sq_norms
         for j in range(i + 1, n):
             g = pi.sq_norms if pieces[j] is pi else grams.get((i, j))
+            if g is None:
+                g = _estimate(pi, pieces[j])
+                exact[i, j] = exact[j, i] = False
             if g is None:
                 complete = False
                 continue
@@ -166,16 +184,16 @@ def assemble(key: str, layout: BlockLayout, base_hash: np.ndarray,
     return BlockIndex(key, layout, base_hash, stack("expert_hash", np.uint64),
                       stack("norms", np.float64), stack("zero", bool), gram,
                       has_gram=complete, expert_itemsize=expert_itemsize,
-                      base_norms=base_norms)
+                      base_norms=base_norms, gram_exact=exact,
+                      sketch_buckets=0 if exact.all() else sketch_buckets(layout.block_size))
 
 
-def index_bytes_total(base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout) -> int:
-    """Bytes a build from nothing reads (an upper bound when pieces are stored already)."""
-    elems = np.bincount(layout.tensor_of, layout.elem_end - layout.elem_start,
-                        len(layout.tensors))
-    items = [[DTYPES[e.tensors[name].dtype][0] for name in layout.tensors] for e in experts]
-    per_elem = np.asarray(items, np.int64).reshape(len(experts), len(layout.tensors))
-    return int(layout.block_bytes().sum()) + int((per_elem @ elems).sum())  # 0 experts: 0
+def _estimate(a: ExpertPiece, b: ExpertPiece) -> np.ndarray | None:
+    """(B,) the cross terms ``<D_ab, D_bb>`` estimated from the two pieces' sketches (float64
+    products of the float32 buckets, summed in bucket order), or None without sketches."""
+    if a.sketch is None or b.sketch is None:
+        return None
+    return np.einsum("bk,bk->b", a.sketch.astype(np.float64), b.sketch.astype(np.float64))
 
 
 def _expert_itemsize(experts: Sequence[Checkpoint], layout: BlockLayout) -> np.ndarray:
@@ -191,7 +209,8 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
                   index_dir: str | Path, on_bytes: Callable[[int], None] | None = None,
                   rebuild: bool = False, sidecars: bool = True,
                   report: BuildReport | None = None,
-                  runner: ChunkRunner | None = None,
+                  runner: ChunkRunner | None = None, exact: bool = False,
+                  on_total: Callable[[int], None] | None = None,
                   max_size_bytes: int | None = None) -> tuple[BlockIndex, bool]:
     """Return (index, built_now): the family's index assembled from stored pieces, building
     only the pieces that are missing or stale (each rebuild logged with the source's name).
@@ -200,14 +219,19 @@ def load_or_build(base: Checkpoint, experts: Sequence[Checkpoint], block_size: i
     read; without, only pieces read from every source (hence the full Gram) are accepted.
     ``rebuild`` reads every source again. ``report`` (optional) receives the counters.
     ``runner``: where the build passes compute their chunks (default: two local threads).
-    ``max_size_bytes`` (the spec's ``index_max_size``): after a build, remove the least
-    recently used pieces of other families until ``index_dir`` fits
+    ``exact``: also build the exact Gram cross terms of every pair of read experts that has
+    none stored (reading both where both deltas are non-zero); otherwise pairs without stored
+    terms are estimated from the pieces' sketches. ``on_total`` is told, before any read, the
+    bytes this build will read (``on_bytes`` then counts up to it; with ``exact``, pairs of a
+    new expert are counted as if its every block were non-zero, and the total is set to what
+    was read once done). ``max_size_bytes`` (the spec's ``index_max_size``): after a build,
+    remove the least recently used pieces of other families until ``index_dir`` fits
     (:func:`mergefs.index.collect.collect`).
     """
     layout = build_layout(base, block_size)
     store = PieceStore(index_dir, layout)
     b = _Family(base, experts, layout, store, report if report is not None else BuildReport(),
-                on_bytes, runner)
+                on_bytes, runner, exact, on_total)
     b.load(rebuild, sidecars)
     b.build(sidecars)
     index = dataclasses.replace(b.assemble(), pieces=tuple(sorted(store.used)))
@@ -244,9 +268,11 @@ class _Family:
     def __init__(self, base: Checkpoint, experts: Sequence[Checkpoint], layout: BlockLayout,
                  store: PieceStore, report: BuildReport,
                  on_bytes: Callable[[int], None] | None,
-                 runner: ChunkRunner | None = None) -> None:
+                 runner: ChunkRunner | None = None, exact: bool = False,
+                 on_total: Callable[[int], None] | None = None) -> None:
         self.base, self.experts, self.layout, self.store = base, experts, layout, store
         self.report, self.on_bytes, self.runner = report, on_bytes, runner
+        self.exact, self.on_total = exact, on_total
         # before reading: a change during the build shows at the next load
         self.base_sid = source_id(base, store.layout_xxh3)
         self.sids = [source_id(e, store.layout_xxh3) for e in experts]
@@ -365,6 +391,8 @@ class _Family:
             got = sidecar.find(self.base, [self.experts[i] for i in missing], self.layout)
             found = {missing[k]: s for k, s in got.items()}
         to_read = [i for i in missing if i not in found]
+        if self.on_total is not None:
+            self.on_total(self._planned_bytes(to_read, set(to_read) - self.changed))
         if to_read or self.base_hash is None:
             self._describe(to_read, first_time=set(to_read) - self.changed)
         assert self.base_hash is not None
@@ -374,6 +402,9 @@ class _Family:
                         "differ from %s", self.experts[i].root, self.base.root)
             del found[i]
         if stale:
+            if self.on_total is not None:  # read too, after all
+                self.on_total(sum(self.report.bytes_read.values())
+                              + self._planned_bytes(stale, set(stale)))
             self._describe(stale, first_time=set(stale))
         for i, s in found.items():
             piece = ExpertPiece(s.expert_hash, s.norms**2, s.norms, s.zero, origin="sidecar")
@@ -383,6 +414,38 @@ class _Family:
                      sum(self.first[i] in found for i in range(len(self.experts))),
                      len(self.experts))
         self._pairs()
+        if self.on_total is not None and self.exact:  # the upper bound, made exact
+            self.on_total(sum(self.report.bytes_read.values()))
+
+    def _source_bytes(self, src: Checkpoint, blocks: np.ndarray | None = None) -> int:
+        """Bytes of ``src``'s blocks (``blocks``: (B,) bool, those only; default all) in its
+        own dtypes."""
+        lay = self.layout
+        item = np.asarray([DTYPES[src.tensors[t].dtype][0] for t in lay.tensors], np.int64)
+        per_block = (lay.elem_end - lay.elem_start) * item[lay.tensor_of]
+        return int(per_block.sum() if blocks is None else per_block[blocks].sum())
+
+    def _planned_bytes(self, own: list[int], first_time: set[int]) -> int:
+        """What :meth:`build` will read: the base and ``own`` in full (if anything is read),
+        and with ``exact`` the other experts' non-zero blocks that missing pairs need (an upper
+        bound where a pair has a new expert: its zero flags are not known yet)."""
+        full = bool(own) or self.base_hash is None
+        total = (self._source_bytes(self.base) if full else 0) + sum(
+            self._source_bytes(self.experts[i]) for i in own)
+        if not self.exact:
+            return total
+        old = self._read_from_bytes()
+        need: dict[int, np.ndarray] = {}
+        for i, j in [(i, j) for i in own if i in first_time for j in old] + [
+                (i, j) for a, i in enumerate(old) for j in old[a + 1:] if self._wanted(i, j)]:
+            both = ~self.pieces[j].zero & (~self.pieces[i].zero if i in self.pieces else True)
+            for x in (i, j):
+                if x not in own:
+                    need[x] = need.get(x, np.zeros_like(both)) | both
+        total += sum(self._source_bytes(self.experts[x], m) for x, m in need.items())
+        if not full and need:
+            total += self._source_bytes(self.base, np.logical_or.reduce(list(need.values())))
+        return total
 
     def _read_from_bytes(self) -> list[int]:
         return [i for i in self.uniq if i in self.pieces and self.pieces[i].origin == "read"]
@@ -410,10 +473,13 @@ class _Family:
         where both deltas are non-zero: a changed expert's pairs wait until its new hashes
         show whether stored ones still hold)."""
         old = self._read_from_bytes()
-        pairs = [(i, i) for i in own] + [(i, j) for a, i in enumerate(own) for j in own[a + 1:]]
-        pairs += [tuple(sorted((i, j))) for i in own if i in first_time  # type: ignore[misc]
-                  for j in old]
-        pairs += [(i, j) for a, i in enumerate(old) for j in old[a + 1:] if self._wanted(i, j)]
+        pairs = [(i, i) for i in own]
+        if self.exact:
+            pairs += [(i, j) for a, i in enumerate(own) for j in own[a + 1:]]
+            pairs += [tuple(sorted((i, j))) for i in own if i in first_time  # type: ignore
+                      for j in old]
+            pairs += [(i, j) for a, i in enumerate(old) for j in old[a + 1:]
+                      if self._wanted(i, j)]
         p = Pass(self.base, self.experts, self.layout, own, pairs,
                   {j: self.pieces[j].zero for j in old}, self.base_hash is None,
                   self.on_bytes, self.report)
@@ -452,12 +518,13 @@ class _Family:
                 self.built = True
 
     def _pairs(self) -> None:
-        """Gram terms still missing (a changed expert's with the others, or experts merged
-        together for the first time): read the base and both experts where both deltas are
-        non-zero."""
+        """The stored exact Gram terms of every pair of read experts; with ``exact``, those
+        still missing (a new or changed expert's with the others, or experts merged together
+        for the first time) are built: read the base and both experts where both deltas are
+        non-zero. Without, they are estimated from sketches when assembled."""
         read = self._read_from_bytes()
         pairs = [(i, j) for a, i in enumerate(read) for j in read[a + 1:] if self._wanted(i, j)]
-        if not pairs:
+        if not pairs or not self.exact:
             return
         named = sorted({str(self.experts[x].root) for p in pairs for x in p if x in self.fresh})
         log.info("building block index: Gram terms of %d expert pairs %s", len(pairs),

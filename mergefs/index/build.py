@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mergefs.index.stats import BASE, block_views, gram_terms, hash_blocks, zero_blocks
+from mergefs.index.stats import (
+    BASE, block_views, gram_terms, hash_blocks, sketch_buckets, zero_blocks,
+)
 from mergefs.sources.local import Checkpoint
 from mergefs.sources.base import ReadRange
 from mergefs.sources import read_many
@@ -97,6 +99,7 @@ class PassPart:
     gram: np.ndarray
     bytes_read: dict[str, int]
     base_sq: np.ndarray | None = None  # ||W0_b||^2 where the pass reads the base in full
+    sketch: np.ndarray | None = None  # (own, n, k) float32: the own experts' block sketches
 
 
 #: Runs a pass's chunks elsewhere: given the pass (its ``own``, ``pairs``, ``zero_known`` and
@@ -116,7 +119,8 @@ class Pass:
 
     ``own`` experts are read in full and described (block hashes, zero flags); the Gram terms
     of ``pairs`` (``(i, i)``: expert i's squared norms) are computed, and with the base read
-    in full its squared block norms ``base_sq`` (``||W0_b||^2``, in the same order). The base is read in full
+    in full its squared block norms ``base_sq`` (``||W0_b||^2``, in the same order), and the
+    ``own`` experts' block sketches ``sketch`` (:mod:`mergefs.index.stats`). The base is read in full
     with ``own`` experts or when ``describe_base``; otherwise, like experts outside ``own``
     (whose zero flags ``zero_known`` holds), only the blocks where some pair has two non-zero
     deltas are read.
@@ -137,6 +141,8 @@ class Pass:
         self.expert_hash = np.zeros((len(own), nb), dtype=np.uint64)
         self.zero = np.zeros((len(own), nb), dtype=bool)
         self.gram = np.zeros((len(pairs), nb), dtype=np.float64)
+        self.buckets = sketch_buckets(layout.block_size)
+        self.sketch = np.zeros((len(own), nb, self.buckets), dtype=np.float32)
         self.on_bytes, self.report = on_bytes, report
         self.lock = threading.Lock()
         #: bytes read already (a verifying read, :mod:`mergefs.index.verify`), not read again:
@@ -240,7 +246,8 @@ class Pass:
         lo, hi = runs[0][0], runs[-1][1]
         return PassPart(lo, self.base_hash[lo:hi].copy(), self.expert_hash[:, lo:hi].copy(),
                         self.zero[:, lo:hi].copy(), self.gram[:, lo:hi].copy(),
-                        dict(self.report.bytes_read), self.base_sq[lo:hi].copy())
+                        dict(self.report.bytes_read), self.base_sq[lo:hi].copy(),
+                        self.sketch[:, lo:hi].copy())
 
     def put(self, part: PassPart) -> None:
         """Take the columns a runner's task computed (as :meth:`chunk` writes them)."""
@@ -249,6 +256,8 @@ class Pass:
         self.zero[:, lo:hi], self.gram[:, lo:hi] = part.zero, part.gram
         if part.base_sq is not None:
             self.base_sq[lo:hi] = part.base_sq
+        if part.sketch is not None:
+            self.sketch[:, lo:hi] = part.sketch
         n = 0
         with self.lock:
             for root, k in part.bytes_read.items():
@@ -348,9 +357,13 @@ class Pass:
                 blocks[i] = out
         order = [*self.own, *self.others]
         pairs = [(self.rows[r], self.rows[s]) for r, s in self.pairs]
+        sk = {k: np.zeros((nb, self.buckets)) for k in range(len(self.own))}
         terms = gram_terms([e - s for s, e in spans], base_blocks, bdt,
                            [blocks[i] for i in order], [dtypes[i] for i in order],
-                           pairs + [(BASE, BASE)] * self.full)  # the base norms: same order
+                           pairs + [(BASE, BASE)] * self.full,  # the base norms: same order
+                           sk, b0)
+        for k, v in sk.items():
+            self.sketch[k, b0:b1] = v
         self.gram[:, b0:b1] = terms[:len(pairs)]
         if self.full:
             self.base_sq[b0:b1] = terms[-1]

@@ -21,7 +21,20 @@ values ``W0`` (side :data:`BASE`: the base norms), is
 
 A term depends only on its two sides' bytes and dtypes, not on which other experts are indexed
 with it or in what order: an index assembled from pieces equals, bit for bit, one built at
-once. The compiled kernels (:mod:`mergefs.methods.kernels`, numba) compute steps 1-2 vectorised across
+once.
+
+**Sketches** (:data:`SKETCH_VERSION`). Each expert piece also holds, per block, a CountSketch
+of the block's delta: ``k`` = :func:`sketch_buckets` buckets; element ``j`` of block ``b``
+(position in the block, blocks numbered as in the layout) adds ``s_bj * x_j`` to bucket
+``h_bj mod k``, with ``h_bj`` splitmix64's finaliser of ``key_b + j`` (``key_b`` from the
+block number and :data:`SKETCH_SEED`, :func:`sketch_key`) and the sign ``s_bj`` its top bit.
+Every expert uses the same hash, so ``<S D_ib, S D_jb>`` estimates the Gram cross term
+``<D_ib, D_jb>`` from two pieces, without reading either expert again
+(:mod:`mergefs.plan.planner` states the error bar). Each bucket is a float64 sequential sum in
+increasing ``j`` per column tile (tiles added in order), stored as float32. A block of at most
+``k`` elements is stored whole instead (bucket ``j``, sign +): its estimates are exact.
+
+The compiled kernels (:mod:`mergefs.methods.kernels`, numba) compute steps 1-2 vectorised across
 lanes; without numba the numpy path here computes them (sequential reductions over the lane
 axis) with the same bits, slower.
 """
@@ -48,8 +61,55 @@ BASE = -1  # a Gram side that is the base's values W0 rather than a delta
 #: published sidecars (mergefs.index.published), which are ignored, with a log line, where it differs
 ORDER_VERSION = "lanes64-tree"
 
+#: the sketch's hash and bucket rule (above); written into expert pieces
+SKETCH_VERSION = "countsketch-splitmix64-1"
+SKETCH_SEED = 0x6D65726765667331  # any fixed value: all that matters is that it is shared
+SKETCH_SHARE = 1024  # block_size // SKETCH_SHARE buckets: float32 sketches ~0.4% of bf16 blocks
+MIN_SKETCH_BUCKETS = 16
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
 Buffer = memoryview | bytes
 Spans = Sequence[tuple[int, int]]
+
+
+def sketch_buckets(block_size: int) -> int:
+    """``k``, the buckets of every block's sketch at this block size (1 MiB: 1024, 4 KiB of
+    float32 per block of 512 Ki bf16 elements)."""
+    return max(MIN_SKETCH_BUCKETS, block_size // SKETCH_SHARE)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise on uint64 (wrapping)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def sketch_key(block: int) -> np.uint64:
+    """The hash key of one block (its number in the layout)."""
+    with np.errstate(over="ignore"):
+        return np.uint64(_mix(np.asarray([SKETCH_SEED ^ block], dtype=np.uint64))[0])
+
+
+def sketch_hash(key: np.uint64, c0: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(buckets (n,) int64, negative (n,) bool) of positions ``[c0, c0 + n)`` of a block."""
+    with np.errstate(over="ignore"):
+        z = _mix(np.arange(c0, c0 + n, dtype=np.uint64) + key)
+    return (z % np.uint64(k)).astype(np.int64), (z >> np.uint64(63)) != 0
+
+
+def _sketch_tile(kern: Any, d: np.ndarray, rows: np.ndarray, key: np.uint64, c0: int, n: int,
+                 k: int) -> np.ndarray:
+    """(len(rows), k) float64: the sketch of columns ``[0, n)`` of ``d``'s ``rows``."""
+    out = np.zeros((len(rows), k), dtype=np.float64)
+    if kern is not None:
+        kern.sketch_tile(d, rows, key, c0, n, out)
+        return out
+    buckets, neg = sketch_hash(key, c0, n, k)
+    for q, r in enumerate(rows):
+        v = d[r, :n].astype(np.float64)
+        out[q] = np.bincount(buckets, weights=np.where(neg, -v, v), minlength=k)
+    return out
 
 
 def hash_blocks(spans: Spans, buf: Buffer, dtype: str) -> np.ndarray:
@@ -87,7 +147,9 @@ def block_views(spans: Spans, buf: Buffer, dtype: str) -> list[memoryview]:
 
 def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: str,
                experts: Sequence[Sequence[Buffer | None]], dtypes: Sequence[str],
-               pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+               pairs: Sequence[tuple[int, int]],
+               sketch: dict[int, np.ndarray] | None = None, first_block: int = 0
+               ) -> np.ndarray:
     """(P, n) float64: ``<X_rb, X_sb>`` for each pair ``(r, s)`` of ``pairs`` and each block
     ``b`` of ``n`` blocks of ``sizes`` elements, in the module's summation order. ``X_r`` is
     expert r's delta ``D_r`` (``r == s``: its squared norm), or the base's values where r is
@@ -96,8 +158,13 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
     ``experts[r][b]`` is expert r's bytes of block b, or None where its delta is known to be zero
     or is not wanted: a term with a None side is 0. ``base[b]`` may be None only where no pair
     has both sides.
+
+    ``sketch``: expert row r -> (n, k) float64, zeroed, into which each block's sketch of
+    ``D_r`` is written (the module docstring; ``first_block``: the layout's number of block 0
+    here); r must have its pair ``(r, r)`` so that its delta is decoded.
     """
     out = np.zeros((len(pairs), len(sizes)), dtype=np.float64)
+    sketch = sketch or {}
     k = kernels.index_kernels()
     with np.errstate(all="ignore"):  # infinities and NaNs are values here
         for b, n in enumerate(sizes):
@@ -111,6 +178,11 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
             idx = np.asarray([(slot[pairs[p][0]], slot[pairs[p][1]]) for p in want],
                              dtype=np.int64)
             acc = np.zeros((len(want), LANES), dtype=np.float64)
+            sk = [r for r in sketch if r in slot]
+            sk_rows = np.asarray([slot[r] for r in sk], dtype=np.int64)
+            sk_k = sketch[sk[0]].shape[1] if sk else 0
+            whole = n <= sk_k  # a block no larger than the sketch is stored as it is
+            key = sketch_key(first_block + b)
             # column tiles of GRAM_COLS (a multiple of LANES): each lane still sums its
             # elements in increasing j, tile after tile, so the bits equal one pass over the
             # block; the working set is rows x GRAM_COLS float32 whatever the block size
@@ -129,6 +201,13 @@ def gram_terms(sizes: Sequence[int], base: Sequence[Buffer | None], base_dtype: 
                     k.gram_lanes(d, idx, acc)
                 else:
                     _lanes_numpy(d, idx, acc)
+                if sk and whole:
+                    for q, r in enumerate(sk):
+                        sketch[r][b, c0:c1] = d[sk_rows[q], :c1 - c0]
+                elif sk:
+                    got = _sketch_tile(k, d, sk_rows, key, c0, c1 - c0, sk_k)
+                    for q, r in enumerate(sk):
+                        sketch[r][b] += got[q]
             out[want, b] = combine_lanes(acc)
     return out
 

@@ -8,6 +8,8 @@ atomically (a temporary name, fsync, rename):
   the output rounding, in the planner's bounds). Key: the digest of its block hashes, its dtypes.
 - ``expert-<key>.safetensors``: one expert's block hashes, squared delta norms ``||D_ib||^2`` and
   zero flags relative to one base (B,) each. Key: the base's and the expert's digests and dtypes.
+  With ``sketch`` (B, k) float32, the blocks' delta sketches (:mod:`mergefs.index.stats`; a
+  piece of an earlier build without them, or of another ``sketch_version``, loads without).
   ``origin`` is ``read`` (computed from the bytes) or ``sidecar`` (taken from a published
   sidecar: accepted only when sidecars are).
 - ``pair-<key>.safetensors``: the Gram cross terms ``<D_ib, D_jb>`` (B,) of two experts. Keyed by
@@ -48,7 +50,7 @@ import xxhash
 from safetensors.numpy import load, save
 
 from mergefs.core import format as fmt
-from mergefs.index.stats import ORDER_VERSION
+from mergefs.index.stats import ORDER_VERSION, SKETCH_VERSION, sketch_buckets
 from mergefs.sources.local import Checkpoint, write_beside
 from mergefs.core.errors import SourceError
 from mergefs.index.published import layout_hash
@@ -73,6 +75,9 @@ class ExpertPiece:
     norms: np.ndarray  # float64, ||D_ib|| (sqrt of sq_norms, or a sidecar's own figures)
     zero: np.ndarray  # bool
     origin: str = "read"  # or "sidecar": no Gram cross terms can be computed without reading
+    #: (B, k) float32, the blocks' delta sketches (cross terms estimated without reading);
+    #: None: not known (a sidecar's piece, or one of an earlier build)
+    sketch: np.ndarray | None = None
 
     def digest(self) -> str:
         return content_digest(self.expert_hash)
@@ -186,8 +191,8 @@ class PieceStore:
         self.used: set[str] = set()  # piece file names loaded or written by this store
 
     # -- reading ---------------------------------------------------------------------------
-    def _read(self, path: Path, names: tuple[str, ...]) -> tuple[dict[str, np.ndarray],
-                                                               dict[str, str]] | None:
+    def _read(self, path: Path, names: tuple[str, ...], optional: tuple[str, ...] = ()
+              ) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -208,8 +213,9 @@ class PieceStore:
             why = f"summation order {meta.get('summation_order')!r}, not {ORDER_VERSION!r}"
         elif meta.get("layout_xxh3") != self.layout_xxh3:
             why = "block layout differs"
-        elif set(arrays) != set(names) or any(a.shape != (self.layout.n_blocks,)
-                                              for a in arrays.values()):
+        elif not set(names) <= set(arrays) <= set(names) | set(optional) or any(
+                a.shape[:1] != (self.layout.n_blocks,) or a.ndim != 1 + (name in optional)
+                for name, a in arrays.items()):
             why = "arrays do not match the block layout"
         if why is not None:
             log.warning("ignoring index piece %s: %s", path, why)
@@ -275,7 +281,7 @@ class PieceStore:
                     accept_sidecar: bool) -> ExpertLoad:
         """The expert piece ``key``, or why it cannot be used (None: there is none)."""
         got = self._read(self.folder / piece_name("expert", key),
-                         ("expert_hash", "sq_norms", "norms", "zero"))
+                         ("expert_hash", "sq_norms", "norms", "zero"), ("sketch",))
         if got is None:
             return ExpertLoad(None)
         arrays, meta = got
@@ -287,7 +293,17 @@ class PieceStore:
         return ExpertLoad(ExpertPiece(arrays["expert_hash"].astype(np.uint64),
                                       arrays["sq_norms"].astype(np.float64),
                                       arrays["norms"].astype(np.float64),
-                                      arrays["zero"].astype(bool), origin))
+                                      arrays["zero"].astype(bool), origin,
+                                      self._sketch(arrays, meta)))
+
+    def _sketch(self, arrays: dict[str, np.ndarray], meta: dict[str, str]
+                ) -> np.ndarray | None:
+        """A piece's sketches, if of this sketch version and bucket count."""
+        got = arrays.get("sketch")
+        if got is None or meta.get("sketch_version") != SKETCH_VERSION or \
+                got.shape[1] != sketch_buckets(self.layout.block_size):
+            return None
+        return got.astype(np.float32)
 
     def load_pair(self, key: str) -> np.ndarray | None:
         got = self._read(self.folder / piece_name("pair", key), ("gram",))
@@ -330,10 +346,12 @@ class PieceStore:
 
     def save_expert(self, key: str, expert: Checkpoint, piece: ExpertPiece,
                     base_hash: np.ndarray) -> None:
+        sketch = {} if piece.sketch is None else {"sketch": piece.sketch}
         self._write(self.folder / piece_name("expert", key),
                     {"expert_hash": piece.expert_hash, "sq_norms": piece.sq_norms,
-                     "norms": piece.norms, "zero": piece.zero},
+                     "norms": piece.norms, "zero": piece.zero, **sketch},
                     {"kind": "expert", "origin": piece.origin, "root": str(expert.root),
+                     "sketch_version": SKETCH_VERSION,
                      "base_xxh3": content_digest(base_hash), "digest": piece.digest()})
 
     def save_pair(self, key: str, gram: np.ndarray) -> None:

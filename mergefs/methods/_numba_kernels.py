@@ -246,3 +246,24 @@ def gram_lanes(d: Any, pairs: Any, acc: Any) -> None:
                 ys = y[j0:j0 + lanes]
                 for k in range(lanes):
                     a[k] += np.float64(xs[k]) * np.float64(ys[k])
+
+
+@_jit
+def sketch_tile(d: Any, rows: Any, key: Any, c0: Any, n: Any, out: Any) -> None:
+    """CountSketch of columns ``[0, n)`` of each row ``rows[q]`` of ``d`` (float32) into a fresh
+    ``out[q]`` (float64, (Q, k), zeroed by the caller): element ``j`` (position ``c0 + j`` in
+    its block) adds ``sign * float64(d[r, j])`` to bucket ``h % k``, sequentially in
+    increasing ``j`` (numpy's ``bincount`` order), where ``h`` is splitmix64's finaliser of
+    ``key + c0 + j`` and the sign its top bit. What :func:`mergefs.index.stats.sketch_hash`
+    computes."""
+    k = np.uint64(out.shape[1])
+    for j in range(n):
+        z = key + np.uint64(c0 + j)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        b = np.int64(z % k)
+        neg = (z >> np.uint64(63)) != np.uint64(0)
+        for q in range(rows.size):
+            v = np.float64(d[rows[q], j])
+            out[q, b] += -v if neg else v

@@ -374,9 +374,9 @@ def warm_up() -> None:
 
 
 def index_kernels() -> Any:
-    """The compiled index kernels (``idx_delta_*``, ``gram_lanes``, ``dec_*`` of
-    :mod:`mergefs.methods._numba_kernels`; what they compute: :mod:`mergefs.index.stats`), or None when
-    numba cannot be used (then :mod:`mergefs.index.stats` computes the same bits with numpy,
+    """The compiled index kernels (``idx_delta_*``, ``gram_lanes``, ``sketch_tile``, ``dec_*``
+    of :mod:`mergefs.methods._numba_kernels`; what they compute: :mod:`mergefs.index.stats`), or
+    None when numba cannot be used (then :mod:`mergefs.index.stats` computes the same bits with numpy,
     logged once)."""
     if _usable():
         return _kernels()

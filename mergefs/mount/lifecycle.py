@@ -47,9 +47,8 @@ from mergefs.engine.layout import OutputOptions, parse_shard_size
 from mergefs.engine.merger import may_use_kernels
 from mergefs.engine.output import check_writes
 from mergefs.engine.session import prepare_family
-from mergefs.index.blocks import BlockIndex, index_bytes_total, load_or_build
+from mergefs.index.blocks import BlockIndex, load_or_build
 from mergefs.index.collect import register_live
-from mergefs.index.layout import build_layout
 from mergefs.methods import kernels
 from mergefs.mount.control import run_stats
 from mergefs.mount.pages import StoreFn
@@ -236,9 +235,9 @@ def ensure_index(spec: Spec, progress: bool = True) -> Opened:
     mount's own reads. The caller closes what it gets, or hands it to :func:`serve`."""
     base, experts = prepare_family(spec)
     try:
-        total = index_bytes_total(base, experts, build_layout(base, spec.block_size))
-        with byte_progress("indexing", total, enabled=progress) as tick:
+        with byte_progress("indexing", enabled=progress) as tick:  # total: what it will read
             index, built = load_or_build(base, experts, spec.block_size, spec.index_dir, tick,
+                                         on_total=tick.set_total,
                                          max_size_bytes=spec.index_max_size_bytes)
         if built:
             log.info("index built in %s", spec.index_dir)

@@ -41,6 +41,24 @@ exact norm of the omitted deltas, before rounding; an index without base norms
 rounding term is a worst case that usually dominates (bf16's 2^-8 is above a typical
 fine-tune's relative delta): the output bounds then sit well above the update itself, which
 is why sweeps and ``bound_relative_to_update`` use the bound before rounding.
+
+**Exact or estimated.** ``error_exact`` and ``update_norm`` are ``sqrt(sum_b c_b^T G_b c_b)``
+over the index's Gram matrices ``G_b``. Their diagonals (``||D_ib||^2``) are always exact; a
+cross term ``<D_ib, D_jb>`` is exact where the index holds the pair (``mergefs index
+--exact``), else estimated from the two experts' CountSketches (:mod:`mergefs.index.stats`,
+``k`` buckets, one independent hash per block). Treating the seeded hash as random, the
+estimated squared norm ``Q`` is unbiased and, per block, its deviation is the quadratic form
+``sum_{p != q} M_pq s_p s_q [h_p = h_q]`` with ``M = sum over estimated (i, j), i != j, of
+c_i c_j D_ib D_jb^T``, so ``Var(Q_b) <= (2/k) ||M||_F^2 <= (2/k) S_b^2`` with ``S_b = sum over
+estimated ordered pairs i != j of |c_i| |c_j| ||D_ib|| ||D_jb||`` (computable from the exact
+norms). Blocks are independent and a block of at most ``k`` elements is sketched whole (no
+variance): ``sq_stderr = sqrt(sum over blocks of more than k elements of 2 S_b^2 / k)`` bounds
+the standard deviation of ``Q``. The report's interval is Chebyshev's at 95%:
+``Q +- sqrt(20) sq_stderr``, its square roots (the error's upper end capped by ``bound_tight``,
+which holds always, as is the estimate itself). Where no estimated pair has two non-zero sides with non-zero
+coefficients in an included block, ``S_b`` is 0 everywhere and the figure is exact, bit for
+bit. The stored sketches are float32: their rounding (relative 2^-24 per bucket) is not in the
+bar. Plans, bounds and the plan hash never depend on an estimate.
 """
 
 from __future__ import annotations
@@ -97,6 +115,29 @@ class Plan:
     decode_seconds: float | None = None
     replaced_read_seconds: float | None = None
     decode_limit: float | None = None
+    #: bounds on the standard deviation of ``error_exact**2`` and ``update_norm**2`` where they
+    #: are estimated from sketches (module docstring); None: the figure is exact
+    error_sq_stderr: float | None = None
+    update_sq_stderr: float | None = None
+
+    def error_interval(self) -> tuple[float, float, float] | None:
+        """(low, high, probability) for ``error_exact`` (an exact figure: itself, 1.0)."""
+        return _interval(self.error_exact, self.error_sq_stderr, self.bound_tight)
+
+    def update_interval(self) -> tuple[float, float, float] | None:
+        """(low, high, probability) for ``update_norm`` (an exact figure: itself, 1.0)."""
+        return _interval(self.update_norm, self.update_sq_stderr, None)
+
+    def estimated(self) -> list[str]:
+        """The report's figures that are estimates (from sketches), by key."""
+        out = []
+        if self.error_exact is not None and self.error_sq_stderr is not None:
+            out.append("error_exact")
+        if self.update_norm is not None and self.update_sq_stderr is not None:
+            out.append("update_norm")
+            if self.bound_tight and self.update_norm:  # a bound of 0 is 0 of any update
+                out.append("bound_relative_to_update")
+        return out
 
     @property
     def gap_allowance_bytes(self) -> int | None:
@@ -128,6 +169,9 @@ class Plan:
             "update_norm": self.update_norm,
             "bound_relative_to_update": rel,
             "plan_hash": self.plan_hash,
+            "estimated": self.estimated(),
+            "error": _figure(self.error_exact, self.error_sq_stderr, self.error_interval()),
+            "update": _figure(self.update_norm, self.update_sq_stderr, self.update_interval()),
         }
         if self.levels is not None:  # delta sidecars: what part of the reads they are
             out["sidecar_bytes"] = self.sidecar_bytes
@@ -136,6 +180,50 @@ class Plan:
             out["replaced_read_seconds_model"] = self.replaced_read_seconds
             out["decode_limit"] = self.decode_limit
         return out
+
+
+CONFIDENCE = 0.95  # of the intervals around estimated figures (Chebyshev)
+_Z = float(np.sqrt(1.0 / (1.0 - CONFIDENCE)))
+
+
+def _interval(value: float | None, sq_stderr: float | None, cap: float | None
+              ) -> tuple[float, float, float] | None:
+    if value is None:
+        return None
+    if sq_stderr is None:
+        return value, value, 1.0
+    sq = value * value  # >= the raw estimate where that was negative: the interval holds
+    high = float(np.sqrt(sq + _Z * sq_stderr))
+    if cap is not None:
+        high = min(high, cap)
+    return float(np.sqrt(max(0.0, sq - _Z * sq_stderr))), high, CONFIDENCE
+
+
+def _figure(value: float | None, sq_stderr: float | None,
+            interval: tuple[float, float, float] | None) -> dict[str, Any] | None:
+    """A figure of the JSON report with whether it is exact and its error bar."""
+    if value is None or interval is None:
+        return None
+    low, high, prob = interval
+    return {"value": value, "exact": sq_stderr is None,
+            "sq_stderr": 0.0 if sq_stderr is None else sq_stderr,
+            "low": low, "high": high, "probability": prob}
+
+
+def cross_sq_stderr(index: BlockIndex, coeffs: np.ndarray) -> float | None:
+    """The bound on the standard deviation of ``||sum_i c_ib D_ib||^2`` computed from the
+    index's Gram matrices (``coeffs`` (N, B), zero where a delta is left out), from the
+    estimated cross terms (module docstring); None where no estimated term contributes (the
+    figure is exact)."""
+    if index.gram_exact is None or index.gram_exact.all():
+        return None
+    a = np.abs(coeffs) * index.norms
+    s_b = np.einsum("ib,ij,jb->b", a, (~index.gram_exact).astype(np.float64), a)
+    if not np.any(s_b > 0):
+        return None
+    k = index.sketch_buckets
+    n_b = index.layout.elem_end - index.layout.elem_start
+    return float(np.sqrt(np.sum(np.where(n_b > k, 2.0 * s_b * s_b / k, 0.0))))
 
 
 def selected_runs(selected: np.ndarray) -> list[list[list[int]]]:
@@ -348,8 +436,14 @@ def make_plan(spec: Spec, index: BlockIndex, budget_bytes: int | None = None,
                       rounding_terms(spec, index, coeffs, nonzero & selected))
         if not index.has_gram:  # statistics from sidecars: no cross terms, so no exact norms
             got = (got[0], got[1], None, None, got[4], got[5])
+    stderr = {}
+    if got[2] is not None:
+        stderr = {"error_sq_stderr": cross_sq_stderr(index, coeffs * (nonzero & ~selected)),
+                  "update_sq_stderr": cross_sq_stderr(index, coeffs)}
+        if stderr["error_sq_stderr"] is not None and got[0] is not None:
+            got = (got[0], got[1], min(got[2], got[0]), *got[3:])  # ||E|| <= tight, always
     return _assemble(index, selected, int(budget_bytes), planned, total, nonzero_bytes,
-                     got, plan_hash(spec, index, selected))
+                     got, plan_hash(spec, index, selected), **stderr)
 
 
 def _assemble(index: BlockIndex, selected: np.ndarray, budget_bytes: int, planned: int,
@@ -388,6 +482,7 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
     planned = got.exact_bytes + got.sidecar_bytes
     assert planned <= budget_bytes
     tight = loose = exact = update = out_tight = out_loose = None
+    stderr: dict[str, float | None] = {}
     if spec.is_additive:
         per_block = np.repeat(coeffs[:, None], index.norms.shape[1], axis=1)
         approx = (got.levels > 0) & ~index.zero
@@ -396,11 +491,17 @@ def _plan_with_levels(spec: Spec, index: BlockIndex, budget_bytes: int, coeffs: 
         if index.has_gram:
             upd_sq = np.einsum("i,bij,j->", coeffs, index.gram, coeffs)
             update = float(np.sqrt(max(upd_sq, 0.0)))
+            stderr["update_sq_stderr"] = cross_sq_stderr(index, per_block)
             if not got.levels.any():  # no reconstructed block: the Gram gives the exact error
-                exact = _bounds(index, per_block, ~index.zero & ~got.selected)[2]
+                omitted = ~index.zero & ~got.selected
+                exact = _bounds(index, per_block, omitted)[2]
+                stderr["error_sq_stderr"] = cross_sq_stderr(index, per_block * omitted)
+                if stderr["error_sq_stderr"] is not None and tight is not None:
+                    exact = min(exact, tight)  # ||E|| <= tight, always
     return _assemble(index, got.selected, budget_bytes, planned, total, nonzero_bytes,
                      (tight, loose, exact, update, out_tight, out_loose),
                      plan_hash(spec, index, got.selected, got.levels, sidecars),
                      levels=got.levels, sidecar_bytes=got.sidecar_bytes,
                      sidecar_bytes_by_expert=got.sidecar_bytes_by_expert,
-                     decode_seconds=dec, replaced_read_seconds=read, decode_limit=limit)
+                     decode_seconds=dec, replaced_read_seconds=read, decode_limit=limit,
+                     **stderr)

@@ -27,8 +27,7 @@ from mergefs.spec.budget import parse_budget
 from mergefs.spec.load import parse_spec
 from mergefs.spec.variants import set_key, short_key
 from mergefs.core.progress import byte_progress
-from mergefs.index.blocks import index_bytes_total, load_or_build
-from mergefs.index.layout import build_layout
+from mergefs.index.blocks import load_or_build
 from mergefs.plan.planner import make_plan
 from mergefs.recipe.family import open_family
 from mergefs.recipe.family import recipe_of
@@ -52,9 +51,37 @@ class SweepRow:
     energy_kept: float | None  # 1 - (error/update)^2, from the index's Gram matrices
     bound_share: float | None  # bound_tight / update_norm (before output rounding)
     bound_output_tight: float | None = None  # of the output bytes (mergefs.plan.planner)
+    #: which of error_exact, update_norm and bound_relative_to_update (bound_share) are
+    #: estimated from the index's sketches (Plan.estimated); the norms' intervals
+    #: (mergefs.plan.planner), each with probability >= 95%
+    estimated: tuple[str, ...] = ()
+    error_interval: tuple[float, float] | None = None
+    update_interval: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def error_estimated(self) -> bool:
+        """error / update (and the energy kept) is an estimate: the error is, or the update
+        is and the error is not exactly 0."""
+        return "error_exact" in self.estimated or (
+            "update_norm" in self.estimated and self.error_exact != 0.0)
+
+    def ranges(self) -> dict[str, tuple[float | None, float | None]]:
+        """Intervals of the ratios (error / update, energy kept, bound / update) from those of
+        the two norms: both hold with probability >= 90% (a union bound)."""
+        out: dict[str, tuple[float | None, float | None]] = {
+            "error": (None, None), "kept": (None, None), "share": (None, None)}
+        if self.update_interval is None:
+            return out
+        u_lo, u_hi = self.update_interval
+        if self.bound_tight is not None and u_lo > 0 and u_hi > 0:
+            out["share"] = (self.bound_tight / u_hi, self.bound_tight / u_lo)
+        if self.error_interval is not None and u_lo > 0 and u_hi > 0:
+            e_lo, e_hi = self.error_interval
+            out["error"] = (e_lo / u_hi, e_hi / u_lo)
+            out["kept"] = (max(0.0, 1 - (e_hi / u_lo) ** 2), max(0.0, 1 - (e_lo / u_hi) ** 2))
+        return out
 
 
 def parse_grid(items: Sequence[str]) -> list[tuple[str, list[Any]]]:
@@ -79,9 +106,12 @@ def _row(spec: Spec, index: Any, budget: str, variant: str, coefficients: Any) -
         kept = max(0.0, 1.0 - (plan.error_exact / plan.update_norm) ** 2)
     if plan.bound_tight is not None and plan.update_norm:
         share = plan.bound_tight / plan.update_norm
+    ei, ui = plan.error_interval(), plan.update_interval()
     return SweepRow(variant, spec.method, b.describe(), plan.budget_bytes, plan.planned_bytes,
                     plan.total_expert_bytes, plan.bound_tight, plan.error_exact,
-                    plan.update_norm, kept, share, plan.bound_output_tight)
+                    plan.update_norm, kept, share, plan.bound_output_tight,
+                    tuple(plan.estimated()), None if ei is None else ei[:2],
+                    None if ui is None else ui[:2])
 
 
 DEFAULT_BUDGETS = ("1%", "2%", "5%", "10%", "20%", "50%", "full")
@@ -105,9 +135,9 @@ def run_sweep(spec_path: str | Path, budgets: Sequence[str] | None, methods: Seq
     first = parse_spec(copy.deepcopy(doc), base_dir, str(path), strict=strict)
     base, experts = open_family(first)
     try:
-        total = index_bytes_total(base, experts, build_layout(base, first.block_size))
-        with byte_progress("indexing", total, enabled=progress) as tick:
-            index, _ = load_or_build(base, experts, first.block_size, first.index_dir, tick)
+        with byte_progress("indexing", enabled=progress) as tick:  # total: what it will read
+            index, _ = load_or_build(base, experts, first.block_size, first.index_dir, tick,
+                                     on_total=tick.set_total)
         if is_sweep(doc) and not methods and not grid:
             return _variant_rows(doc, base_dir, path, base, index, budgets, strict)
         return _sweep_rows(doc, base_dir, path, first, base, index,

@@ -77,6 +77,9 @@ def test_mergefs_figures_are_the_plans(fam: Family, tmp_path: Path) -> None:
     assert f"{plan.planned_bytes:,} bytes" in card
     assert "mergefs replay spec.manifest.jsonl" in card
     assert "error bound, ‖E‖ ≤ (tight)" in card and "not read and count as unchanged" in card
+    # two experts, no exact pair: the error is an estimate and says so, with its interval
+    assert plan.estimated() and "estimated error ‖E‖ (from sketches) | ≈ " in card
+    assert "with probability ≥ 95%" in card and "exact error" not in card
     full, session = card_of(fam, tmp_path, spec_doc(fam, "ties", parameters={"density": 0.5}))
     assert "ties is not additive" in full and "This is the full merge" in full
     assert session.engine.plan.plan_hash != plan.plan_hash
@@ -99,6 +102,9 @@ def test_hub_ids_go_into_base_model_and_links(fam: Family, tmp_path: Path) -> No
         update_norm = 1.0
         bound_output_tight = None
         plan_hash = "abc"
+
+        def estimated(self) -> list[str]:
+            return []
 
     card = model_card(spec, NoPlan(), "", yaml.safe_dump(doc)).decode()  # type: ignore[arg-type]
     theirs = generate_card(MergeConfiguration.model_validate(doc), yaml.safe_dump(doc), "")

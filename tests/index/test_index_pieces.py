@@ -1,5 +1,5 @@
-"""The block index stored as pieces (base, (base, expert), pairs of experts): adding an expert
-builds only its pieces, removing or reordering builds nothing, specs share pieces, a changed
+"""The block index stored as pieces (base, (base, expert), pairs of experts), with exact pairs
+(``exact=True``, ``mergefs index --exact``): adding an expert builds only its pieces, removing or reordering builds nothing, specs share pieces, a changed
 expert rebuilds only itself, and the assembled index equals a fresh build bit for bit."""
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def opened(fam: Family, which: list[int]) -> tuple[Checkpoint, list[Checkpoint]]
 
 def index_of(fam: Family, which: list[int], idx: Path, **kw: object
              ) -> tuple[BlockIndex, bool, BuildReport]:
+    """The exact path (``mergefs index --exact``): pairs built as before sketches; the
+    default (estimated cross terms) is tested in test_index_sketches.py."""
+    kw.setdefault("exact", True)
     base, experts = opened(fam, which)
     report = BuildReport()
     try:
@@ -237,7 +240,8 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
     base = open_source(fam.base)
     experts = [open_source(f"file://{c}") for c in copies]
     try:
-        full, _ = load_or_build(base, experts, BLOCK, tmp_path / "pub", sidecars=False)
+        full, _ = load_or_build(base, experts, BLOCK, tmp_path / "pub", sidecars=False,
+                                exact=True)
         publish(base, experts, full)
         caplog.set_level(logging.INFO, logger="mergefs")
         first = BuildReport()
@@ -246,7 +250,7 @@ def test_pieces_from_sidecars_then_read_in_full(fam: Family, tmp_path: Path,
         assert "2 of 2 experts from published sidecars" in caplog.text
         again = BuildReport()
         index, built = load_or_build(base, experts, BLOCK, tmp_path / "use", sidecars=False,
-                                     report=again)
+                                     report=again, exact=True)
         assert built and index.has_gram and again.pairs_built == 1
         for e, src in zip(experts, fam.experts):  # each read once: pairs in the same pass
             assert again.bytes_read[str(e.root)] == float_bytes(src)
@@ -290,7 +294,7 @@ def test_an_expert_relabelled_to_another_dtype_gets_new_pairs(fam: Family,
     base = open_source(fam.base)
     experts = [open_source(relabelled), open_source(fam.experts[1])]
     try:
-        got, _ = load_or_build(base, experts, BLOCK, idx)
+        got, _ = load_or_build(base, experts, BLOCK, idx, exact=True)
         want = build_index(base, experts, build_layout(base, BLOCK))
     finally:
         for c in [base, *experts]:

@@ -24,7 +24,7 @@ README_KEYS = {
     "budget_bytes", "planned_expert_bytes", "total_expert_bytes", "nonzero_expert_bytes",
     "blocks_read", "blocks_total", "blocks_zero", "bound_tight", "bound_loose",
     "bound_output_tight", "bound_output_loose", "error_exact",
-    "update_norm", "bound_relative_to_update", "plan_hash",
+    "update_norm", "bound_relative_to_update", "plan_hash", "estimated", "error", "update",
 }
 
 
