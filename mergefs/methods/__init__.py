@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
+from mergefs.methods import subspace
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
@@ -33,7 +34,8 @@ __all__ = [
 ]
 
 _ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
-                            *spherical.METHODS, *simple.METHODS, *ram.METHODS)
+                            *spherical.METHODS, *simple.METHODS, *ram.METHODS,
+                            *subspace.METHODS)
 _BY_NAME: dict[str, Method] = {m.name: m for m in _ALL}
 assert len(_BY_NAME) == len(_ALL), "duplicate method names"
 

@@ -162,7 +162,8 @@ def render() -> str:
         title = {"linear": "Linear", "gta": "Generalised task arithmetic",
                  "slerp": "Spherical interpolation", "stock": "Model stock and SCE",
                  "spherical": "Means on the hypersphere", "simple": "Small methods",
-                 "ram": "RAM"}[family]
+                 "ram": "RAM",
+                 "subspace": "Singular subspaces (FusionBench)"}[family]
         body.append(f"## {title}\n")
         if family == "gta":
             body.append(ms[0].arithmetic.rstrip() + "\n")

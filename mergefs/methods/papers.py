@@ -28,6 +28,10 @@ PAPERS: dict[str, tuple[str, str | None]] = {
     "ram": ("Reinforced Agent Merging", "https://arxiv.org/abs/2601.13572"),
     "ramplus_tl": ("Reinforced Agent Merging Plus (Tensor-Local)",
                    "https://arxiv.org/abs/2601.13572"),
+    "tsv_m": ("TSV-M (Task Singular Vectors)", "https://arxiv.org/abs/2412.00081"),
+    "iso_c": ("Iso-C (isotropic merging, common subspace)", "https://arxiv.org/abs/2502.04959"),
+    "iso_cts": ("Iso-CTS (isotropic merging, common and task-specific subspaces)",
+                "https://arxiv.org/abs/2502.04959"),
 }
 
 

@@ -1,0 +1,183 @@
+"""Merges in the singular subspaces of the task matrices, as FusionBench 0.2.33 runs them:
+``tsv_m`` (Task Singular Vectors, TSV-M), ``iso_c`` and ``iso_cts`` (isotropic merging in the
+common, and the common and task-specific, subspaces). Pure; runs on any thread.
+
+Every 2-D tensor is one matrix (embeddings and the LM head included, as in FusionBench); other
+tensors (norms, biases) take the methods' fallback, the mean of the deltas. The arithmetic is
+torch's CPU float32 kernels (``torch.linalg.svd``, ``multi_dot``) in FusionBench's order of
+operations, so the bytes equal FusionBench's on float32 checkpoints with the same torch. Memory
+per unit: the engine's whole-tensor inputs plus a few matrices of the tensor's size (one task's
+delta and its factors at a time, the concatenated factors and their SVDs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mergefs.methods.base import (
+    BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, require_torch,
+)
+
+TSV_M = """\
+`D_i = w_i * (W_i - W0)` for the T non-base models (`w_i * ` only where `weight` is not 1).
+Matrices (2-D): `U_i S_i V_i^T = svd(D_i)` (torch.linalg.svd, full_matrices=False, k singular
+values), `r = int(k * (1 / T))`; `U` (m x k) holds `U_i[:, :r]` in columns `[i r, (i+1) r)`,
+`s` the matching `S_i[:r]`, `V^T` (k x n) the rows `V_i^T[:r]` (zeros elsewhere);
+`P_u Q_u = svd(U)`, `P_v Q_v = svd(V^T)` (each orthogonal factor's `P Q`, the polar factor
+that whitens the concatenated directions); `M = W0 + alpha * multi_dot(P_u, Q_u, diag(s), P_v,
+Q_v)`. Other tensors: the running mean `m = D_1; m += (D_i - m) / i`, `M = W0 + alpha * m`.
+Whole tensor, torch float32. FusionBench's `alpha` list is `weight` here (per model).
+"""
+
+ISO_C = """\
+`D_i = W_i - W0`; `A = (sum_i D_i) / T` (Python's `sum`, from integer 0). Matrices: `A *= T`,
+`U S V^T = svd(A)`, `A = multi_dot(U, diag(mean(S) * ones), V^T)` (the spectrum flattened to
+its mean). `M = W0 + scaling_factor * A`. Whole tensor, torch float32.
+"""
+
+ISO_CTS = """\
+`D_i = W_i - W0`. Other than matrices: the running mean `A = D_1; A += (D_i - A) / i`.
+Matrices (m x n, `k = min(m, n)`): `c = int(k * common_space_fraction)`, `c = k - round((k - c)
+/ T) * T` (Python's round), `d = int((k - c) / T)`; `U S V^T = svd(sum_i D_i)`, the common
+space `U[:, :c]`, `S[:c]`, `V^T[:c]`; per task `R_i = D_i - U_c U_c^T D_i`, its top `d`
+singular triplets in columns/rows `[i d, (i+1) d)`, the common space after them at `[T d, T d +
+c)`; both factor matrices orthogonalised as in tsv_m (`P Q` of their SVDs), every singular value
+replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`. `M = W0 +
+scaling_factor * A`. Whole tensor, torch float32.
+"""
+
+
+def _deltas(u: Unit, weights: Sequence[float] | None = None) -> list[Any]:
+    """The task vectors ``W_i - W0`` (torch tensors), each scaled by its weight unless 1."""
+    assert u.base is not None
+    out = [x - u.base for x in u.inputs]
+    if weights is not None:
+        out = [d if w == 1 else w * d for d, w in zip(out, weights)]
+    return out
+
+
+def _running_mean(deltas: Sequence[Any]) -> Any:
+    """FusionBench's mean of the non-matrix tensors: ``m += (d_i - m) / (i + 1)``."""
+    mean = deltas[0].clone()
+    for i, d in enumerate(deltas[1:], start=1):
+        mean += (d - mean) / (i + 1)
+    return mean
+
+
+def _whiten(torch: Any, a: Any) -> Any:
+    """``P Q`` for ``P S Q = svd(a)``: the nearest matrix with orthonormal columns (or rows)."""
+    p, _, q = torch.linalg.svd(a, full_matrices=False)
+    return p, q
+
+
+def _tsv_m(u: Unit) -> Any:
+    torch = require_torch("tsv_m")
+    u = u.torch()
+    deltas = _deltas(u, u.per_input("weight"))
+    if len(u.shape) != 2:
+        merged = _running_mean(deltas)
+    else:
+        share = 1 / len(deltas)
+        for i, d in enumerate(deltas):
+            left, s, right = torch.linalg.svd(d, full_matrices=False)
+            if i == 0:
+                sum_u, sum_s, sum_v = (torch.zeros_like(left), torch.zeros_like(s),
+                                       torch.zeros_like(right))
+            r = int(s.shape[0] * share)
+            sum_u[:, i * r:(i + 1) * r] = left[:, :r]
+            sum_s[i * r:(i + 1) * r] = s[:r]
+            sum_v[i * r:(i + 1) * r, :] = right[:r, :]
+        pu, qu = _whiten(torch, sum_u)
+        pv, qv = _whiten(torch, sum_v)
+        merged = torch.linalg.multi_dot((pu, qu, torch.diag(sum_s), pv, qv))
+    alpha = u.params["alpha"]
+    return alpha * merged + u.base
+
+
+def _iso_c(u: Unit) -> Any:
+    torch = require_torch("iso_c")
+    u = u.torch()
+    deltas = _deltas(u)
+    n = len(deltas)
+    merged = sum(deltas) / n
+    if len(u.shape) == 2:
+        merged *= n
+        left, s, right = torch.linalg.svd(merged, full_matrices=False)
+        flat = torch.ones_like(s) * s.mean()
+        merged = torch.linalg.multi_dot((left, torch.diag(flat), right))
+    return u.base + u.params["scaling_factor"] * merged
+
+
+def _iso_cts(u: Unit) -> Any:
+    torch = require_torch("iso_cts")
+    u = u.torch()
+    deltas = _deltas(u)
+    n = len(deltas)
+    if len(u.shape) != 2:
+        return u.base + u.params["scaling_factor"] * _running_mean(deltas)
+    k = min(u.shape)
+    common = int(k * u.params["common_space_fraction"])
+    common = k - round((k - common) / n) * n
+    left, s, right = torch.linalg.svd(sum(deltas), full_matrices=False)
+    cu, cs, cv = left[:, :common], s[:common], right[:common, :]
+    per_task = int((k - common) / n)
+    for i, d in enumerate(deltas):
+        tl, ts, tr = torch.linalg.svd(d - cu @ cu.T @ d, full_matrices=False)
+        if i == 0:
+            all_u, all_s, all_v = (torch.zeros_like(tl), torch.zeros_like(ts),
+                                   torch.zeros_like(tr))
+        all_u[:, i * per_task:(i + 1) * per_task] = tl[:, :per_task]
+        all_s[i * per_task:(i + 1) * per_task] = ts[:per_task]
+        all_v[i * per_task:(i + 1) * per_task, :] = tr[:per_task, :]
+    at = n * per_task
+    all_u[:, at:at + common] = cu
+    all_s[at:at + common] = cs
+    all_v[at:at + common, :] = cv
+    pu, qu = _whiten(torch, all_u)
+    pv, qv = _whiten(torch, all_v)
+    flat = torch.ones_like(all_s) * all_s.mean()
+    merged = torch.linalg.multi_dot((pu @ qu, torch.diag(flat), pv @ qv))
+    return u.base + u.params["scaling_factor"] * merged
+
+
+def _tsv_coefficients(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
+    return [float(g["alpha"]) * float(p["weight"]) for p in per]
+
+
+def _scaled(g: Mapping[str, Any], per: Sequence[Mapping[str, Any]]) -> list[float]:
+    return [float(g["scaling_factor"])] * len(per)
+
+
+def _caps() -> Capabilities:
+    # all-zero deltas: every singular value is 0, so the merged delta is 0 (of either sign)
+    return Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None,
+                        zero_delta_is_base=True)
+
+
+SCALING = ParamDef("scaling_factor", "float", Scope.GLOBAL, 1.0,
+                   doc="scale of the merged delta (FusionBench's config default)")
+
+METHODS = (
+    Method(
+        name="tsv_m", family="subspace",
+        params=(ParamDef("alpha", "float", Scope.GLOBAL, 1.0,
+                         doc="scale of the merged delta (FusionBench's scalar alpha)"),
+                ParamDef("weight", "float", Scope.NON_BASE, 1.0,
+                         doc="scale of the model's delta before its SVD (FusionBench's "
+                             "alpha list)")),
+        caps=_caps(), merge=_tsv_m, coefficients=_tsv_coefficients,
+        summary="top 1/T singular directions of each delta, whitened across tasks, summed",
+        arithmetic=TSV_M),
+    Method(
+        name="iso_c", family="subspace", params=(SCALING,), caps=_caps(), merge=_iso_c,
+        coefficients=_scaled, summary="the summed delta with its singular values flattened",
+        arithmetic=ISO_C),
+    Method(
+        name="iso_cts", family="subspace",
+        params=(SCALING, ParamDef("common_space_fraction", "float", Scope.GLOBAL, 0.8, 0.0, 1.0,
+                                  doc="share of the rank given to the common subspace")),
+        caps=_caps(), merge=_iso_cts, coefficients=_scaled,
+        summary="iso_c on the common subspace plus each model's own directions",
+        arithmetic=ISO_CTS),
+)
