@@ -242,6 +242,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"{r['name']:<17} base {r['base']:<9} inputs {inputs:<5} "
               f"bound {'yes' if r['additive_bound'] else 'no ':<4} block-wise {r['blockwise']}")
         print(f"    needs torch: {r['needs_torch']}")
+        url = r["paper"]["url"]
+        print(f"    paper: {r['paper']['name']}{f' ({url})' if url else ''}")
         params = [f"{p['name']}{'*' if p['scope'] != 'global' else ''}="
                   f"{'required' if p['required'] else p['default']}" for p in r["parameters"]]
         print(f"    {'  '.join(params) or '(no parameters)'}")

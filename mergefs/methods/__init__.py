@@ -11,6 +11,7 @@ from typing import Any
 
 from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
 from mergefs.methods import subspace
+from mergefs.methods.papers import PAPERS
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
@@ -55,8 +56,9 @@ def _param_row(p: ParamDef) -> dict[str, Any]:
 
 
 def describe_methods() -> list[dict[str, Any]]:
-    """One JSON-able row per method: name, family, parameters with defaults, capabilities, and
-    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`)."""
+    """One JSON-able row per method: name, family, parameters with defaults, capabilities,
+    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`) and its
+    paper (``{"name", "url"}``, :mod:`.papers`)."""
     rows = []
     for m in _ALL:
         c = m.caps
@@ -69,6 +71,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "blockwise": blockwise_note(m),
             "random": c.random,
             "needs_torch": m.torch_use.note,
+            "paper": dict(zip(("name", "url"), PAPERS.get(m.name, (m.name, None)))),
         })
     return rows
 

@@ -19,6 +19,14 @@ from mergefs.methods.base import (
     BasePolicy, Capabilities, Method, ParamDef, Scope, Unit, require_torch,
 )
 
+REFERENCE = """
+Reference: FusionBench 0.2.33's `{cls}`
+(`fusion_bench {cfg}`), whose bytes mergefs gives for float32 checkpoints with the same torch
+(tests/methods/test_subspace.py); FusionBench computes the deltas of 16-bit checkpoints in
+their dtype, mergefs in float32. FusionBench's `exclude_keys` (matrices merged as other
+tensors) is not offered.
+"""
+
 TSV_M = """\
 `D_i = w_i * (W_i - W0)` for the T non-base models (`w_i * ` only where `weight` is not 1).
 Matrices (2-D): `U_i S_i V_i^T = svd(D_i)` (torch.linalg.svd, full_matrices=False, k singular
@@ -27,14 +35,16 @@ values), `r = int(k * (1 / T))`; `U` (m x k) holds `U_i[:, :r]` in columns `[i r
 `P_u Q_u = svd(U)`, `P_v Q_v = svd(V^T)` (each orthogonal factor's `P Q`, the polar factor
 that whitens the concatenated directions); `M = W0 + alpha * multi_dot(P_u, Q_u, diag(s), P_v,
 Q_v)`. Other tensors: the running mean `m = D_1; m += (D_i - m) / i`, `M = W0 + alpha * m`.
-Whole tensor, torch float32. FusionBench's `alpha` list is `weight` here (per model).
-"""
+Whole tensor, torch float32. FusionBench's `alpha` list is `weight` here (per model); mergefs
+accepts both, the weights applied first.
+""" + REFERENCE.format(cls="TaskSingularVectorMerging",
+                       cfg="method=task_singular_vector/TaskSingularVectorMerging")
 
 ISO_C = """\
 `D_i = W_i - W0`; `A = (sum_i D_i) / T` (Python's `sum`, from integer 0). Matrices: `A *= T`,
 `U S V^T = svd(A)`, `A = multi_dot(U, diag(mean(S) * ones), V^T)` (the spectrum flattened to
 its mean). `M = W0 + scaling_factor * A`. Whole tensor, torch float32.
-"""
+""" + REFERENCE.format(cls="ISO_C_Merge", cfg="method=isotropic_merging/iso_c")
 
 ISO_CTS = """\
 `D_i = W_i - W0`. Other than matrices: the running mean `A = D_1; A += (D_i - A) / i`.
@@ -45,7 +55,7 @@ singular triplets in columns/rows `[i d, (i+1) d)`, the common space after them 
 c)`; both factor matrices orthogonalised as in tsv_m (`P Q` of their SVDs), every singular value
 replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`. `M = W0 +
 scaling_factor * A`. Whole tensor, torch float32.
-"""
+""" + REFERENCE.format(cls="ISO_CTS_Merge", cfg="method=isotropic_merging/iso_cts")
 
 
 def _deltas(u: Unit, weights: Sequence[float] | None = None) -> list[Any]:
@@ -178,6 +188,6 @@ METHODS = (
         params=(SCALING, ParamDef("common_space_fraction", "float", Scope.GLOBAL, 0.8, 0.0, 1.0,
                                   doc="share of the rank given to the common subspace")),
         caps=_caps(), merge=_iso_cts, coefficients=_scaled,
-        summary="iso_c on the common subspace plus each model's own directions",
+        summary="isotropic merging in the common subspace and each model's own directions",
         arithmetic=ISO_CTS),
 )

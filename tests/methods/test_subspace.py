@@ -262,3 +262,17 @@ def test_replay_verifies_the_manifest(method: str, llama3: Family, tmp_path: Pat
     assert cli.main(["merge", str(spec), str(tmp_path / "out"), "--manifest",
                      str(manifest)]) == 0
     assert cli.main(["replay", str(manifest)]) == 0
+
+
+def test_methods_command_names_the_papers(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert cli.main(["methods", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["tsv_m"]["paper"]["url"] == "https://arxiv.org/abs/2412.00081"
+    assert rows["iso_cts"]["paper"]["url"] == "https://arxiv.org/abs/2502.04959"
+    assert {p["name"]: p["default"] for p in rows["iso_cts"]["parameters"]} == \
+        {"scaling_factor": 1.0, "common_space_fraction": 0.8}
+    assert cli.main(["methods"]) == 0
+    assert "paper: Iso-C (isotropic merging, common subspace) (https://arxiv.org/abs/2502.04959)" \
+        in capsys.readouterr().out
