@@ -6,13 +6,13 @@ Every 2-D tensor is one matrix (embeddings and the LM head included, as in Fusio
 tensors (norms, biases) take the methods' fallback, the mean of the deltas. The arithmetic is
 torch's CPU float32 kernels (``torch.linalg.svd``, ``multi_dot``) in FusionBench's order of
 operations, so the bytes equal FusionBench's on float32 checkpoints with the same torch. Memory
-per unit: the engine's whole-tensor inputs plus a few matrices of the tensor's size (one task's
-delta and its factors at a time, the concatenated factors and their SVDs).
+per unit: the engine's whole-tensor inputs plus 10-22 matrices of the tensor's size (one task's
+delta and its SVD at a time, the concatenated factors and their SVDs; LAPACK's workspace).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mergefs.methods.base import (
@@ -20,6 +20,9 @@ from mergefs.methods.base import (
 )
 
 REFERENCE = """
+Memory: one tensor at a time; besides the engine's T + 1 float32 inputs, a peak of about {mem}
+times the float32 matrix (measured on 1024 x 1024, 4 models; one torch SVD alone takes 6.5).
+
 Reference: FusionBench 0.2.33's `{cls}`
 (`fusion_bench {cfg}`), whose bytes mergefs gives for float32 checkpoints with the same torch
 (tests/methods/test_subspace.py); FusionBench computes the deltas of 16-bit checkpoints in
@@ -37,14 +40,14 @@ that whitens the concatenated directions); `M = W0 + alpha * multi_dot(P_u, Q_u,
 Q_v)`. Other tensors: the running mean `m = D_1; m += (D_i - m) / i`, `M = W0 + alpha * m`.
 Whole tensor, torch float32. FusionBench's `alpha` list is `weight` here (per model); mergefs
 accepts both, the weights applied first.
-""" + REFERENCE.format(cls="TaskSingularVectorMerging",
+""" + REFERENCE.format(mem=11, cls="TaskSingularVectorMerging",
                        cfg="method=task_singular_vector/TaskSingularVectorMerging")
 
 ISO_C = """\
 `D_i = W_i - W0`; `A = (sum_i D_i) / T` (Python's `sum`, from integer 0). Matrices: `A *= T`,
 `U S V^T = svd(A)`, `A = multi_dot(U, diag(mean(S) * ones), V^T)` (the spectrum flattened to
 its mean). `M = W0 + scaling_factor * A`. Whole tensor, torch float32.
-""" + REFERENCE.format(cls="ISO_C_Merge", cfg="method=isotropic_merging/iso_c")
+""" + REFERENCE.format(mem=10, cls="ISO_C_Merge", cfg="method=isotropic_merging/iso_c")
 
 ISO_CTS = """\
 `D_i = W_i - W0`. Other than matrices: the running mean `A = D_1; A += (D_i - A) / i`.
@@ -55,23 +58,26 @@ singular triplets in columns/rows `[i d, (i+1) d)`, the common space after them 
 c)`; both factor matrices orthogonalised as in tsv_m (`P Q` of their SVDs), every singular value
 replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`. `M = W0 +
 scaling_factor * A`. Whole tensor, torch float32.
-""" + REFERENCE.format(cls="ISO_CTS_Merge", cfg="method=isotropic_merging/iso_cts")
+""" + REFERENCE.format(mem=22, cls="ISO_CTS_Merge", cfg="method=isotropic_merging/iso_cts")
 
 
-def _deltas(u: Unit, weights: Sequence[float] | None = None) -> list[Any]:
-    """The task vectors ``W_i - W0`` (torch tensors), each scaled by its weight unless 1."""
+def _deltas(u: Unit, weights: Sequence[float] | None = None) -> Iterator[Any]:
+    """The task vectors ``W_i - W0`` (torch tensors), each scaled by its weight unless 1, made
+    one at a time (a consumer that drops each keeps one delta alive, not T)."""
     assert u.base is not None
-    out = [x - u.base for x in u.inputs]
-    if weights is not None:
-        out = [d if w == 1 else w * d for d, w in zip(out, weights)]
-    return out
+    for k, x in enumerate(u.inputs):
+        d = x - u.base
+        yield d if weights is None or weights[k] == 1 else weights[k] * d
 
 
-def _running_mean(deltas: Sequence[Any]) -> Any:
+def _running_mean(deltas: Iterable[Any]) -> Any:
     """FusionBench's mean of the non-matrix tensors: ``m += (d_i - m) / (i + 1)``."""
-    mean = deltas[0].clone()
-    for i, d in enumerate(deltas[1:], start=1):
-        mean += (d - mean) / (i + 1)
+    mean = None
+    for i, d in enumerate(deltas):
+        if mean is None:
+            mean = d.clone()
+        else:
+            mean += (d - mean) / (i + 1)
     return mean
 
 
@@ -88,7 +94,7 @@ def _tsv_m(u: Unit) -> Any:
     if len(u.shape) != 2:
         merged = _running_mean(deltas)
     else:
-        share = 1 / len(deltas)
+        share = 1 / len(u.inputs)
         for i, d in enumerate(deltas):
             left, s, right = torch.linalg.svd(d, full_matrices=False)
             if i == 0:
@@ -98,6 +104,7 @@ def _tsv_m(u: Unit) -> Any:
             sum_u[:, i * r:(i + 1) * r] = left[:, :r]
             sum_s[i * r:(i + 1) * r] = s[:r]
             sum_v[i * r:(i + 1) * r, :] = right[:r, :]
+            del d, left, s, right  # before the next task's SVD
         pu, qu = _whiten(torch, sum_u)
         pv, qv = _whiten(torch, sum_v)
         merged = torch.linalg.multi_dot((pu, qu, torch.diag(sum_s), pv, qv))
@@ -108,9 +115,8 @@ def _tsv_m(u: Unit) -> Any:
 def _iso_c(u: Unit) -> Any:
     torch = require_torch("iso_c")
     u = u.torch()
-    deltas = _deltas(u)
-    n = len(deltas)
-    merged = sum(deltas) / n
+    n = len(u.inputs)
+    merged = sum(_deltas(u)) / n
     if len(u.shape) == 2:
         merged *= n
         left, s, right = torch.linalg.svd(merged, full_matrices=False)
@@ -122,17 +128,16 @@ def _iso_c(u: Unit) -> Any:
 def _iso_cts(u: Unit) -> Any:
     torch = require_torch("iso_cts")
     u = u.torch()
-    deltas = _deltas(u)
-    n = len(deltas)
+    n = len(u.inputs)
     if len(u.shape) != 2:
-        return u.base + u.params["scaling_factor"] * _running_mean(deltas)
+        return u.base + u.params["scaling_factor"] * _running_mean(_deltas(u))
     k = min(u.shape)
     common = int(k * u.params["common_space_fraction"])
     common = k - round((k - common) / n) * n
-    left, s, right = torch.linalg.svd(sum(deltas), full_matrices=False)
+    left, s, right = torch.linalg.svd(sum(_deltas(u)), full_matrices=False)
     cu, cs, cv = left[:, :common], s[:common], right[:common, :]
     per_task = int((k - common) / n)
-    for i, d in enumerate(deltas):
+    for i, d in enumerate(_deltas(u)):  # made again: one delta alive at a time
         tl, ts, tr = torch.linalg.svd(d - cu @ cu.T @ d, full_matrices=False)
         if i == 0:
             all_u, all_s, all_v = (torch.zeros_like(tl), torch.zeros_like(ts),
@@ -140,6 +145,7 @@ def _iso_cts(u: Unit) -> Any:
         all_u[:, i * per_task:(i + 1) * per_task] = tl[:, :per_task]
         all_s[i * per_task:(i + 1) * per_task] = ts[:per_task]
         all_v[i * per_task:(i + 1) * per_task, :] = tr[:per_task, :]
+        del d, tl, ts, tr  # before the next task's SVD
     at = n * per_task
     all_u[:, at:at + common] = cu
     all_s[at:at + common] = cs
