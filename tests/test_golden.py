@@ -235,6 +235,9 @@ METHOD_SPECS: dict[str, tuple[int, bool, list[float] | None, list[dict[str, Any]
     "arcee_fusion": (1, True, None, None, {}),
     "ram": (2, True, None, None, {"epsilon": 1e-4}),
     "ramplus_tl": (2, True, None, None, {"r": 0.2, "alpha": 0.3}),
+    "tsv_m": (3, True, W3, None, {"alpha": 0.8}),
+    "iso_c": (3, True, None, None, {"scaling_factor": 0.9}),
+    "iso_cts": (3, True, None, None, {"common_space_fraction": 0.6}),
 }
 RANDOM_METHODS = ("dare_ties", "dare_linear", "della", "della_linear")
 
