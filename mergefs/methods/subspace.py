@@ -23,8 +23,8 @@ REFERENCE = """
 Memory: one tensor at a time; besides the engine's T + 1 float32 inputs, a peak of about {mem}
 times the float32 matrix (measured on 1024 x 1024, 4 models; one torch SVD alone takes 6.5).
 
-Reference: FusionBench 0.2.33's `{cls}`
-(`fusion_bench {cfg}`), whose bytes mergefs gives for float32 checkpoints with the same torch
+Reference: FusionBench 0.2.33's `{cls}` (`fusion_bench
+method={cfg}`), whose bytes mergefs gives for float32 checkpoints with the same torch
 (tests/methods/test_subspace.py); FusionBench computes the deltas of 16-bit checkpoints in
 their dtype, mergefs in float32. FusionBench's `exclude_keys` (matrices merged as other
 tensors) is not offered.
@@ -33,21 +33,21 @@ tensors) is not offered.
 TSV_M = """\
 `D_i = w_i * (W_i - W0)` for the T non-base models (`w_i * ` only where `weight` is not 1).
 Matrices (2-D): `U_i S_i V_i^T = svd(D_i)` (torch.linalg.svd, full_matrices=False, k singular
-values), `r = int(k * (1 / T))`; `U` (m x k) holds `U_i[:, :r]` in columns `[i r, (i+1) r)`,
-`s` the matching `S_i[:r]`, `V^T` (k x n) the rows `V_i^T[:r]` (zeros elsewhere);
-`P_u Q_u = svd(U)`, `P_v Q_v = svd(V^T)` (each orthogonal factor's `P Q`, the polar factor
-that whitens the concatenated directions); `M = W0 + alpha * multi_dot(P_u, Q_u, diag(s), P_v,
-Q_v)`. Other tensors: the running mean `m = D_1; m += (D_i - m) / i`, `M = W0 + alpha * m`.
-Whole tensor, torch float32. FusionBench's `alpha` list is `weight` here (per model); mergefs
-accepts both, the weights applied first.
+values), `r = int(k * (1 / T))` (0 when k < T: the matrix keeps the base); `U` (m x k) holds
+`U_i[:, :r]` in columns `[i r, (i+1) r)`, `s` the matching `S_i[:r]`, `V^T` (k x n) the rows
+`V_i^T[:r]` (zeros elsewhere); `P_u Q_u = svd(U)`, `P_v Q_v = svd(V^T)` (each orthogonal
+factor's `P Q`, the polar factor that whitens the concatenated directions); `M = W0 + alpha *
+multi_dot(P_u, Q_u, diag(s), P_v, Q_v)`. Other tensors: the running mean `m = D_1; m += (D_i -
+m) / i`, `M = W0 + alpha * m`. Whole tensor, torch float32. FusionBench's `alpha` list is
+`weight` here (per model); mergefs accepts both, the weights applied first.
 """ + REFERENCE.format(mem=11, cls="TaskSingularVectorMerging",
-                       cfg="method=task_singular_vector/TaskSingularVectorMerging")
+                       cfg="task_singular_vector/TaskSingularVectorMerging")
 
 ISO_C = """\
 `D_i = W_i - W0`; `A = (sum_i D_i) / T` (Python's `sum`, from integer 0). Matrices: `A *= T`,
 `U S V^T = svd(A)`, `A = multi_dot(U, diag(mean(S) * ones), V^T)` (the spectrum flattened to
 its mean). `M = W0 + scaling_factor * A`. Whole tensor, torch float32.
-""" + REFERENCE.format(mem=10, cls="ISO_C_Merge", cfg="method=isotropic_merging/iso_c")
+""" + REFERENCE.format(mem=10, cls="ISO_C_Merge", cfg="isotropic_merging/iso_c")
 
 ISO_CTS = """\
 `D_i = W_i - W0`. Other than matrices: the running mean `A = D_1; A += (D_i - A) / i`.
@@ -56,9 +56,11 @@ Matrices (m x n, `k = min(m, n)`): `c = int(k * common_space_fraction)`, `c = k 
 space `U[:, :c]`, `S[:c]`, `V^T[:c]`; per task `R_i = D_i - U_c U_c^T D_i`, its top `d`
 singular triplets in columns/rows `[i d, (i+1) d)`, the common space after them at `[T d, T d +
 c)`; both factor matrices orthogonalised as in tsv_m (`P Q` of their SVDs), every singular value
-replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`. `M = W0 +
-scaling_factor * A`. Whole tensor, torch float32.
-""" + REFERENCE.format(mem=22, cls="ISO_CTS_Merge", cfg="method=isotropic_merging/iso_cts")
+replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`; `M = W0 +
+scaling_factor * A`. Whole tensor, torch float32. When `c < 0` (`k < T` and a small fraction),
+the slices are Python's and drop the last tasks' directions and the common space, as
+FusionBench's do.
+""" + REFERENCE.format(mem=22, cls="ISO_CTS_Merge", cfg="isotropic_merging/iso_cts")
 
 
 def _deltas(u: Unit, weights: Sequence[float] | None = None) -> Iterator[Any]:
@@ -134,6 +136,8 @@ def _iso_cts(u: Unit) -> Any:
     k = min(u.shape)
     common = int(k * u.params["common_space_fraction"])
     common = k - round((k - common) / n) * n
+    # common < 0 (k < T with a small fraction): the slices below then drop the last tasks'
+    # directions and the common space, as FusionBench's (torch broadcasts them into empty ones)
     left, s, right = torch.linalg.svd(sum(_deltas(u)), full_matrices=False)
     cu, cs, cv = left[:, :common], s[:common], right[:common, :]
     per_task = int((k - common) / n)

@@ -139,7 +139,7 @@ def test_budget_is_fusionbench_on_the_planned_reads(method: str, llama3: Family,
     assert_same_bytes(tmp_path / "full", fusionbench(llama3, method, {}))
 
 
-# -- an independent reading of the papers' equations, in float64 numpy -----------------------------
+# -- an independent reading of the papers' equations, in float64 numpy --------------------------
 
 def _whiten(x: np.ndarray) -> np.ndarray:
     """``x (x^T x)^(-1/2)``: the orthonormal matrix nearest to ``x`` (full column rank)."""
@@ -239,7 +239,7 @@ def test_zero_deltas_give_the_base(method: str) -> None:
     assert got.tobytes() == u.base.tobytes()
 
 
-# -- mount and replay -------------------------------------------------------------------------------
+# -- mount and replay ----------------------------------------------------------------------------
 
 @pytest.mark.mount
 @pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,
@@ -278,7 +278,7 @@ def test_methods_command_names_the_papers(capsys: pytest.CaptureFixture[str]) ->
         in capsys.readouterr().out
 
 
-# -- under a budget with delta sidecars ----------------------------------------------------------------
+# -- under a budget with delta sidecars ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def lowrank3(tmp_path_factory: pytest.TempPathFactory) -> Family:
@@ -338,3 +338,17 @@ def test_sidecar_budget_deviation(method: str, lowrank3: Family, tmp_path: Path)
     with_sidecars = _deviation(tmp_path / "sc", tmp_path / "full", lowrank3.base)
     exact_only = _deviation(tmp_path / "exact", tmp_path / "full", lowrank3.base)
     assert with_sidecars < 0.75 * exact_only, (with_sidecars, exact_only)
+
+
+def test_iso_cts_on_a_matrix_smaller_than_the_subspaces_is_fusionbench_s() -> None:
+    """k = 2 singular values, 3 models, no common space: the common size comes out negative and
+    FusionBench's slices drop the last task and the common space without an error; the same
+    bytes here."""
+    from fusion_bench.method.isotropic_merging.iso_utils import iso_cts
+
+    u = _unit("iso_cts", (2, 8), 3, seed=4, common_space_fraction=0.0)
+    tvs = [{"w": torch.from_numpy(x) - torch.from_numpy(u.base)} for x in u.inputs]
+    with contextlib.redirect_stdout(io.StringIO()):
+        want = torch.from_numpy(u.base) + 1.0 * iso_cts(tvs, 0.0, accelerator="cpu")["w"]
+    got = np.asarray(get("iso_cts").merge(u))  # type: ignore[union-attr]
+    assert got.tobytes() == want.numpy().tobytes()
