@@ -238,6 +238,9 @@ METHOD_SPECS: dict[str, tuple[int, bool, list[float] | None, list[dict[str, Any]
     "magmax": (3, True, None, None, {"scaling_factor": 0.8}),
     "consensus_ta": (3, True, W3, None, {"k": 2, "lambda": 0.6}),
     "consensus_ties": (3, True, W3, None, {"density": 0.5, "k": 2, "lambda": 0.8}),
+    "tsv_m": (3, True, W3, None, {"alpha": 0.8}),
+    "iso_c": (3, True, None, None, {"scaling_factor": 0.9}),
+    "iso_cts": (3, True, None, None, {"common_space_fraction": 0.6}),
 }
 RANDOM_METHODS = ("dare_ties", "dare_linear", "della", "della_linear")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
-from mergefs.methods import consensus, magmax
+from mergefs.methods import consensus, magmax, subspace
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
@@ -36,7 +36,7 @@ __all__ = [
 
 _ALL: tuple[Method, ...] = (*linear.METHODS, *gta.METHODS, *slerp.METHODS, *stock.METHODS,
                             *spherical.METHODS, *simple.METHODS, *ram.METHODS,
-                            *magmax.METHODS, *consensus.METHODS)
+                            *magmax.METHODS, *consensus.METHODS, *subspace.METHODS)
 _BY_NAME: dict[str, Method] = {m.name: m for m in _ALL}
 assert len(_BY_NAME) == len(_ALL), "duplicate method names"
 

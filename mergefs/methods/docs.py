@@ -9,6 +9,7 @@ from __future__ import annotations
 from mergefs.methods.base import REQUIRED, Method, Scope
 from mergefs.methods import _ALL, blockwise_note
 from mergefs.methods.base import ParamDef
+from mergefs.methods.papers import reference_md
 
 INTRO = """\
 # Merge methods: exact arithmetic
@@ -20,6 +21,9 @@ mergefs runs every merge method of mergekit 0.1.5 and produces the same bytes as
 computing in float32 (`dtype: float32`) and writing the output dtype. This page is generated from
 the method registry (`mergefs/methods/`), which spec validation, the planner, the engine and
 `mergefs methods` read too.
+
+Methods mergekit lacks follow their reference implementation the same way (bytes equal to it
+run in float32 with the same torch); each names its reference in its section.
 
 ## Conventions
 
@@ -140,7 +144,8 @@ def _param_line(p: object) -> str:
 
 def _method_section(m: Method) -> str:
     c = m.caps
-    lines = [f"### `{m.name}`", "", f"{m.summary[0].upper()}{m.summary[1:]}.", ""]
+    lines = [f"### `{m.name}`", "", f"{m.summary[0].upper()}{m.summary[1:]}.", "",
+             f"Paper: {reference_md(m.name)}.", ""]
     lines += [_param_line(p) for p in m.params] or ["- no parameters"]
     lines += ["", m.arithmetic.rstrip(), ""]
     if c.additive:
@@ -167,12 +172,14 @@ def render() -> str:
                  "spherical": "Means on the hypersphere", "simple": "Small methods",
                  "ram": "RAM",
                  "magmax": "MagMax (FusionBench)",
-                 "consensus": "Consensus merging, TALL masks (mergekitty)"}[family]
+                 "consensus": "Consensus merging, TALL masks (mergekitty)",
+                 "subspace": "Singular subspaces (FusionBench)"}[family]
         body.append(f"## {title}\n")
         if family in ("gta", "consensus"):
             body.append(ms[0].arithmetic.rstrip() + "\n")
             for m in ms:
                 body.append(f"### `{m.name}`\n\n{m.summary[0].upper()}{m.summary[1:]}.\n\n"
+                            f"Paper: {reference_md(m.name)}.\n\n"
                             + "\n".join(_param_line(p) for p in m.params) + "\n")
         else:
             body.extend(_method_section(m) for m in ms)

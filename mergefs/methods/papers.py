@@ -31,6 +31,10 @@ PAPERS: dict[str, tuple[str, str | None]] = {
     "magmax": ("MagMax", "https://arxiv.org/abs/2407.06322"),
     "consensus_ta": ("Consensus Task Arithmetic", "https://arxiv.org/abs/2405.07813"),
     "consensus_ties": ("Consensus TIES", "https://arxiv.org/abs/2405.07813"),
+    "tsv_m": ("TSV-M (Task Singular Vectors)", "https://arxiv.org/abs/2412.00081"),
+    "iso_c": ("Iso-C (isotropic merging, common subspace)", "https://arxiv.org/abs/2502.04959"),
+    "iso_cts": ("Iso-CTS (isotropic merging, common and task-specific subspaces)",
+                "https://arxiv.org/abs/2502.04959"),
 }
 
 
