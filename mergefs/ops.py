@@ -297,6 +297,8 @@ def index_gc(specs: Sequence[str], *, index_dir: str | None = None,
                                + ", ".join(f"{d} by {p}" for d, p in dirs.items())
                                + "); collect one at a time")
     target = index_dir if index_dir is not None else next(iter(dirs))
+    if not os.path.isdir(target):  # a mistyped directory is not "0 B freed"
+        raise MergefsError(f"index gc: {target}: no such index directory")
     return collect(target, reached=reached, keep_seconds=keep_days * 86400.0,
                    max_size_bytes=max_size_bytes, dry_run=dry_run)
 

@@ -120,6 +120,7 @@ def test_temporaries_of_dead_builds_go_and_a_live_builds_stay(fam: Family,
     live = folder / f".expert-4567.safetensors.tmp-{os.getpid()}-140001"
     for p in (dead, live):
         p.write_bytes(b"x" * 100)
+        os.utime(p, (time.time() - DAY,) * 2)  # older than a write takes
     got = collect(idx)
     assert [(r.kind, r.name) for r in got.removed] == [("temporary", dead.name)]
     assert live.exists() and not dead.exists()
@@ -213,3 +214,66 @@ def test_an_index_of_the_earlier_format_is_collected(fam: Family, tmp_path: Path
     assert [(r.kind, r.name) for r in got.removed] == [("unreached", old.name),
                                                         ("record", record.name)]
     assert names(idx) == used
+
+
+def test_a_gc_racing_a_registration_never_drops_it(fam: Family, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection that runs while a mount is registering (after its file is created,
+    before it is locked) must not take the file for a dead one's and remove it: the mount's
+    pieces would then be unprotected for as long as it runs."""
+    import fcntl
+
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0, 1], idx)
+    real = fcntl.flock
+    raced: list[Path] = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH and not raced:  # the registration, about to lock its file
+            raced.append(idx)
+            collect(idx)  # pieces are young: only the registration is at stake
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    reg = register_live(idx, used)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert raced and reg is not None
+    try:
+        assert reg.path.exists()
+        age(idx, 100)
+        got = collect(idx)
+        assert names(idx) == used and got.live_pieces == len(used)
+    finally:
+        reg.close()
+
+
+def test_young_pieces_stay_under_the_size_cap(fam: Family, tmp_path: Path) -> None:
+    """Pieces written in the last minutes (a concurrent build's, before its usage record)
+    are never removed, the size cap included (docs/cli.md, "Never removed")."""
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0, 1], idx)
+    got = collect(idx, max_size_bytes=0)
+    assert [r for r in got.removed if r.kind != "record"] == [] and names(idx) == used
+    age(idx, 1)
+    got = collect(idx, max_size_bytes=0)
+    assert {r.name for r in got.removed if r.kind == "over the size cap"} == used
+
+
+def test_a_fresh_temporary_of_a_pid_unknown_here_stays(fam: Family, tmp_path: Path) -> None:
+    """On a shared index_dir, a temporary being written by another machine's build has a pid
+    unknown here: removing it would fail that build's rename. Only old ones go."""
+    idx = tmp_path / "idx"
+    index_of(fam, [0], idx)
+    other = idx / "pieces" / f".expert-89ab.safetensors.tmp-{_dead_pid()}-140002"
+    other.write_bytes(b"x" * 100)
+    assert [r for r in collect(idx).removed if r.kind == "temporary"] == [] and other.exists()
+
+
+def test_gc_of_a_directory_that_does_not_exist_says_so(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """A mistyped --index-dir is an error naming it, not a run that freed 0 B."""
+    missing = tmp_path / "no-such-index"
+    assert main(["index", "gc", "--index-dir", str(missing)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(missing) in err[0] and not missing.exists()
