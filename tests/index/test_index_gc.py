@@ -277,3 +277,31 @@ def test_gc_of_a_directory_that_does_not_exist_says_so(tmp_path: Path,
     assert main(["index", "gc", "--index-dir", str(missing)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(missing) in err[0] and not missing.exists()
+
+
+def test_gc_with_a_multi_document_spec_merges_nothing_and_keeps_every_merge_pieces(
+        fam: Family, tmp_path: Path) -> None:
+    """``index gc SPEC`` of a multi-document spec: the named merges are not made (gc writes
+    no model, even with --dry-run), and the pieces of each merge the spec makes are kept,
+    the intermediate ones included (not only the final merge's)."""
+    import yaml
+
+    idx, inter = tmp_path / "idx", tmp_path / "inter"
+    docs = [{"name": "soup", "merge_method": "task_arithmetic", "base_model": str(fam.base),
+             "dtype": "float32", "block_size": BLOCK, "index_dir": str(idx),
+             "models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.5}},
+                        {"model": str(fam.experts[1]), "parameters": {"weight": 0.5}}]},
+            {"merge_method": "task_arithmetic", "base_model": str(fam.base), "dtype": "float32",
+             "block_size": BLOCK, "index_dir": str(idx), "intermediate_dir": str(inter),
+             "models": [{"model": "soup", "parameters": {"weight": 0.5}},
+                        {"model": str(fam.experts[2]), "parameters": {"weight": 0.5}}]}]
+    spec = tmp_path / "multi.yaml"
+    spec.write_text(yaml.safe_dump_all(docs))
+    index_of(fam, [0], idx)  # so that the index directory exists
+    assert main(["index", "gc", str(spec), "--dry-run"]) == 0
+    assert not inter.exists()  # no merge made by gc
+    assert main(["merge", str(spec), str(tmp_path / "out")]) == 0
+    made = names(idx)
+    age(idx, 1)
+    assert main(["index", "gc", str(spec)]) == 0
+    assert names(idx) == made  # both merges' pieces reached
