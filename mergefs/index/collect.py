@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from mergefs.core import format as fmt
+from mergefs.core.process import pid_alive
 from mergefs.index.store import PIECES_DIR, PIECES_VERSION, SOURCE_PREFIX, USAGE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -105,16 +106,6 @@ def _live(folder: Path, dry_run: bool) -> set[str]:
         if not dry_run:
             path.unlink(missing_ok=True)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -208,7 +199,7 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
         m = TMP_RE.match(n)
         # young: perhaps being written by a build on another machine (a shared index_dir),
         # whose pid means nothing here
-        if m and not young(n) and not _alive(int(m.group(1))):
+        if m and not young(n) and not pid_alive(int(m.group(1))):
             drop("temporary", n)
     if max_size_bytes is not None:
         left = [n for n in pieces if n not in gone]
