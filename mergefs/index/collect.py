@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -130,6 +131,20 @@ class Collected:
         return sum(r.size_bytes for r in self.removed if kind in (None, r.kind))
 
 
+def _listing(folder: Path) -> dict[str, os.stat_result]:
+    """The regular files of ``folder`` by name; one gone between the listing and its stat (a
+    concurrent build's temporary renamed, another collection's removal) is skipped."""
+    out = {}
+    for p in folder.iterdir():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[p.name] = st
+    return out
+
+
 def _meta(path: Path) -> dict[str, str] | None:
     """A piece's header metadata (None: unreadable, never trusted)."""
     try:
@@ -155,7 +170,7 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
     if not folder.is_dir():
         return out
     live = _live(folder, dry_run) | protect
-    files = {p.name: p.stat() for p in folder.iterdir() if p.is_file()}
+    files = _listing(folder)
     pieces = {n: st for n, st in files.items() if n.endswith(".safetensors")
               and not n.startswith(".")}
     usage: dict[str, dict] = {}

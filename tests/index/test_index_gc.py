@@ -305,3 +305,35 @@ def test_gc_with_a_multi_document_spec_merges_nothing_and_keeps_every_merge_piec
     age(idx, 1)
     assert main(["index", "gc", str(spec)]) == 0
     assert names(idx) == made  # both merges' pieces reached
+
+
+def test_a_file_that_vanishes_while_listed_is_skipped(fam: Family, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrent build renames its temporaries (and another gc removes files) while a
+    collection lists the folder: a file gone between listing and stat is skipped, not an
+    error (``index_max_size`` collects after every build)."""
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0], idx)
+    going = idx / "pieces" / f".expert-cdef.safetensors.tmp-{os.getpid()}-140003"
+    going.write_bytes(b"x")
+    real, seen = Path.stat, []
+
+    def stat(self: Path, **kw: object) -> os.stat_result:
+        if self.name == going.name:
+            seen.append(self)
+            if len(seen) > 1:  # listed as a file, then renamed away before its stat
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, **kw)  # type: ignore[arg-type]
+
+    phantom = idx / "pieces" / "expert-gone.safetensors"  # listed, removed before its stat
+    listing = Path.iterdir
+
+    def iterdir(self: Path):  # type: ignore[no-untyped-def]
+        yield from listing(self)
+        if self == idx / "pieces":
+            yield phantom
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    got = collect(idx, max_size_bytes=0)
+    assert seen and names(idx) == used and got.kept_pieces == len(used)
