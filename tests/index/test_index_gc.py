@@ -337,3 +337,11 @@ def test_a_file_that_vanishes_while_listed_is_skipped(fam: Family, tmp_path: Pat
     monkeypatch.setattr(Path, "iterdir", iterdir)
     got = collect(idx, max_size_bytes=0)
     assert seen and names(idx) == used and got.kept_pieces == len(used)
+
+
+def test_the_command_is_named_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors list the commands as a user types them: `index gc`, never an internal name."""
+    with pytest.raises(SystemExit):
+        main(["no-such-command"])
+    err = capsys.readouterr().err
+    assert "'index gc'" in err and "index-gc" not in err
