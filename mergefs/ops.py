@@ -37,6 +37,7 @@ from mergefs.index.collect import Collected, collect
 from mergefs.index.published import publish as publish_index
 from mergefs.methods import kernels
 from mergefs.mount.lifecycle import check_mountpoint, ensure_index, require_mount_extra, run_mount
+from mergefs.recipe.family import open_family
 from mergefs.sources.local import Checkpoint
 from mergefs.spec.budget import Budget
 from mergefs.spec.load import load_spec, read_spec_docs
@@ -266,6 +267,28 @@ def index(spec: Spec, *, rebuild: bool = False, publish: bool = False, ray: str 
     return IndexResult(got, built, len(family[1]), published)
 
 
+def _reached(spec: Spec) -> set[str]:
+    """The pieces ``spec``'s merges assemble now: a multi-document spec's named merges too,
+    from their outputs as they are (never made here: gc writes no model); a merge whose inputs
+    are not made yet has no pieces to keep."""
+    unmade = [out for _, _, out in spec.intermediates if not os.path.isdir(out)]
+    reached: set[str] = set()
+    for sub in [*(sub for _, sub, _ in spec.intermediates), spec]:
+        try:
+            family = open_family(sub)
+        except MergefsError as exc:
+            if not unmade:
+                raise
+            log.info("index gc: %s: skipped, its inputs are not merged yet (%s)", sub.source,
+                     exc)
+            continue
+        try:
+            reached |= reached_pieces(family[0], family[1], sub.block_size, sub.index_dir)
+        finally:
+            close_family(family)
+    return reached
+
+
 def index_gc(specs: Sequence[str], *, index_dir: str | None = None,
              max_size_bytes: int | None = None, keep_days: float = 30.0,
              dry_run: bool = False, strict: bool = False) -> Collected:
@@ -286,17 +309,14 @@ def index_gc(specs: Sequence[str], *, index_dir: str | None = None,
                     os.path.realpath(index_dir):
                 raise MergefsError(f"{path}: its index_dir is {spec.index_dir}, not "
                                    f"--index-dir {index_dir}")
-            family = prepare_family(spec)
-            try:
-                reached |= reached_pieces(family[0], family[1], spec.block_size,
-                                          spec.index_dir)
-            finally:
-                close_family(family)
+            reached |= _reached(spec)
         if len(dirs) > 1:
             raise MergefsError("index gc: the specs use different index directories ("
                                + ", ".join(f"{d} by {p}" for d, p in dirs.items())
                                + "); collect one at a time")
     target = index_dir if index_dir is not None else next(iter(dirs))
+    if not os.path.isdir(target):  # a mistyped directory is not "0 B freed"
+        raise MergefsError(f"index gc: {target}: no such index directory")
     return collect(target, reached=reached, keep_seconds=keep_days * 86400.0,
                    max_size_bytes=max_size_bytes, dry_run=dry_run)
 

@@ -143,7 +143,7 @@ def _add_mergekit_options(s: argparse.ArgumentParser) -> None:
                    help="the output directory, instead of the positional OUTDIR")
 
 
-GC_COMMAND = "index-gc"  # `mergefs index gc`, as argparse sees it
+GC_COMMAND = "index gc"  # `mergefs index gc`: main() joins the two words into this one
 SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 #: the commands that read a spec (and so take --strict)
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray(s, "tasks per run of blocks, every expert of them; the driver assembles the index")
     s.set_defaults(func=cmd_index)
 
-    # `mergefs index gc ...` (main() turns "index gc" into this hidden command)
+    # `mergefs index gc ...` (main() joins "index" "gc" into this one argument)
     s = sub.add_parser(
         GC_COMMAND, parents=[common, reads_spec], prog="mergefs index gc",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -451,8 +451,9 @@ def _join_option_values(argv: list[str]) -> list[str]:
 
 
 def _index_gc(argv: list[str]) -> list[str]:
-    """``index gc ...`` -> ``index-gc ...``: a subcommand of ``index``, whose own positional
-    is a spec (a spec file named ``gc`` is ``./gc``)."""
+    """``index gc ...`` -> ``"index gc" ...`` (one argument, the name the subparser has, so
+    that errors name it as typed): a subcommand of ``index``, whose own positional is a spec
+    (a spec file named ``gc`` is ``./gc``)."""
     k = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
     if k is not None and argv[k:k + 2] == ["index", "gc"]:
         return [*argv[:k], GC_COMMAND, *argv[k + 2:]]

@@ -29,6 +29,7 @@ from typing import Any
 
 from mergefs.core.version import __version__
 from mergefs.core.errors import MergefsError
+from mergefs.core.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -161,20 +162,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, e.g. our own unreaped child, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _clean_stale(out: Path) -> None:

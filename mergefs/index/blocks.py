@@ -40,12 +40,13 @@ import xxhash
 
 from mergefs.index import published as sidecar
 from mergefs.sources.local import Checkpoint
+from mergefs.core.errors import SourceError
 from mergefs.core.format import DTYPES
 from mergefs.core.sizes import human_bytes
 from mergefs.index.build import BuildReport, ChunkRunner, Pass
 from mergefs.index.store import (
-    ExpertPiece, PieceStore, base_key, content_digest, dtype_digest, expert_key, pair_key,
-    source_id,
+    ExpertPiece, PieceStore, SourceId, base_key, content_digest, dtype_digest, expert_key,
+    pair_key, source_id,
 )
 from mergefs.index.collect import collect
 from mergefs.index.verify import match_content
@@ -310,10 +311,17 @@ class _Family:
         for why in dict.fromkeys(whys):
             log.info("building block index: %s", why)
 
-    def _verified(self, src: Checkpoint) -> None:
+    def _verified(self, src: Checkpoint, sid: SourceId, digest: str) -> None:
+        """``src`` (stamp ``sid``) was hashed and holds ``digest``: record it, best effort (an
+        index directory that cannot be written still serves; the next run hashes again)."""
         self.report.verified.append(str(src.root))
         log.info("block index: %s holds the bytes it was indexed with (its files were touched, "
                  "copied or moved): pieces reused", src.root)
+        try:
+            self.store.remember(sid, digest)
+        except SourceError as exc:
+            log.warning("not recording that %s was verified (it will be hashed again): %s",
+                        src.root, exc)
 
     def _load_base(self, whys: list[str]) -> None:
         bs = self.layout.block_size
@@ -335,8 +343,7 @@ class _Family:
             if m.digest is not None:
                 self.store.use("base", base_key(m.digest, self.base_dt, bs))
                 self.base_hash, self.base_sq = cands[m.digest]
-                self.store.remember(self.base_sid, m.digest)
-                self._verified(self.base)
+                self._verified(self.base, self.base_sid, m.digest)
                 return
             if m.last is not None:
                 self.handed[-1] = m.last
@@ -376,8 +383,7 @@ class _Family:
             if m.digest is not None:
                 self.store.use("expert", self._expert_key(i, m.digest))
                 self.pieces[i] = cands[m.digest]
-                self.store.remember(self.sids[i], m.digest)
-                self._verified(e)
+                self._verified(e, self.sids[i], m.digest)
                 return
             if m.last is not None:
                 self.handed[i] = m.last

@@ -8,10 +8,11 @@ What is removed from ``index_dir/pieces/``, each rule on its own:
   it, or, when specs are given, not among the pieces those specs' families assemble now);
   pieces written in the last ``GRACE_SECONDS`` are kept (a build in progress writes its pieces
   before its usage record);
-- *temporaries* of dead builds: ``.<name>.tmp-<pid>-<thread>`` whose writer process no longer
-  exists on this machine (a live pid, or one reused by another process, keeps its file);
+- *temporaries* of dead builds: ``.<name>.tmp-<pid>-<thread>`` older than ``GRACE_SECONDS``
+  whose writer process no longer exists on this machine (a live pid, or one reused by another
+  process, keeps its file; a young one may be another machine's, on a shared ``index_dir``);
 - with a size cap, the least recently used pieces (last usage record, else the file's mtime)
-  until the folder fits;
+  until the folder fits, young ones excepted;
 - records left pointing at nothing: usage records whose pieces are all gone, source records
   whose content has no piece left.
 
@@ -29,6 +30,8 @@ import json
 import logging
 import os
 import re
+import stat
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,12 +39,13 @@ from pathlib import Path
 from typing import IO
 
 from mergefs.core import format as fmt
+from mergefs.core.process import pid_alive
 from mergefs.index.store import PIECES_DIR, PIECES_VERSION, SOURCE_PREFIX, USAGE_PREFIX
 
 log = logging.getLogger(__name__)
 
 LIVE_PREFIX = "live-"
-GRACE_SECONDS = 600.0  # pieces younger than this are never unreached (a build in progress)
+GRACE_SECONDS = 600.0  # files younger than this are never removed (a build in progress)
 TMP_RE = re.compile(r"^\..+\.tmp-(\d+)-\d+$")
 KINDS = ("unreached", "temporary", "over the size cap", "record")
 _serial = itertools.count()
@@ -64,12 +68,21 @@ def register_live(index_dir: str | Path, pieces: Iterable[str]) -> LiveRegistrat
     closed; None (logged) where the index directory cannot be written."""
     folder = Path(index_dir) / PIECES_DIR
     path = folder / f"{LIVE_PREFIX}{os.getpid()}-{next(_serial)}.json"
+    # written and locked under a temporary name, then renamed (the lock stays with the file):
+    # a collection never sees a registration unlocked or empty and takes it for a dead one's
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "w")
-        fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
-        handle.write(json.dumps({"pid": os.getpid(), "pieces": sorted(pieces)}))
-        handle.flush()
+        handle = open(tmp, "w")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
+            handle.write(json.dumps({"pid": os.getpid(), "pieces": sorted(pieces)}))
+            handle.flush()
+            os.replace(tmp, path)
+        except OSError:
+            handle.close()
+            tmp.unlink(missing_ok=True)
+            raise
     except OSError as exc:
         log.warning("%s: cannot register the pieces this mount uses (index gc may remove "
                     "them): %s", folder, exc.strerror)
@@ -96,16 +109,6 @@ def _live(folder: Path, dry_run: bool) -> set[str]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass(frozen=True)
 class Removal:
     kind: str  # one of KINDS
@@ -126,6 +129,20 @@ class Collected:
 
     def freed_bytes(self, kind: str | None = None) -> int:
         return sum(r.size_bytes for r in self.removed if kind in (None, r.kind))
+
+
+def _listing(folder: Path) -> dict[str, os.stat_result]:
+    """The regular files of ``folder`` by name; one gone between the listing and its stat (a
+    concurrent build's temporary renamed, another collection's removal) is skipped."""
+    out = {}
+    for p in folder.iterdir():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[p.name] = st
+    return out
 
 
 def _meta(path: Path) -> dict[str, str] | None:
@@ -153,7 +170,7 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
     if not folder.is_dir():
         return out
     live = _live(folder, dry_run) | protect
-    files = {p.name: p.stat() for p in folder.iterdir() if p.is_file()}
+    files = _listing(folder)
     pieces = {n: st for n, st in files.items() if n.endswith(".safetensors")
               and not n.startswith(".")}
     usage: dict[str, dict] = {}
@@ -181,19 +198,23 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
         if not dry_run:
             (folder / name).unlink(missing_ok=True)
 
-    for n, st in sorted(pieces.items()):
+    def young(name: str) -> bool:
+        return files[name].st_mtime >= now - GRACE_SECONDS
+
+    for n in sorted(pieces):
         if n in live:
             continue
         meta = metas[n]
         stale = meta is None or meta.get("mergefs_index_version") != PIECES_VERSION
-        young = st.st_mtime >= now - GRACE_SECONDS
         wanted = n in (reached if reached is not None else recent) or (
             reached is None and last_use[n] >= now - keep_seconds)
-        if stale or not (wanted or young):
+        if stale or not (wanted or young(n)):
             drop("unreached", n)
     for n in sorted(files):
         m = TMP_RE.match(n)
-        if m and not _alive(int(m.group(1))):
+        # young: perhaps being written by a build on another machine (a shared index_dir),
+        # whose pid means nothing here
+        if m and not young(n) and not pid_alive(int(m.group(1))):
             drop("temporary", n)
     if max_size_bytes is not None:
         left = [n for n in pieces if n not in gone]
@@ -201,7 +222,7 @@ def collect(index_dir: str | Path, *, reached: set[str] | None = None,
         for n in sorted(left, key=lambda n: (last_use[n], n)):
             if size <= max_size_bytes:
                 break
-            if n in live:
+            if n in live or young(n):
                 continue
             size -= files[n].st_size
             drop("over the size cap", n)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mergefs.core.errors import MergefsError
-from mergefs.engine.output import pid_alive
+from mergefs.core.process import pid_alive
 from mergefs.mount.control import server_pid
 from mergefs.mount.view import STATE_DIR
 

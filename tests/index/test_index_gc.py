@@ -120,6 +120,7 @@ def test_temporaries_of_dead_builds_go_and_a_live_builds_stay(fam: Family,
     live = folder / f".expert-4567.safetensors.tmp-{os.getpid()}-140001"
     for p in (dead, live):
         p.write_bytes(b"x" * 100)
+        os.utime(p, (time.time() - DAY,) * 2)  # older than a write takes
     got = collect(idx)
     assert [(r.kind, r.name) for r in got.removed] == [("temporary", dead.name)]
     assert live.exists() and not dead.exists()
@@ -213,3 +214,134 @@ def test_an_index_of_the_earlier_format_is_collected(fam: Family, tmp_path: Path
     assert [(r.kind, r.name) for r in got.removed] == [("unreached", old.name),
                                                         ("record", record.name)]
     assert names(idx) == used
+
+
+def test_a_gc_racing_a_registration_never_drops_it(fam: Family, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection that runs while a mount is registering (after its file is created,
+    before it is locked) must not take the file for a dead one's and remove it: the mount's
+    pieces would then be unprotected for as long as it runs."""
+    import fcntl
+
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0, 1], idx)
+    real = fcntl.flock
+    raced: list[Path] = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH and not raced:  # the registration, about to lock its file
+            raced.append(idx)
+            collect(idx)  # pieces are young: only the registration is at stake
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    reg = register_live(idx, used)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert raced and reg is not None
+    try:
+        assert reg.path.exists()
+        age(idx, 100)
+        got = collect(idx)
+        assert names(idx) == used and got.live_pieces == len(used)
+    finally:
+        reg.close()
+
+
+def test_young_pieces_stay_under_the_size_cap(fam: Family, tmp_path: Path) -> None:
+    """Pieces written in the last minutes (a concurrent build's, before its usage record)
+    are never removed, the size cap included (docs/cli.md, "Never removed")."""
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0, 1], idx)
+    got = collect(idx, max_size_bytes=0)
+    assert [r for r in got.removed if r.kind != "record"] == [] and names(idx) == used
+    age(idx, 1)
+    got = collect(idx, max_size_bytes=0)
+    assert {r.name for r in got.removed if r.kind == "over the size cap"} == used
+
+
+def test_a_fresh_temporary_of_a_pid_unknown_here_stays(fam: Family, tmp_path: Path) -> None:
+    """On a shared index_dir, a temporary being written by another machine's build has a pid
+    unknown here: removing it would fail that build's rename. Only old ones go."""
+    idx = tmp_path / "idx"
+    index_of(fam, [0], idx)
+    other = idx / "pieces" / f".expert-89ab.safetensors.tmp-{_dead_pid()}-140002"
+    other.write_bytes(b"x" * 100)
+    assert [r for r in collect(idx).removed if r.kind == "temporary"] == [] and other.exists()
+
+
+def test_gc_of_a_directory_that_does_not_exist_says_so(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """A mistyped --index-dir is an error naming it, not a run that freed 0 B."""
+    missing = tmp_path / "no-such-index"
+    assert main(["index", "gc", "--index-dir", str(missing)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(missing) in err[0] and not missing.exists()
+
+
+def test_gc_with_a_multi_document_spec_merges_nothing_and_keeps_every_merge_pieces(
+        fam: Family, tmp_path: Path) -> None:
+    """``index gc SPEC`` of a multi-document spec: the named merges are not made (gc writes
+    no model, even with --dry-run), and the pieces of each merge the spec makes are kept,
+    the intermediate ones included (not only the final merge's)."""
+    import yaml
+
+    idx, inter = tmp_path / "idx", tmp_path / "inter"
+    docs = [{"name": "soup", "merge_method": "task_arithmetic", "base_model": str(fam.base),
+             "dtype": "float32", "block_size": BLOCK, "index_dir": str(idx),
+             "models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.5}},
+                        {"model": str(fam.experts[1]), "parameters": {"weight": 0.5}}]},
+            {"merge_method": "task_arithmetic", "base_model": str(fam.base), "dtype": "float32",
+             "block_size": BLOCK, "index_dir": str(idx), "intermediate_dir": str(inter),
+             "models": [{"model": "soup", "parameters": {"weight": 0.5}},
+                        {"model": str(fam.experts[2]), "parameters": {"weight": 0.5}}]}]
+    spec = tmp_path / "multi.yaml"
+    spec.write_text(yaml.safe_dump_all(docs))
+    index_of(fam, [0], idx)  # so that the index directory exists
+    assert main(["index", "gc", str(spec), "--dry-run"]) == 0
+    assert not inter.exists()  # no merge made by gc
+    assert main(["merge", str(spec), str(tmp_path / "out")]) == 0
+    made = names(idx)
+    age(idx, 1)
+    assert main(["index", "gc", str(spec)]) == 0
+    assert names(idx) == made  # both merges' pieces reached
+
+
+def test_a_file_that_vanishes_while_listed_is_skipped(fam: Family, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrent build renames its temporaries (and another gc removes files) while a
+    collection lists the folder: a file gone between listing and stat is skipped, not an
+    error (``index_max_size`` collects after every build)."""
+    idx = tmp_path / "idx"
+    used, _ = index_of(fam, [0], idx)
+    going = idx / "pieces" / f".expert-cdef.safetensors.tmp-{os.getpid()}-140003"
+    going.write_bytes(b"x")
+    real, seen = Path.stat, []
+
+    def stat(self: Path, **kw: object) -> os.stat_result:
+        if self.name == going.name:
+            seen.append(self)
+            if len(seen) > 1:  # listed as a file, then renamed away before its stat
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, **kw)  # type: ignore[arg-type]
+
+    phantom = idx / "pieces" / "expert-gone.safetensors"  # listed, removed before its stat
+    listing = Path.iterdir
+
+    def iterdir(self: Path):  # type: ignore[no-untyped-def]
+        yield from listing(self)
+        if self == idx / "pieces":
+            yield phantom
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    got = collect(idx, max_size_bytes=0)
+    assert seen and names(idx) == used and got.kept_pieces == len(used)
+
+
+def test_the_command_is_named_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors list the commands as a user types them: `index gc`, never an internal name."""
+    with pytest.raises(SystemExit):
+        main(["no-such-command"])
+    err = capsys.readouterr().err
+    assert "'index gc'" in err and "index-gc" not in err

@@ -182,3 +182,25 @@ def test_a_changed_base_rebuilds_and_an_unchanged_copy_matches_old_pieces(
     assert built and r.base_built and sorted(r.experts_built) == sorted(map(str, fam.experts))
     assert r.bytes_read[str(fam.base)] == float_bytes(fam.base)  # read once, as the expert
     assert same(index, fresh(fam))
+
+
+def test_a_verified_source_is_served_from_an_index_directory_that_cannot_be_written(
+        fam: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied family verified against a shared index it cannot write to (read-only, another
+    machine's) is served: recording its new stamp is best effort, as the usage record is."""
+    from mergefs.core.errors import SourceError
+    from mergefs.index import store
+
+    idx = tmp_path / "idx"
+    index_of(fam, idx)
+    copy = tmp_path / "copy"
+    shutil.copytree(fam.root, copy)
+    fam2 = Family(copy / fam.base.name, [copy / e.name for e in fam.experts], copy,
+                  fam.dtype, fam.tensor_names)
+
+    def refuse(path: Path, data: bytes, what: str) -> None:
+        raise SourceError(f"{path}: cannot write the {what}: Read-only file system")
+
+    monkeypatch.setattr(store, "write_beside", refuse)
+    index, built, r = index_of(fam2, idx)
+    assert not built and len(r.verified) == 4 and same(index, fresh(fam2))
