@@ -6,7 +6,7 @@ breadcrumbs, breadcrumbs_ties, della, della_linear. Pure; runs on any thread.
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,8 @@ import numpy as np
 from mergefs.methods import exact, prng
 from mergefs.methods import sparsify as sp
 from mergefs.methods.base import (
-    INT8_MASK, TORCH, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
+    INT8_MASK, TORCH, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Staged, TorchUse,
+    Unit,
     flag, require_torch, weight,
 )
 
@@ -90,16 +91,15 @@ def _merge_numpy(u: Unit, sparsifier: str | None, consensus: bool) -> np.ndarray
 
 def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "gta") -> Any:
     """The arithmetic in torch, as mergekit runs it (``name``: the row, for require_torch)."""
-    torch = require_torch(name)
+    require_torch(name)
     u = u.torch()
     base = u.base
     assert base is not None
     if not u.inputs:
         return base
-    g = u.params
-    deltas = base.new_empty((len(u.inputs), *base.shape))
-    for k, x in enumerate(u.inputs):
-        d = x - base
+
+    def delta(k: int) -> Any:
+        d = u.inputs[k] - base
         p = u.input_params[k]
         if sparsifier == "magnitude":
             d = sp.magnitude(d, p["density"], g["rescale"])
@@ -111,8 +111,24 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
         elif sparsifier == "della_magprune":
             d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
                          u.expert_ids[k])
-        deltas[k] = d
-    w = torch.tensor(u.per_input("weight"), dtype=deltas.dtype)
+        return d
+
+    g = u.params
+    return _combine(base, delta, u.input_params, g, consensus)
+
+
+def _combine(base: Any, delta: Callable[[int], Any], input_params: Sequence[Mapping[str, Any]],
+             g: Mapping[str, Any], consensus: bool) -> Any:
+    """Steps 2-5 of the arithmetic in torch on ``base`` (a whole tensor, or a block of one
+    whose start is a multiple of 32 elements and which, when it holds the tensor's last
+    ``numel % 32`` elements, holds at least 32 before them: torch's input-axis sums then add
+    each element in the same order as on the whole tensor), with ``delta(k)`` input k's
+    sparsified delta there."""
+    torch = require_torch("gta")
+    deltas = base.new_empty((len(input_params), *base.shape))
+    for k in range(len(input_params)):
+        deltas[k] = delta(k)
+    w = torch.tensor([p["weight"] for p in input_params], dtype=deltas.dtype)
     while w.dim() < deltas.dim():
         w.unsqueeze_(-1)
     deltas.mul_(w)
@@ -131,6 +147,35 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
     if g["lambda"] != 1:
         mixed *= g["lambda"]
     return base + mixed
+
+
+def _staged(sparsifier: str | None, consensus: bool) -> Staged:
+    """The torch path in two phases (:class:`.base.Staged`)."""
+    def keep(d: Any, p: Mapping[str, Any], g: Mapping[str, Any], tensor: str, model: int
+             ) -> sp.Kept:
+        return sp.Kept("all") if sparsifier is None else sp.keep(d, sparsifier, p, g, tensor,
+                                                                  model)
+
+    def combine(base: Any, delta: Callable[[int], Any],
+                input_params: Sequence[Mapping[str, Any]], g: Mapping[str, Any]) -> Any:
+        return _combine(base, delta, input_params, g, consensus)
+
+    workspace = 0 if sparsifier is None else (
+        PHASE1_SORT_BYTES if sparsifier in ("magnitude", "magnitude_outliers") else
+        PHASE1_DELLA_BYTES if sparsifier == "della_magprune" else PHASE1_RANDOM_BYTES)
+    return Staged(keep, combine, workspace, BLOCK_BYTES_PER_INPUT, BLOCK_BYTES)
+
+
+#: the staged path's workspace, bytes per element of the tensor (peaks measured in
+#: tests/engine/test_staged.py, rounded up): phase 1 on one input's whole delta (on top of the
+#: base's and the input's float32 values and its delta), phase 2 per element of a block
+PHASE1_SORT_BYTES = 40  # |D| 4, np.partition's copy 4, torch.sort's values 4 and indices 8,
+#                         bool masks, the masked delta for the rescale's sum
+PHASE1_DELLA_BYTES = 40  # |D| 4, two argsorts 8 + 8, float32 ranks and probabilities
+PHASE1_RANDOM_BYTES = 12  # the masked delta and its |.| for the rescale's sum
+BLOCK_BYTES_PER_INPUT = 24  # the stacked deltas 4, sign 4, mask 1, deltas * mask 4,
+#                             w * mask 4, the input's decoded values 4, its mask 4
+BLOCK_BYTES = 48  # base, sums, majority, divisor, the output
 
 
 def _numpy_path(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any],
@@ -259,7 +304,7 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
         merge=_merge(name, sparsifier, consensus), coefficients=_coefficients,
         check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
         arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused,
-        torch_use=_torch_use(sparsifier, consensus))
+        torch_use=_torch_use(sparsifier, consensus), staged=_staged(sparsifier, consensus))
 
 
 METHODS = (

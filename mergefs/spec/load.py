@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters",
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
-                 "storage_options", "remote", "strict", "sweep", "variants", "decode_limit")
+                 "storage_options", "remote", "strict", "sweep", "variants", "decode_limit",
+                 "memory")
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
@@ -306,6 +307,14 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     except ValueError as exc:
         raise SpecError(f"{source}: {exc}") from None
     cache_dir = resolve_path(base_dir, cache["dir"], source, "cache.dir") if "dir" in cache else None
+    memory_bytes = None
+    if data.get("memory") is not None:
+        try:
+            memory_bytes = parse_size(data["memory"], "memory")
+        except ValueError as exc:
+            raise spec_error(source, "memory", str(exc).removeprefix("memory: ")) from None
+        if memory_bytes <= 0:
+            raise spec_error(source, "memory", "must be more than 0")
 
     # the inputs in mergekit's order (an appended base listed last), so that replay re-parses
     # the same inputs in the same order
@@ -360,7 +369,8 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 block_size, index_dir, cache_memory, cache_dir, manifest, raw, remote_sources,
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
-                settings=glob_settings, tokenizer=tok, decode_limit=decode_limit)
+                settings=glob_settings, tokenizer=tok, decode_limit=decode_limit,
+                memory_bytes=memory_bytes)
 
 
 def _decode_limit(value: Any, source: str) -> float | None:
