@@ -448,38 +448,38 @@ class Engine:
         return self._output(name, b0, b1, encode(merged, out_dtype))
 
     # -- the staged path (whole-tensor methods in two phases) ------------------------------
-    def _input_values(self, role: int, name: str, b0: int, b1: int,
-                      w0: np.ndarray | None) -> np.ndarray | None:
-        """float32 values of blocks ``[b0, b1)`` of tensor ``name``: the base's (``role`` 0),
-        or expert ``role - 1``'s planned runs with the base's values ``w0`` elsewhere (None:
-        none planned there). Read, verified and recorded as ``merge_unit`` reads them."""
+    def _input_values(self, role: int, name: str, b0: int, b1: int, w0: np.ndarray | None,
+                      s: int, e: int) -> np.ndarray | None:
+        """float32 values of flat elements ``[s, e)`` of tensor ``name`` (within blocks
+        ``[b0, b1)``, which are read and verified whole, and recorded, as ``merge_unit`` reads
+        them): the base's (``role`` 0), or expert ``role - 1``'s planned runs with the base's
+        values ``w0`` (of ``[s, e)``) elsewhere (None: none planned there)."""
         lay = self.layout
-        e0 = int(lay.elem_start[b0])
         if role == 0:
-            rng = self._range(self.base, name, e0, int(lay.elem_end[b1 - 1]))
-            buf = self.base.read_ranges([rng])[0]
-            self._check(self.base, "base", name, rng, buf, b0, b1, self.index.base_hash)
-            return decode_f32(buf, self.base.tensors[name].dtype)
-        i = role - 1
-        src = self.experts[i]
-        runs = _runs(self.plan.selected[i], b0, b1)
-        if not runs:
-            return None
+            src, label, hashes, runs = self.base, "base", self.index.base_hash, [(b0, b1)]
+        else:
+            i = role - 1
+            src, label, hashes = self.experts[i], self.labels[i], self.index.expert_hash[i]
+            runs = _runs(self.plan.selected[i], b0, b1)
+            if not runs:
+                return None
         ranges = [self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
                   for r0, r1 in runs]
-        bufs = read_many([(src, ranges)], [self.gap_allowance])[0]
-        whole = runs == [(b0, b1)]
-        assert whole or w0 is not None
-        full = None if whole else w0.copy()  # type: ignore[union-attr]
+        bufs = read_many([(src, ranges)], [None if role == 0 else self.gap_allowance])[0]
+        dtype = src.tensors[name].dtype
+        item = DTYPES[dtype][0]
+        out = None if runs == [(b0, b1)] else w0.copy()  # type: ignore[union-attr]
         for (r0, r1), rng, raw in zip(runs, ranges, bufs):
-            buf = self._check(src, self.labels[i], name, rng, raw, r0, r1,
-                              self.index.expert_hash[i])
-            wi = decode_f32(buf, src.tensors[name].dtype)
-            if full is None:
-                full = wi
-            else:
-                full[int(lay.elem_start[r0]) - e0:int(lay.elem_end[r1 - 1]) - e0] = wi
-        return full
+            buf = self._check(src, label, name, rng, raw, r0, r1, hashes)
+            lo, hi = max(s, int(lay.elem_start[r0])), min(e, int(lay.elem_end[r1 - 1]))
+            if lo >= hi:
+                continue
+            r_start = int(lay.elem_start[r0])
+            wi = decode_f32(buf[(lo - r_start) * item:(hi - r_start) * item], dtype)
+            if out is None:
+                return wi
+            out[lo - s:hi - s] = wi
+        return out
 
     def _merge_staged(self, name: str, b0: int, b1: int) -> bytes:
         """A whole-tensor unit by the method's two phases (:class:`mergefs.methods.base.Staged`):
@@ -496,13 +496,14 @@ class Engine:
         n = int(np.prod(shape, dtype=np.int64))
         roles = [0 if k == REFERENCE else k + 1 for k in self.spec.input_order]
         g = out_t.params
-        w0 = self._input_values(0, name, b0, b1, None)
+        e0 = int(self.layout.elem_start[b0])
+        w0 = self._input_values(0, name, b0, b1, None, e0, e0 + n)
         assert w0 is not None
         base_t = torch.from_numpy(w0).reshape(shape)
         kept = []
         for k, role in enumerate(roles):  # phase 1: one input's whole tensor at a time
             self._stop_point()
-            x = w0 if role == 0 else self._input_values(role, name, b0, b1, w0)
+            x = w0 if role == 0 else self._input_values(role, name, b0, b1, w0, e0, e0 + n)
             d = (torch.from_numpy(x).reshape(shape) if x is not None else base_t) - base_t
             del x
             kept.append(staged.keep(d, out_t.input_params[k], g, name, k))
@@ -514,21 +515,20 @@ class Engine:
         for s, e in _aligned_blocks(n, self.staged_block_elems):  # phase 2
             self._stop_point()
             # the index blocks holding [s, e): read and verified whole
-            c0 = blocks.start + int(np.searchsorted(lay.elem_end[blocks.start:blocks.stop], s,
-                                                    side="right"))
-            c1 = blocks.start + int(np.searchsorted(lay.elem_start[blocks.start:blocks.stop], e,
-                                                    side="left"))
-            off = s - int(lay.elem_start[c0])
-            wb = self._input_values(0, name, c0, c1, None)
+            c0 = blocks.start + int(np.searchsorted(lay.elem_end[blocks.start:blocks.stop],
+                                                    e0 + s, side="right"))
+            c1 = blocks.start + int(np.searchsorted(lay.elem_start[blocks.start:blocks.stop],
+                                                    e0 + e, side="left"))
+            wb = self._input_values(0, name, c0, c1, None, e0 + s, e0 + e)
             assert wb is not None
-            base_blk = torch.from_numpy(wb[off:off + e - s])
-            xs = [wb if role == 0 else self._input_values(role, name, c0, c1, wb)
+            base_blk = torch.from_numpy(wb)
+            xs = [wb if role == 0 else self._input_values(role, name, c0, c1, wb, e0 + s, e0 + e)
                   for role in roles]
 
-            def delta(k: int, xs: list[np.ndarray | None] = xs, off: int = off,
-                      base_blk: Any = base_blk, s: int = s, e: int = e) -> Any:
+            def delta(k: int, xs: list[np.ndarray | None] = xs, base_blk: Any = base_blk,
+                      s: int = s) -> Any:
                 x = xs[k]
-                xk = base_blk if x is None else torch.from_numpy(x[off:off + e - s])
+                xk = base_blk if x is None else torch.from_numpy(x)
                 d = kept[k].apply(xk - base_blk, s)
                 xs[k] = None  # read once: free it
                 return d

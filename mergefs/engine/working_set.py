@@ -8,7 +8,8 @@ A unit is merged on one of three paths (mergefs.engine.merger):
   rows) holds, in phase 1, the base's float32 values and one input's whole tensor (raw, float32,
   its delta, the method's workspace) at a time; in phase 2 blocks of ``STAGED_BLOCK_ELEMS``
   elements of every input; throughout, one bit per element per input (the masks) and at the end
-  the output's bytes (twice: the blocks and their join);
+  the output's bytes (twice: the blocks and their join). The need adds both phases: glibc's
+  heap does not always reuse phase 1's freed buffers for phase 2's (measured);
 - ``whole``: every input's whole tensor (raw and float32) plus the method's own temporaries
   (:attr:`mergefs.methods.base.Method.workspace`) and the output.
 
@@ -34,7 +35,7 @@ from mergefs.methods.base import Method
 #: the default cap: this fraction of the machine's RAM (MemTotal)
 MEMORY_FRACTION = 0.5
 #: elements per block of the staged path's phase 2 (a multiple of 32: torch's sum groups)
-STAGED_BLOCK_ELEMS = 1 << 20
+STAGED_BLOCK_ELEMS = 1 << 19
 #: elementwise methods' units: about this many elements (mergefs.engine.merger.UNIT_ELEMS)
 UNIT_ELEMS = 1 << 20
 MERGED_DTYPES = ("F32", "BF16", "F16")
@@ -92,7 +93,8 @@ def tensor_need(method: Method, tensor: str, n_elems: int, n_inputs: int, src_it
         phase1 = n * (4 + s + 4 + 4 + st.phase1_bytes)  # base, one input raw + f32, its delta
         blk = min(n, block_elems + 63)  # (a last block takes the tail and up to 63 more)
         phase2 = blk * (read + k * st.block_bytes_per_input + st.block_bytes)
-        return Need(tensor, max(phase1, phase2) + masks + 2 * n * out_item, path)
+        # both phases counted: the heap does not always hand phase 1's freed buffers to phase 2
+        return Need(tensor, phase1 + phase2 + masks + 2 * n * out_item, path)
     return Need(tensor, n * (read + a + b * k + 4 + 2 * out_item), path)
 
 

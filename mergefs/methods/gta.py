@@ -169,10 +169,11 @@ def _staged(sparsifier: str | None, consensus: bool) -> Staged:
 #: the staged path's workspace, bytes per element of the tensor (peaks measured in
 #: tests/engine/test_staged.py, rounded up): phase 1 on one input's whole delta (on top of the
 #: base's and the input's float32 values and its delta), phase 2 per element of a block
-PHASE1_SORT_BYTES = 40  # |D| 4, np.partition's copy 4, torch.sort's values 4 and indices 8,
-#                         bool masks, the masked delta for the rescale's sum
-PHASE1_DELLA_BYTES = 40  # |D| 4, two argsorts 8 + 8, float32 ranks and probabilities
-PHASE1_RANDOM_BYTES = 12  # the masked delta and its |.| for the rescale's sum
+PHASE1_SORT_BYTES = 48  # |D| 4, np.partition's copy 4, torch.sort's values 4 and indices 8
+#                         and its own scratch, bool masks, the masked delta for the rescale
+PHASE1_DELLA_BYTES = 72  # |D| 4, two argsorts 8 + 8, float32 ranks and probabilities, the
+#                          random draw's uint64/float64 chunks
+PHASE1_RANDOM_BYTES = 32  # the random draw's chunks, the masked delta and its |.|
 BLOCK_BYTES_PER_INPUT = 24  # the stacked deltas 4, sign 4, mask 1, deltas * mask 4,
 #                             w * mask 4, the input's decoded values 4, its mask 4
 BLOCK_BYTES = 48  # base, sums, majority, divisor, the output

@@ -68,6 +68,7 @@ def _sorted_slice(values: torch.Tensor, lo: int, hi: int, descending: bool) -> n
         split = (a_lo > 0 and p[a_lo - 1] == p[a_lo]) or (a_hi < n and p[a_hi - 1] == p[a_hi])
         if not split:
             return (v >= p[a_lo]) & (v <= p[a_hi - 1])
+        del p  # (before the sort's own buffers)
     order = torch.sort(values, descending=descending).indices[lo:hi]
     mask[order.numpy()] = True
     return mask
