@@ -257,8 +257,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"{r['name']:<17} base {r['base']:<9} inputs {inputs:<5} "
               f"bound {'yes' if r['additive_bound'] else 'no ':<4} block-wise {r['blockwise']}")
         print(f"    needs torch: {r['needs_torch']}")
+        print(f"    memory: {r['memory']}")
         params = [f"{p['name']}{'*' if p['scope'] != 'global' else ''}="
                   f"{'required' if p['required'] else p['default']}" for p in r["parameters"]]
         print(f"    {'  '.join(params) or '(no parameters)'}")
     print("* per-model parameter (a global value is every model's default)")
+    print("memory: bytes a tensor's merge holds at its peak; n elements, k models besides the "
+          "base, s and o source and output bytes per element (docs/operators.md, Memory)")
     return 0

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 import yaml
 
-from mergefs.methods import kernels
+from mergefs.methods import kernels, needs
 from mergefs.core import memory
 from mergefs.recipe import tokenizer as tokenizers
 from mergefs.sources.base import INDEX_NAME, GapAllowance, ReadRange
@@ -67,7 +67,7 @@ from mergefs.deltas.decode import decode_blocks
 
 log = logging.getLogger(__name__)
 
-UNIT_ELEMS = 1 << 20  # materialise merges about this many elements per unit (elementwise ops)
+UNIT_ELEMS = needs.UNIT_ELEMS  # materialise merges about this many elements per unit (elementwise)
 PREFETCH_UNITS = 8  # materialise asks the kernel for this many units' ranges ahead of the workers
 WRITEBACK_BYTES = 64 << 20  # materialise starts writing its output back every this many bytes
 
@@ -98,7 +98,7 @@ class Engine:
                  deltas: dict[int, Any] | None = None,
                  gap_allowance: GapAllowance | None = None,
                  output: OutputOptions | None = None, memory_bytes: int | None = None,
-                 staged_block_elems: int = working_set.STAGED_BLOCK_ELEMS) -> None:
+                 staged_block_elems: int = needs.STAGED_BLOCK_ELEMS) -> None:
         """``gap_allowance``: where remote reads of the experts (exact blocks and delta
         sidecar ranges) take the gap bytes they coalesce over; default the plan's
         (:attr:`mergefs.plan.planner.Plan.gap_allowance_bytes`). ``output``: the weight
@@ -183,7 +183,7 @@ class Engine:
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
         #: elements per block of the staged path's phase 2
         self.staged_block_elems = staged_block_elems
-        #: the working set of each unit's tensor (mergefs.engine.working_set), checked against
+        #: the working set of each unit's tensor (mergefs.methods.needs), checked against
         #: the cap now: a tensor that cannot be merged under it is refused before any work
         self.memory = working_set.MemoryCap(
             memory_bytes if memory_bytes is not None else
@@ -200,11 +200,11 @@ class Engine:
                 f"{exc} ({'--memory' if given else 'the default: half of RAM'}; raise it "
                 "with --memory SIZE or the spec's memory: key)") from None
 
-    def _needs(self) -> dict[str, working_set.Need]:
-        """Each unit's working set at its peak (mergefs.engine.working_set), by unit key."""
+    def _needs(self) -> dict[str, needs.Need]:
+        """Each unit's working set at its peak (mergefs.methods.needs), by unit key."""
         shapes = self._whole_shapes()
         k = len(self.spec.input_order)
-        out: dict[str, working_set.Need] = {}
+        out: dict[str, needs.Need] = {}
         for name in self.unit_outputs:
             if name in self.derived:
                 dtype, shape = shapes[name]
@@ -215,15 +215,13 @@ class Engine:
                           if name in src.tensors]
             else:
                 continue
-            if any(d not in working_set.MERGED_DTYPES for d in dtypes) or \
+            if any(d not in needs.MERGED_DTYPES for d in dtypes) or \
                     self.out_tensors[name].layout_index is None and name not in self.derived:
                 continue  # passed through as it is
+            staged = self.method.staged is not None and k > 0 and self._fused_form(name) is None
             path = "whole" if name in self.derived or self.deltas else \
-                "blocks" if self._elementwise(name) else \
-                "staged" if working_set.staged_path(self.method, k, self.unit_outputs[name].params,
-                                                    self._fused_form(name) is not None,
-                                                    False) else "whole"
-            out[name] = working_set.tensor_need(
+                "blocks" if self._elementwise(name) else "staged" if staged else "whole"
+            out[name] = needs.tensor_need(
                 self.method, name, int(np.prod(shape, dtype=np.int64)), k,
                 max(working_set.item_bytes(d) for d in dtypes),
                 working_set.item_bytes(self.out_tensors[name].dtype), path,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
+from mergefs.methods import gta, linear, needs, ram, simple, slerp, spherical, stock
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
     require_torch,
@@ -54,7 +54,8 @@ def _param_row(p: ParamDef) -> dict[str, Any]:
 
 def describe_methods() -> list[dict[str, Any]]:
     """One JSON-able row per method: name, family, parameters with defaults, capabilities, and
-    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`)."""
+    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`), and the
+    bytes a tensor's merge holds at its peak (:func:`.needs.formula`)."""
     rows = []
     for m in _ALL:
         c = m.caps
@@ -67,6 +68,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "blockwise": blockwise_note(m),
             "random": c.random,
             "needs_torch": m.torch_use.note,
+            "memory": needs.formula(m, blockwise_note(m) != "no"),
         })
     return rows
 

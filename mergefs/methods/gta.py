@@ -305,7 +305,8 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
         merge=_merge(name, sparsifier, consensus), coefficients=_coefficients,
         check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
         arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused,
-        torch_use=_torch_use(sparsifier, consensus), staged=_staged(sparsifier, consensus))
+        torch_use=_torch_use(sparsifier, consensus), staged=_staged(sparsifier, consensus),
+        workspace=(48, 20))
 
 
 METHODS = (

@@ -1,4 +1,4 @@
-"""The staged path (whole-tensor GTA methods in two phases, mergefs.engine.working_set): the same
+"""The staged path (whole-tensor GTA methods in two phases, mergefs.methods.needs): the same
 bytes as the whole-tensor merge at blocks that split tensors anywhere, the memory cap's up-front
 refusal, and the peak memory of a staged merge measured against the cap."""
 
@@ -17,7 +17,7 @@ import pytest
 from families import Family, make_family, write_spec
 
 from mergefs.core.errors import MemoryCapError, SpecError
-from mergefs.engine import working_set
+from mergefs.methods import needs
 from mergefs.engine.merger import _aligned_blocks
 from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
@@ -124,7 +124,7 @@ def test_cap_refused_up_front(family: Family, tmp_path: Path) -> None:
     largest = max(x.size_bytes for x in session.engine.needs.values())
     session.close()
     item = 2 if family.dtype == "bfloat16" else 4
-    assert largest == working_set.tensor_need(spec.method_def, "d.weight", 64 * 33,
+    assert largest == needs.tensor_need(spec.method_def, "d.weight", 64 * 33,
                                               len(family.experts), item, item,
                                               "staged").size_bytes
     Session(spec.with_memory(largest)).close()  # exactly the largest need: accepted
