@@ -172,6 +172,9 @@ class Engine:
         #: expert bytes of units read whole (vocabulary tensors of a tokenizer merge, optional
         #: weights some models lack), outside the plan
         self.vocab_expert_bytes_read = 0
+        #: expert bytes the staged path read a second time (phase 2; the page cache usually
+        #: holds them), counted in the sources' physical reads, not in the plan's
+        self.expert_bytes_reread = 0
         self.blocks_merged = 0
         self.units_merged = 0
         self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.methods.kernels)
@@ -342,8 +345,9 @@ class Engine:
         return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
 
     def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
-               b0: int, b1: int, hashes: np.ndarray) -> memoryview:
-        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
+               b0: int, b1: int, hashes: np.ndarray, record: bool = True) -> memoryview:
+        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read (unless
+        ``record`` is False: bytes read again, recorded once already)."""
         item = DTYPES[src.tensors[name].dtype][0]
         origin = int(self.layout.elem_start[b0])
         for b in range(b0, b1) if self.verify_index else ():
@@ -354,7 +358,7 @@ class Engine:
                     f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
                     f"(source changed since it was indexed); run `mergefs index` again"
                 )
-        if self.manifest is not None and not self.stopped.is_set():
+        if record and self.manifest is not None and not self.stopped.is_set():
             self.manifest.write({"type": "read", "source": label, "file": rng.file,
                                  "tensor": name, "start": rng.start, "end": rng.end,
                                  "xxh3": xxhash.xxh3_64_hexdigest(buf)})
@@ -447,11 +451,12 @@ class Engine:
 
     # -- the staged path (whole-tensor methods in two phases) ------------------------------
     def _input_values(self, role: int, name: str, b0: int, b1: int, w0: np.ndarray | None,
-                      s: int, e: int) -> np.ndarray | None:
+                      s: int, e: int, record: bool = True) -> np.ndarray | None:
         """float32 values of flat elements ``[s, e)`` of tensor ``name`` (within blocks
-        ``[b0, b1)``, which are read and verified whole, and recorded, as ``merge_unit`` reads
-        them): the base's (``role`` 0), or expert ``role - 1``'s planned runs with the base's
-        values ``w0`` (of ``[s, e)``) elsewhere (None: none planned there)."""
+        ``[b0, b1)``, which are read and verified whole, and recorded unless ``record`` is
+        False, as ``merge_unit`` reads them): the base's (``role`` 0), or expert
+        ``role - 1``'s planned runs with the base's values ``w0`` (of ``[s, e)``) elsewhere
+        (None: none planned there)."""
         lay = self.layout
         if role == 0:
             src, label, hashes, runs = self.base, "base", self.index.base_hash, [(b0, b1)]
@@ -464,11 +469,14 @@ class Engine:
         ranges = [self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
                   for r0, r1 in runs]
         bufs = read_many([(src, ranges)], [None if role == 0 else self.gap_allowance])[0]
+        if role and not record:
+            with self._lock:
+                self.expert_bytes_reread += sum(len(b) for b in bufs)
         dtype = src.tensors[name].dtype
         item = DTYPES[dtype][0]
         out = None if runs == [(b0, b1)] else w0.copy()  # type: ignore[union-attr]
         for (r0, r1), rng, raw in zip(runs, ranges, bufs):
-            buf = self._check(src, label, name, rng, raw, r0, r1, hashes)
+            buf = self._check(src, label, name, rng, raw, r0, r1, hashes, record)
             lo, hi = max(s, int(lay.elem_start[r0])), min(e, int(lay.elem_end[r1 - 1]))
             if lo >= hi:
                 continue
@@ -517,10 +525,13 @@ class Engine:
                                                     e0 + s, side="right"))
             c1 = blocks.start + int(np.searchsorted(lay.elem_start[blocks.start:blocks.stop],
                                                     e0 + e, side="left"))
-            wb = self._input_values(0, name, c0, c1, None, e0 + s, e0 + e)
+            # (phase 1 recorded the whole tensors' reads, the same records as the whole-tensor
+            # merge's: a manifest lists each byte read once, and replays either way)
+            wb = self._input_values(0, name, c0, c1, None, e0 + s, e0 + e, record=False)
             assert wb is not None
             base_blk = torch.from_numpy(wb)
-            xs = [wb if role == 0 else self._input_values(role, name, c0, c1, wb, e0 + s, e0 + e)
+            xs = [wb if role == 0 else
+                  self._input_values(role, name, c0, c1, wb, e0 + s, e0 + e, record=False)
                   for role in roles]
 
             def delta(k: int, xs: list[np.ndarray | None] = xs, base_blk: Any = base_blk,
