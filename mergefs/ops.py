@@ -340,12 +340,14 @@ def compress(spec: Spec, *, publish: bool = False, ray: str | None = None,
 
 
 def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
-          budget: Budget | None = None) -> int:
+          budget: Budget | None = None, memory_bytes: int | None = None) -> int:
     """Mount a spec, or every variant of a sweep spec (``args``: the mount's options, as the
-    CLI's ``mount`` command takes them)."""
+    CLI's ``mount`` command takes them; ``memory_bytes``: ``--memory``)."""
     require_mount_extra()  # first: one line saying how to install pyfuse3 and trio
     if not is_sweep(read_doc(spec_path)):
         spec = load(spec_path, strict=strict, budget=budget)
+        if memory_bytes is not None:
+            spec = spec.with_memory(memory_bytes)
         if spec.budget.kind == "bytes":  # is it more than all expert bytes? (the index knows)
             check_mountpoint(args.mountpoint)  # first: no index built for a mount that fails
             opened = ensure_index(spec)  # built here if missing; the mount then reuses it
@@ -359,6 +361,8 @@ def mount(args: argparse.Namespace, spec_path: str, *, strict: bool = False,
                            "mount it without --budget")
     found: Sequence[tuple[Variant, Spec]] = load_variants(os.path.abspath(spec_path),
                                                           strict=strict)
+    if memory_bytes is not None:
+        found = [(v, s.with_memory(memory_bytes)) for v, s in found]
     check_writes(found[0][1].model_paths, index_dir=found[0][1].index_dir)
     return run_mount(args, found[0][1], variants=found)
 

@@ -149,6 +149,9 @@ SPEC_HELP = "the merge spec: a mergekit YAML config, plus optional mergefs keys"
 SPEC_COMMANDS = ("index", "compress", "plan", "sweep", "merge", "mount")
 NO_SIDECARS_HELP = ("plan with exact blocks only: ignore the delta sidecars (`mergefs compress`, "
                     "in index_dir or beside the experts) that the plan would otherwise use")
+MEMORY_HELP = ("cap on the merge's working set (e.g. 4GiB; default: the spec's memory:, else half "
+               "of RAM): units wait for room under it, and a tensor that needs more is refused "
+               "before any work (`mergefs methods` gives each method's need)")
 VARIANT_HELP = ("of a sweep spec (sweep: / variants:), the variant NAME, as its directory in a "
                 "sweep mount is named (see MOUNTPOINT/variants.json)")
 
@@ -320,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--variant", metavar="NAME", help=VARIANT_HELP)
     s.add_argument("--no-sidecars", dest="sidecars", action="store_false",
                    help=NO_SIDECARS_HELP)
+    s.add_argument("--memory", metavar="SIZE", help=MEMORY_HELP)
     _add_ray(s, "one task per output shard, and the index if it must be built; OUTDIR must "
              "lie on storage every node sees")
     _add_mergekit_options(s)
@@ -367,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-size", help="memory cache of merged blocks (default: 1/4 of RAM, "
                    "at most 8GiB)")
     s.add_argument("--cache-dir", help="persistent cache of merged blocks, keyed by plan hash")
+    s.add_argument("--memory", metavar="SIZE", help=MEMORY_HELP + " (beside --cache-size)")
     s.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C unmounts")
     s.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     s.add_argument("--warm", nargs="?", const="on", default=None, choices=("auto", "on", "off"),

@@ -178,6 +178,17 @@ def output_options(args: argparse.Namespace, spec: Spec) -> OutputOptions:
                          config_text=ops.config_text(spec) if args.write_model_card else None)
 
 
+def memory_arg(value: str) -> int:
+    """``--memory``'s bytes (more than 0), or one line saying what is wrong."""
+    try:
+        out = parse_size(value, "--memory")
+    except ValueError as exc:
+        raise MergefsError(str(exc)) from None
+    if out <= 0:
+        raise MergefsError("--memory: must be more than 0")
+    return out
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     mergekit_flags(args)
     if args.ray is not None:
@@ -186,6 +197,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     spec = ops.load(args.spec, strict=getattr(args, "strict", False), variant=args.variant,
                     budget=budget,
                     intermediate_dir=args.intermediate_dir, seed=args.random_seed)
+    if args.memory is not None:
+        spec = spec.with_memory(memory_arg(args.memory))
     if args.lazy is not None and not spec.intermediates:
         raise MergefsError(f"--{'' if args.lazy else 'no-'}lazy: {args.spec} is not a "
                            "multi-document spec (it has no named merges)")
@@ -236,7 +249,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     budget = None if args.budget is None else parse_budget(args.budget, "--budget")
-    return ops.mount(args, args.spec, strict=getattr(args, "strict", False), budget=budget)
+    memory = None if args.memory is None else memory_arg(args.memory)
+    return ops.mount(args, args.spec, strict=getattr(args, "strict", False), budget=budget,
+                     memory_bytes=memory)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
@@ -263,8 +278,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"    needs torch: {r['needs_torch']}")
         print(f"    paper: {r['paper']['name']}"
               + (f" <{r['paper']['url']}>" if r['paper']['url'] else ""))
+        print(f"    memory: {r['memory']}")
         params = [f"{p['name']}{'*' if p['scope'] != 'global' else ''}="
                   f"{'required' if p['required'] else p['default']}" for p in r["parameters"]]
         print(f"    {'  '.join(params) or '(no parameters)'}")
     print("* per-model parameter (a global value is every model's default)")
+    print("memory: bytes a tensor's merge holds at its peak; n elements, k models besides the "
+          "base, s and o source and output bytes per element (docs/operators.md, Memory)")
     return 0

@@ -23,6 +23,10 @@ class BudgetError(MergefsError):
     """The budget is invalid for this spec or operator."""
 
 
+class MemoryCapError(MergefsError):
+    """A tensor cannot be merged under the memory cap (names the tensor and its need)."""
+
+
 class ManifestError(MergefsError):
     """A manifest is malformed or cannot be replayed."""
 

@@ -37,22 +37,24 @@ import numpy as np
 import xxhash
 import yaml
 
-from mergefs.methods import kernels
+from mergefs.methods import kernels, needs
 from mergefs.core import memory
 from mergefs.recipe import tokenizer as tokenizers
 from mergefs.sources.base import INDEX_NAME, GapAllowance, ReadRange
 from mergefs.sources import read_many
 from mergefs.sources.local import Checkpoint
 from mergefs.core.dtypes import decode_f32, encode
-from mergefs.core.errors import SourceChanged
+from mergefs.core.errors import MemoryCapError, SourceChanged
 from mergefs.core.format import DTYPES
 from mergefs.index.blocks import BlockIndex
+from mergefs.engine import working_set
 from mergefs.engine.manifest import ManifestWriter
 from mergefs.methods.base import require_torch, Fused, Unit
 from mergefs.engine.output import Staging
 from mergefs.plan.planner import Plan
 from mergefs.recipe.outputs import Recipe
 from mergefs.spec.model import REFERENCE, Spec
+from mergefs.spec.slices import spec_error
 from mergefs.sources.base import CONFIG_NAME
 from mergefs.engine.card import CARD_NAME, CONFIG_COPY_NAME, model_card
 from mergefs.engine.layout import (
@@ -65,7 +67,7 @@ from mergefs.deltas.decode import decode_blocks
 
 log = logging.getLogger(__name__)
 
-UNIT_ELEMS = 1 << 20  # materialise merges about this many elements per unit (elementwise ops)
+UNIT_ELEMS = needs.UNIT_ELEMS  # materialise merges about this many elements per unit (elementwise)
 PREFETCH_UNITS = 8  # materialise asks the kernel for this many units' ranges ahead of the workers
 WRITEBACK_BYTES = 64 << 20  # materialise starts writing its output back every this many bytes
 
@@ -95,11 +97,16 @@ class Engine:
                  verify_index: bool = True, recipe: Recipe | None = None,
                  deltas: dict[int, Any] | None = None,
                  gap_allowance: GapAllowance | None = None,
-                 output: OutputOptions | None = None) -> None:
+                 output: OutputOptions | None = None, memory_bytes: int | None = None,
+                 staged_block_elems: int = needs.STAGED_BLOCK_ELEMS) -> None:
         """``gap_allowance``: where remote reads of the experts (exact blocks and delta
         sidecar ranges) take the gap bytes they coalesce over; default the plan's
         (:attr:`mergefs.plan.planner.Plan.gap_allowance_bytes`). ``output``: the weight
-        files' layout and the files beside them (default: as mergekit-yaml writes them)."""
+        files' layout and the files beside them (default: as mergekit-yaml writes them).
+        ``memory_bytes``: the cap on the working set of the units in flight (default the
+        spec's ``memory``, else :func:`.working_set.default_cap_bytes`); raises
+        :class:`MemoryCapError` (a SpecError when the spec set it) if one tensor needs more.
+        ``staged_block_elems``: the staged path's block (tests split tensors with it)."""
         self.spec = spec
         self.output = output if output is not None else OutputOptions()
         self.recipe = recipe if recipe is not None else recipe_of(spec, base)
@@ -165,6 +172,9 @@ class Engine:
         #: expert bytes of units read whole (vocabulary tensors of a tokenizer merge, optional
         #: weights some models lack), outside the plan
         self.vocab_expert_bytes_read = 0
+        #: expert bytes the staged path read a second time (phase 2; the page cache usually
+        #: holds them), counted in the sources' physical reads, not in the plan's
+        self.expert_bytes_reread = 0
         self.blocks_merged = 0
         self.units_merged = 0
         self.units_fused = 0  # of units_merged: by the compiled kernel (mergefs.methods.kernels)
@@ -174,6 +184,52 @@ class Engine:
         if self.fusable:
             kernels.note_unavailable()
         memory.keep_freed_memory()  # reuse freed unit buffers: no page faults per unit
+        #: elements per block of the staged path's phase 2
+        self.staged_block_elems = staged_block_elems
+        #: the working set of each unit's tensor (mergefs.methods.needs), checked against
+        #: the cap now: a tensor that cannot be merged under it is refused before any work
+        self.memory = working_set.MemoryCap(
+            memory_bytes if memory_bytes is not None else
+            spec.memory_bytes if spec.memory_bytes is not None else
+            working_set.default_cap_bytes())
+        self.needs = self._needs()
+        try:
+            working_set.check(list(self.needs.values()), self.memory.cap_bytes)
+        except working_set.CapExceeded as exc:
+            given = memory_bytes is not None or spec.memory_bytes is not None
+            if memory_bytes is None and spec.memory_bytes is not None and not spec.memory_flag:
+                raise spec_error(spec.source, "memory", str(exc)) from None
+            raise MemoryCapError(
+                f"{exc} ({'--memory' if given else 'the default: half of RAM'}; raise it "
+                "with --memory SIZE or the spec's memory: key)") from None
+
+    def _needs(self) -> dict[str, needs.Need]:
+        """Each unit's working set at its peak (mergefs.methods.needs), by unit key."""
+        shapes = self._whole_shapes()
+        k = len(self.spec.input_order)
+        out: dict[str, needs.Need] = {}
+        for name in self.unit_outputs:
+            if name in self.derived:
+                dtype, shape = shapes[name]
+                dtypes = [dtype]
+            elif name in self.base.tensors and self.out_tensors.get(name) is not None:
+                shape = tuple(self.out_tensors[name].shape)
+                dtypes = [src.tensors[name].dtype for src in [self.base, *self.experts]
+                          if name in src.tensors]
+            else:
+                continue
+            if any(d not in needs.MERGED_DTYPES for d in dtypes) or \
+                    self.out_tensors[name].layout_index is None and name not in self.derived:
+                continue  # passed through as it is
+            staged = self.method.staged is not None and k > 0 and self._fused_form(name) is None
+            path = "whole" if name in self.derived or self.deltas else \
+                "blocks" if self._elementwise(name) else "staged" if staged else "whole"
+            out[name] = needs.tensor_need(
+                self.method, name, int(np.prod(shape, dtype=np.int64)), k,
+                max(working_set.item_bytes(d) for d in dtypes),
+                working_set.item_bytes(self.out_tensors[name].dtype), path,
+                self.staged_block_elems)
+        return out
 
     def _whole_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """(source dtype, output shape) of each unit read whole, from the first role that
@@ -289,8 +345,9 @@ class Engine:
         return ReadRange(loc.file, loc.start + e0 * item, loc.start + e1 * item)
 
     def _check(self, src: Checkpoint, label: str, name: str, rng: ReadRange, buf: memoryview,
-               b0: int, b1: int, hashes: np.ndarray) -> memoryview:
-        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read."""
+               b0: int, b1: int, hashes: np.ndarray, record: bool = True) -> memoryview:
+        """Verify the bytes of blocks [b0, b1) read for ``rng`` and record the read (unless
+        ``record`` is False: bytes read again, recorded once already)."""
         item = DTYPES[src.tensors[name].dtype][0]
         origin = int(self.layout.elem_start[b0])
         for b in range(b0, b1) if self.verify_index else ():
@@ -301,7 +358,7 @@ class Engine:
                     f"{src.path_of(rng.file)}: bytes of {name!r} differ from the index "
                     f"(source changed since it was indexed); run `mergefs index` again"
                 )
-        if self.manifest is not None and not self.stopped.is_set():
+        if record and self.manifest is not None and not self.stopped.is_set():
             self.manifest.write({"type": "read", "source": label, "file": rng.file,
                                  "tensor": name, "start": rng.start, "end": rng.end,
                                  "xxh3": xxhash.xxh3_64_hexdigest(buf)})
@@ -309,10 +366,22 @@ class Engine:
 
     # -- merging -------------------------------------------------------------------------
     def merge_unit(self, name: str, b0: int, b1: int) -> bytes:
-        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit)."""
+        """Merged output bytes of blocks ``[b0, b1)`` of tensor ``name`` (or of its unit), once
+        the unit's working set fits under the memory cap beside the units in flight."""
         name = self.unit_of.get(name, name)
-        if name in self.derived:
-            return self._whole_unit(name)
+        need = self.needs.get(name)
+        held = self.memory.acquire(need.size_bytes) if need is not None else 0
+        try:
+            if name in self.derived:
+                return self._whole_unit(name)
+            if need is not None and need.path == "staged":
+                return self._merge_staged(name, b0, b1)
+            return self._merge_read(name, b0, b1)
+        finally:
+            self.memory.release(held)
+
+    def _merge_read(self, name: str, b0: int, b1: int) -> bytes:
+        """``merge_unit`` with every input's range of the unit read at once."""
         lay = self.layout
         e0, e1 = int(lay.elem_start[b0]), int(lay.elem_end[b1 - 1])
         src_dtype = self.base.tensors[name].dtype
@@ -379,6 +448,112 @@ class Engine:
             return self._output(name, b0, b1, data, fused=True)
         merged = self._merge(name, e0, w0, values)
         return self._output(name, b0, b1, encode(merged, out_dtype))
+
+    # -- the staged path (whole-tensor methods in two phases) ------------------------------
+    def _input_values(self, role: int, name: str, b0: int, b1: int, w0: np.ndarray | None,
+                      s: int, e: int, record: bool = True) -> np.ndarray | None:
+        """float32 values of flat elements ``[s, e)`` of tensor ``name`` (within blocks
+        ``[b0, b1)``, which are read and verified whole, and recorded unless ``record`` is
+        False, as ``merge_unit`` reads them): the base's (``role`` 0), or expert
+        ``role - 1``'s planned runs with the base's values ``w0`` (of ``[s, e)``) elsewhere
+        (None: none planned there)."""
+        lay = self.layout
+        if role == 0:
+            src, label, hashes, runs = self.base, "base", self.index.base_hash, [(b0, b1)]
+        else:
+            i = role - 1
+            src, label, hashes = self.experts[i], self.labels[i], self.index.expert_hash[i]
+            runs = _runs(self.plan.selected[i], b0, b1)
+            if not runs:
+                return None
+        ranges = [self._range(src, name, int(lay.elem_start[r0]), int(lay.elem_end[r1 - 1]))
+                  for r0, r1 in runs]
+        bufs = read_many([(src, ranges)], [None if role == 0 else self.gap_allowance])[0]
+        if role and not record:
+            with self._lock:
+                self.expert_bytes_reread += sum(len(b) for b in bufs)
+        dtype = src.tensors[name].dtype
+        item = DTYPES[dtype][0]
+        out = None if runs == [(b0, b1)] else w0.copy()  # type: ignore[union-attr]
+        for (r0, r1), rng, raw in zip(runs, ranges, bufs):
+            buf = self._check(src, label, name, rng, raw, r0, r1, hashes, record)
+            lo, hi = max(s, int(lay.elem_start[r0])), min(e, int(lay.elem_end[r1 - 1]))
+            if lo >= hi:
+                continue
+            r_start = int(lay.elem_start[r0])
+            wi = decode_f32(buf[(lo - r_start) * item:(hi - r_start) * item], dtype)
+            if out is None:
+                return wi
+            out[lo - s:hi - s] = wi
+        return out
+
+    def _merge_staged(self, name: str, b0: int, b1: int) -> bytes:
+        """A whole-tensor unit by the method's two phases (:class:`mergefs.methods.base.Staged`):
+        what each input keeps, from its whole delta, one input at a time; then the merge by
+        blocks of about ``staged_block_elems`` elements, each input's blocks read again (the
+        page cache usually holds them). The same bytes as the whole-tensor merge; between
+        steps a stopped merge (Ctrl-C) ends the unit."""
+        torch = require_torch(self.method.name)
+        staged = self.method.staged
+        assert staged is not None
+        out_t = self.unit_outputs[name]
+        out_dtype = self.out_tensors[name].dtype
+        shape = tuple(self.out_tensors[name].shape)
+        n = int(np.prod(shape, dtype=np.int64))
+        roles = [0 if k == REFERENCE else k + 1 for k in self.spec.input_order]
+        g = out_t.params
+        e0 = int(self.layout.elem_start[b0])
+        w0 = self._input_values(0, name, b0, b1, None, e0, e0 + n)
+        assert w0 is not None
+        base_t = torch.from_numpy(w0).reshape(shape)
+        kept = []
+        for k, role in enumerate(roles):  # phase 1: one input's whole tensor at a time
+            self._stop_point()
+            x = w0 if role == 0 else self._input_values(role, name, b0, b1, w0, e0, e0 + n)
+            d = (torch.from_numpy(x).reshape(shape) if x is not None else base_t) - base_t
+            del x
+            kept.append(staged.keep(d, out_t.input_params[k], g, name, k))
+            del d
+        del base_t, w0
+        lay = self.layout
+        blocks = self.layout.blocks_of(self.tindex[name])
+        pieces: list[bytes] = []
+        for s, e in _aligned_blocks(n, self.staged_block_elems):  # phase 2
+            self._stop_point()
+            # the index blocks holding [s, e): read and verified whole
+            c0 = blocks.start + int(np.searchsorted(lay.elem_end[blocks.start:blocks.stop],
+                                                    e0 + s, side="right"))
+            c1 = blocks.start + int(np.searchsorted(lay.elem_start[blocks.start:blocks.stop],
+                                                    e0 + e, side="left"))
+            # (phase 1 recorded the whole tensors' reads, the same records as the whole-tensor
+            # merge's: a manifest lists each byte read once, and replays either way)
+            wb = self._input_values(0, name, c0, c1, None, e0 + s, e0 + e, record=False)
+            assert wb is not None
+            base_blk = torch.from_numpy(wb)
+            xs = [wb if role == 0 else
+                  self._input_values(role, name, c0, c1, wb, e0 + s, e0 + e, record=False)
+                  for role in roles]
+
+            def delta(k: int, xs: list[np.ndarray | None] = xs, base_blk: Any = base_blk,
+                      s: int = s) -> Any:
+                x = xs[k]
+                xk = base_blk if x is None else torch.from_numpy(x)
+                d = kept[k].apply(xk - base_blk, s)
+                xs[k] = None  # read once: free it
+                return d
+
+            merged = staged.combine(base_blk, delta, out_t.input_params, g)
+            pieces.append(encode(np.ascontiguousarray(merged.numpy(), dtype=np.float32),
+                                 out_dtype))
+            del xs, merged, wb, base_blk
+        data = b"".join(pieces)
+        del pieces
+        return self._output(name, b0, b1, data)
+
+    def _stop_point(self) -> None:
+        """Between the steps of a long unit: end it when the merge stopped (Ctrl-C)."""
+        if self.stopped.is_set():
+            raise _Stopped()
 
     def _fused_form(self, name: str) -> Fused | None:
         """The unit arithmetic of tensor ``name`` as a compiled kernel's form, or None (whole
@@ -849,3 +1024,14 @@ def _runs(row: np.ndarray, b0: int, b1: int) -> list[tuple[int, int]]:
     return [(b0 + int(a), b0 + int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+
+
+def _aligned_blocks(n: int, block_elems: int) -> list[tuple[int, int]]:
+    """``[start, end)`` blocks of ``n`` flat elements for the staged path: every start a
+    multiple of 32 (``block_elems`` is rounded to one), and the last block, which holds the
+    tensor's last ``n % 32`` elements, holds at least 32 before them (torch sums a block of
+    fewer than 32 elements in another order)."""
+    step = max(32, block_elems // 32 * 32)
+    cuts = [s for s in range(step, n, step) if n - s >= 32 + n % 32]
+    starts = [0, *cuts]
+    return [(a, b) for a, b in zip(starts, [*cuts, n])] if n else []

@@ -159,6 +159,10 @@ class Session:
                      "sidecar_reads": self.sidecar_requests(),
                      "sidecar_bytes_planned": self.plan.sidecar_bytes}
             expert_read += sum(extra["sidecar_bytes_read"].values())
+        reread = self.engine.expert_bytes_reread  # the staged path's second reads
+        if reread:
+            expert_read -= reread
+            extra["expert_bytes_reread"] = reread
         vocab = self.engine.vocab_expert_bytes_read  # read whole, outside the plan
         if vocab:
             extra["expert_bytes_vocabulary"] = vocab

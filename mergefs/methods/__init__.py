@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mergefs.methods import gta, linear, ram, simple, slerp, spherical, stock
+from mergefs.methods import gta, linear, needs, ram, simple, slerp, spherical, stock
 from mergefs.methods import consensus, magmax, subspace
 from mergefs.methods.base import (
     REQUIRED, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
@@ -57,8 +57,9 @@ def _param_row(p: ParamDef) -> dict[str, Any]:
 
 def describe_methods() -> list[dict[str, Any]]:
     """One JSON-able row per method: name, family, parameters with defaults, capabilities,
-    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`) and its
-    paper (name as published and URL, from :mod:`.papers`)."""
+    whether it needs torch ("no", "yes" or "only ...": :attr:`~.base.Method.torch_use`), its
+    paper (name as published and URL, from :mod:`.papers`) and the bytes a tensor's merge holds
+    at its peak (:func:`.needs.formula`)."""
     rows = []
     for m in _ALL:
         c = m.caps
@@ -72,6 +73,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "random": c.random,
             "needs_torch": m.torch_use.note,
             "paper": dict(zip(("name", "url"), PAPERS.get(m.name, (m.name, None)))),
+            "memory": needs.formula(m, blockwise_note(m) != "no"),
         })
     return rows
 

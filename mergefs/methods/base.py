@@ -219,6 +219,37 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """A whole-tensor arithmetic merged in two phases, in memory bounded by one input's tensor
+    plus blocks of all of them (the engine's staged path, mergefs.engine.staged).
+
+    Phase 1, one input at a time: ``keep(delta, p, g, tensor, model)`` on input ``model``'s
+    whole delta ``W_i - W0`` (float32 torch, the tensor's shape; ``p`` its parameters, ``g``
+    the global ones) returns what the arithmetic keeps of it, small and elementwise-applicable
+    (``mergefs.methods.sparsify.Kept``: a bit mask and a factor). Phase 2, by blocks of flat
+    elements: ``combine(base, delta, input_params, g)`` merges a block (``base`` the block's
+    float32 torch values, ``delta(k)`` input k's kept delta there) to the bytes ``merge`` gives
+    there on the whole tensor, for blocks that start at a multiple of 32 elements and, when
+    they hold the tensor's last ``numel % 32`` elements, hold at least 32 before them (torch's
+    input-axis sums then add every element in the whole tensor's order).
+
+    ``phase1_bytes``: the workspace of ``keep`` per element of the tensor (beyond the base's,
+    the input's and the delta's float32 values); ``block_bytes_per_input`` and
+    ``block_bytes``: ``combine``'s per element of a block, per input and once."""
+
+    keep: Callable[..., Any] = field(compare=False)
+    combine: Callable[..., Any] = field(compare=False)
+    phase1_bytes: int = 0
+    block_bytes_per_input: int = 0
+    block_bytes: int = 0
+
+
+#: a whole-tensor method's own temporaries unless it declares them: bytes per element of the
+#: tensor, ``(a, b)`` for ``a + b * inputs``
+DEFAULT_WORKSPACE = (24, 12)
+
+
+@dataclass(frozen=True)
 class Method:
     """A merge method: parameters, capabilities, arithmetic and its documentation."""
 
@@ -243,6 +274,10 @@ class Method:
         field(compare=False, default=lambda g, per: None)
     #: when ``merge`` imports torch (tests/test_install.py runs every method without torch)
     torch_use: TorchUse = TORCH
+    #: the arithmetic in two phases for whole-tensor units (None: whole tensors only)
+    staged: Staged | None = None
+    #: ``merge``'s own temporaries on a whole tensor, bytes per element: ``a + b * inputs``
+    workspace: tuple[int, int] = DEFAULT_WORKSPACE
 
     def param(self, name: str) -> ParamDef | None:
         return next((p for p in self.params if p.name == name), None)

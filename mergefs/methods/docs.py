@@ -7,7 +7,7 @@ Pure; no I/O. Regenerate with
 from __future__ import annotations
 
 from mergefs.methods.base import REQUIRED, Method, Scope
-from mergefs.methods import _ALL, blockwise_note
+from mergefs.methods import _ALL, blockwise_note, needs
 from mergefs.methods.base import ParamDef
 from mergefs.methods.papers import reference_md
 
@@ -124,6 +124,28 @@ probabilities). `seed` is a mergefs parameter (default 0).
 """
 
 
+MEMORY = """\
+## Memory
+
+What merging one tensor holds at its peak (`mergefs.methods.needs`), with `n` the tensor's
+elements, `k` the models besides the base, `s` and `o` the source's and the output's bytes per
+element. The memory cap (`--memory`, the spec's `memory:`, default half of RAM) is checked
+against every tensor's need before anything is read, and units start only while the needs of
+the units in flight fit under it. Whole-tensor units of the generalised task arithmetic rows run
+in two phases: what each model keeps (its selection mask, bit-packed, and the L1 rescale factor)
+from its whole delta, one model at a time, then the merge by blocks of 2^19 elements, each
+model's blocks read again (from the page cache, usually), with the same bytes as whole tensors.
+slerp, nuslerp, model_stock and sce keep whole tensors: their angles and norms are torch
+reductions over the whole tensor. Not counted: the interpreter, numpy and torch (~0.1 GB,
+~0.4 GB with torch), a mount's caches and the page cache. The two-phase path's peak is measured
+against its formula in tests/engine/test_staged.py; the whole-tensor formulas of slerp and
+model_stock were measured once (2M bf16 elements, 1 and 4/8 models), the others are estimates.
+
+| method | bytes at the peak |
+|---|---|
+"""
+
+
 def _param_line(p: object) -> str:
 
     assert isinstance(p, ParamDef)
@@ -183,4 +205,6 @@ def render() -> str:
                             + "\n".join(_param_line(p) for p in m.params) + "\n")
         else:
             body.extend(_method_section(m) for m in ms)
-    return INTRO + "\n".join(rows) + "\n\n" + "\n".join(body) + "\n" + RANDOM
+    memory = [f"| {m.name} | {needs.formula(m, blockwise_note(m) != 'no')} |" for m in _ALL]
+    return INTRO + "\n".join(rows) + "\n\n" + "\n".join(body) + "\n" + MEMORY \
+        + "\n".join(memory) + "\n\n" + RANDOM

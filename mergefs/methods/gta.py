@@ -6,7 +6,7 @@ breadcrumbs, breadcrumbs_ties, della, della_linear. Pure; runs on any thread.
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,8 @@ import numpy as np
 from mergefs.methods import exact, prng
 from mergefs.methods import sparsify as sp
 from mergefs.methods.base import (
-    INT8_MASK, TORCH, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, TorchUse, Unit,
+    INT8_MASK, TORCH, BasePolicy, Capabilities, Fused, Method, ParamDef, Scope, Staged, TorchUse,
+    Unit,
     flag, require_torch, weight,
 )
 
@@ -106,10 +107,9 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
     assert base is not None
     if not u.inputs:
         return base
-    g = u.params
-    deltas = base.new_empty((len(u.inputs), *base.shape))
-    for k, x in enumerate(u.inputs):
-        d = x - base
+
+    def delta(k: int) -> Any:
+        d = u.inputs[k] - base
         p = u.input_params[k]
         if sparsifier == "magnitude":
             d = sp.magnitude(d, p["density"], g["rescale"])
@@ -121,8 +121,23 @@ def _merge_torch(u: Unit, sparsifier: str | None, consensus: bool, name: str = "
         elif sparsifier == "della_magprune":
             d = sp.della(d, p["density"], p["epsilon"], g["rescale"], g["seed"], u.tensor,
                          u.expert_ids[k])
-        deltas[k] = d
-    mixed = mix_torch(deltas, u.per_input("weight"), consensus, g["normalize"])
+        return d
+
+    g = u.params
+    return _combine(base, delta, u.input_params, g, consensus)
+
+
+def _combine(base: Any, delta: Callable[[int], Any], input_params: Sequence[Mapping[str, Any]],
+             g: Mapping[str, Any], consensus: bool) -> Any:
+    """Steps 2-5 of the arithmetic in torch on ``base`` (a whole tensor, or a block of one
+    whose start is a multiple of 32 elements and which, when it holds the tensor's last
+    ``numel % 32`` elements, holds at least 32 before them: torch's input-axis sums then add
+    each element in the same order as on the whole tensor), with ``delta(k)`` input k's
+    sparsified delta there."""
+    deltas = base.new_empty((len(input_params), *base.shape))
+    for k in range(len(input_params)):
+        deltas[k] = delta(k)
+    mixed = mix_torch(deltas, [p["weight"] for p in input_params], consensus, g["normalize"])
     if g["lambda"] != 1:
         mixed *= g["lambda"]
     return base + mixed
@@ -150,6 +165,36 @@ def mix_torch(deltas: Any, weights: Sequence[float], consensus: bool, normalize:
     if normalize:
         mixed /= divisor
     return mixed
+
+
+def _staged(sparsifier: str | None, consensus: bool) -> Staged:
+    """The torch path in two phases (:class:`.base.Staged`)."""
+    def keep(d: Any, p: Mapping[str, Any], g: Mapping[str, Any], tensor: str, model: int
+             ) -> sp.Kept:
+        return sp.Kept("all") if sparsifier is None else sp.keep(d, sparsifier, p, g, tensor,
+                                                                  model)
+
+    def combine(base: Any, delta: Callable[[int], Any],
+                input_params: Sequence[Mapping[str, Any]], g: Mapping[str, Any]) -> Any:
+        return _combine(base, delta, input_params, g, consensus)
+
+    workspace = 0 if sparsifier is None else (
+        PHASE1_SORT_BYTES if sparsifier in ("magnitude", "magnitude_outliers") else
+        PHASE1_DELLA_BYTES if sparsifier == "della_magprune" else PHASE1_RANDOM_BYTES)
+    return Staged(keep, combine, workspace, BLOCK_BYTES_PER_INPUT, BLOCK_BYTES)
+
+
+#: the staged path's workspace, bytes per element of the tensor (peaks measured in
+#: tests/engine/test_staged.py, rounded up): phase 1 on one input's whole delta (on top of the
+#: base's and the input's float32 values and its delta), phase 2 per element of a block
+PHASE1_SORT_BYTES = 48  # |D| 4, np.partition's copy 4, torch.sort's values 4 and indices 8
+#                         and its own scratch, bool masks, the masked delta for the rescale
+PHASE1_DELLA_BYTES = 72  # |D| 4, two argsorts 8 + 8, float32 ranks and probabilities, the
+#                          random draw's uint64/float64 chunks
+PHASE1_RANDOM_BYTES = 32  # the random draw's chunks, the masked delta and its |.|
+BLOCK_BYTES_PER_INPUT = 24  # the stacked deltas 4, sign 4, mask 1, deltas * mask 4,
+#                             w * mask 4, the input's decoded values 4, its mask 4
+BLOCK_BYTES = 48  # base, sums, majority, divisor, the output
 
 
 def _numpy_path(sparsifier: str | None, consensus: bool, n: int, g: Mapping[str, Any],
@@ -293,7 +338,8 @@ def _row(name: str, sparsifier: str | None, consensus: bool, normalize: bool, re
         merge=_merge(name, sparsifier, consensus), coefficients=_coefficients,
         check=_della_check if sparsifier == "della_magprune" else None, summary=summary,
         arithmetic=ARITHMETIC, fused=_fused if sparsifier is None and not consensus else _no_fused,
-        torch_use=_torch_use(sparsifier, consensus))
+        torch_use=_torch_use(sparsifier, consensus), staged=_staged(sparsifier, consensus),
+        workspace=(48, 20))
 
 
 METHODS = (

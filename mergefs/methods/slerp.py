@@ -113,7 +113,7 @@ METHODS = (
                          doc="interpolation factor, 0 = base"),),
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=1),
         merge=_slerp, summary="spherical interpolation of the base and one model",
-        arithmetic=SLERP),
+        arithmetic=SLERP, workspace=(8, 0)),
     Method(
         name="nuslerp", family="slerp",
         params=(weight(), flag("nuslerp_row_wise", False, "interpolate columns of dim 0"),
@@ -121,5 +121,5 @@ METHODS = (
         caps=Capabilities(base=BasePolicy.OPTIONAL, min_inputs=2, max_inputs=2),
         merge=_nuslerp, coefficients=_nuslerp_coefficients,
         summary="spherical interpolation of two models (of their deltas with a base)",
-        arithmetic=NUSLERP),
+        arithmetic=NUSLERP, workspace=(48, 0)),
 )

@@ -96,12 +96,12 @@ METHODS = (
         params=(flag("filter_wise", False, "one interpolation factor per row"),),
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=2, max_inputs=None),
         merge=_model_stock, summary="base towards the models' average by their delta angles",
-        arithmetic=MODEL_STOCK),
+        arithmetic=MODEL_STOCK, workspace=(40, 6)),
     Method(
         name="sce", family="stock",
         params=(INT8_MASK, ParamDef("select_topk", "float", Scope.GLOBAL, 1.0, 0.0, 1.0,
                                     doc="fraction of highest-variance elements kept")),
         caps=Capabilities(base=BasePolicy.REQUIRED, min_inputs=1, max_inputs=None),
         merge=_sce, summary="variance selection, energy weights, sign consensus",
-        arithmetic=SCE),
+        arithmetic=SCE, workspace=(32, 21)),
 )

@@ -178,6 +178,13 @@ def _caps() -> Capabilities:
 SCALING = ParamDef("scaling_factor", "float", Scope.GLOBAL, 1.0,
                    doc="scale of the merged delta (FusionBench's config default)")
 
+#: each method's temporaries beyond its inputs, bytes per element ``(a, b)`` for ``a + b * k``
+#: (the memory cap's formula, :mod:`.needs`): peaks measured on a 1024 x 1024 matrix with 4
+#: models (about 11, 10 and 22 float32 matrices; one torch SVD alone is 6.5), rounded up
+TSV_M_WORKSPACE = (32, 4)
+ISO_C_WORKSPACE = (40, 2)
+ISO_CTS_WORKSPACE = (72, 6)
+
 METHODS = (
     Method(
         name="tsv_m", family="subspace",
@@ -188,16 +195,16 @@ METHODS = (
                              "alpha list)")),
         caps=_caps(), merge=_tsv_m, coefficients=_tsv_coefficients,
         summary="top 1/T singular directions of each delta, whitened across tasks, summed",
-        arithmetic=TSV_M),
+        arithmetic=TSV_M, workspace=TSV_M_WORKSPACE),
     Method(
         name="iso_c", family="subspace", params=(SCALING,), caps=_caps(), merge=_iso_c,
         coefficients=_scaled, summary="the summed delta with its singular values flattened",
-        arithmetic=ISO_C),
+        arithmetic=ISO_C, workspace=ISO_C_WORKSPACE),
     Method(
         name="iso_cts", family="subspace",
         params=(SCALING, ParamDef("common_space_fraction", "float", Scope.GLOBAL, 0.8, 0.0, 1.0,
                                   doc="share of the rank given to the common subspace")),
         caps=_caps(), merge=_iso_cts, coefficients=_scaled,
         summary="isotropic merging in the common subspace and each model's own directions",
-        arithmetic=ISO_CTS),
+        arithmetic=ISO_CTS, workspace=ISO_CTS_WORKSPACE),
 )

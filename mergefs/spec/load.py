@@ -43,7 +43,7 @@ _MERGEKIT_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "
                   "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
 _MERGEFS_KEYS = ("budget", "block_size", "index_dir", "cache", "manifest", "name",
                  "storage_options", "remote", "strict", "sweep", "variants", "decode_limit",
-                 "index_max_size")
+                 "index_max_size", "memory")
 _UNSUPPORTED_KEYS = (
     "architecture",
 )
@@ -315,6 +315,14 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
     except ValueError as exc:
         raise SpecError(f"{source}: {exc}") from None
     cache_dir = resolve_path(base_dir, cache["dir"], source, "cache.dir") if "dir" in cache else None
+    memory_bytes = None
+    if data.get("memory") is not None:
+        try:
+            memory_bytes = parse_size(data["memory"], "memory")
+        except ValueError as exc:
+            raise spec_error(source, "memory", str(exc).removeprefix("memory: ")) from None
+        if memory_bytes <= 0:
+            raise spec_error(source, "memory", "must be more than 0")
 
     # the inputs in mergekit's order (an appended base listed last), so that replay re-parses
     # the same inputs in the same order
@@ -370,7 +378,7 @@ def parse_spec(data: Any, base_dir: Path, source: str = "<inline>",
                 has_base=has_base, input_order=input_order, base_parameters=base_parameters,
                 warnings=tuple(lenient.warnings), slices=slice_defs, sliced=sliced,
                 settings=glob_settings, tokenizer=tok, decode_limit=decode_limit,
-                index_max_size_bytes=index_max_size)
+                index_max_size_bytes=index_max_size, memory_bytes=memory_bytes)
 
 
 def _decode_limit(value: Any, source: str) -> float | None:

@@ -128,6 +128,11 @@ class Spec:
     #: are removed until it holds at most this many bytes (:mod:`mergefs.index.collect`);
     #: None (the default): no automatic collection
     index_max_size_bytes: int | None = None
+    #: the cap on the merge's working set (``memory``; None: the default, half of RAM;
+    #: mergefs.engine.working_set)
+    memory_bytes: int | None = None
+    #: ``memory_bytes`` came from ``--memory``, not the spec file
+    memory_flag: bool = False
 
     @property
     def method_def(self) -> Method:
@@ -157,6 +162,11 @@ class Spec:
         raw = dict(self.raw)
         raw["budget"] = budget.to_spec()
         return Spec(**{**self.__dict__, "budget": budget, "raw": raw})
+
+    def with_memory(self, memory_bytes: int) -> Spec:
+        """This spec with the memory cap ``memory_bytes`` (``--memory``; not recorded in
+        ``raw``: the cap never changes the output)."""
+        return Spec(**{**self.__dict__, "memory_bytes": memory_bytes, "memory_flag": True})
 
     @property
     def model_paths(self) -> list[str]:
