@@ -59,7 +59,10 @@ c)`; both factor matrices orthogonalised as in tsv_m (`P Q` of their SVDs), ever
 replaced by their mean: `A = multi_dot(U', diag(mean(s) * ones), V'^T)`; `M = W0 +
 scaling_factor * A`. Whole tensor, torch float32. When `c < 0` (`k < T` and a small fraction),
 the slices are Python's and drop the last tasks' directions and the common space, as
-FusionBench's do.
+FusionBench's do. `U_c U_c^T D_i` is computed left to right as FusionBench does, except for
+matrices with more than 8 times as many rows as columns (embeddings, LM heads), where FusionBench
+would build an m x m matrix (92 GB for a 152k-token vocabulary): there `U_c (U_c^T D_i)`, the
+same projection rounded differently.
 """ + REFERENCE.format(mem=22, cls="ISO_CTS_Merge", cfg="isotropic_merging/iso_cts")
 
 
@@ -141,8 +144,13 @@ def _iso_cts(u: Unit) -> Any:
     left, s, right = torch.linalg.svd(sum(_deltas(u)), full_matrices=False)
     cu, cs, cv = left[:, :common], s[:common], right[:common, :]
     per_task = int((k - common) / n)
+    # FusionBench's projection (cu @ cu.T) @ d builds a rows x rows matrix: 92 GB for a 152k-token
+    # embedding. Beyond TALL_RATIO rows per column it is computed as cu @ (cu.T @ d) instead:
+    # the same projection, rounded differently (FusionBench's bytes only up to that ratio)
+    tall = u.shape[0] > TALL_RATIO * u.shape[1]
     for i, d in enumerate(_deltas(u)):  # made again: one delta alive at a time
-        tl, ts, tr = torch.linalg.svd(d - cu @ cu.T @ d, full_matrices=False)
+        inside = cu @ (cu.T @ d) if tall else cu @ cu.T @ d
+        tl, ts, tr = torch.linalg.svd(d - inside, full_matrices=False)
         if i == 0:
             all_u, all_s, all_v = (torch.zeros_like(tl), torch.zeros_like(ts),
                                    torch.zeros_like(tr))
@@ -183,7 +191,10 @@ SCALING = ParamDef("scaling_factor", "float", Scope.GLOBAL, 1.0,
 #: models (about 11, 10 and 22 float32 matrices; one torch SVD alone is 6.5), rounded up
 TSV_M_WORKSPACE = (32, 4)
 ISO_C_WORKSPACE = (40, 2)
-ISO_CTS_WORKSPACE = (72, 6)
+ISO_CTS_WORKSPACE = (104, 6)  # + the rows x rows projector, up to TALL_RATIO matrices
+#: iso_cts projects matrices with more rows than this many times their columns without the
+#: rows x rows projector (see :func:`_iso_cts`)
+TALL_RATIO = 8
 
 METHODS = (
     Method(
