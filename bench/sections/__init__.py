@@ -25,6 +25,8 @@ SECTIONS: dict[str, str] = {
     "profile-index": "where an index build's time goes: imports, numba, each stage",
     "mergepipe": "mergefs beside the MergePipe paper's own system and mergekit: wall time, "
                  "bytes read, peak RSS, deviation at 10%, 30% and full budgets, cold",
+    "methods-quality": "merge methods side by side on a masked-LM MiniLM family: held-out "
+                       "masked-LM loss per domain, full and budgeted, beside base and experts",
     "fuzz-format": "coverage-guided fuzzing of the safetensors header parser (atheris)",
     "families": "make a benchmark family on disk (python -m bench.families)",
 }
