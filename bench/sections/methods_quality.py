@@ -8,7 +8,10 @@ one), builds the block index once (timed, a row of its own), then for each metho
 merges with mergefs in this process (``mergefs.open(spec).merge(out, budget=B)``; the sources
 evicted from the page cache first: cold sources, index warm) and computes the masked-LM loss on
 each corpus' held-out passages (:class:`bench.families.MlmLoss`: fixed masks, the base's
-tokenizer, the family's sequence length). Printed per row: method, budget, loss per corpus,
+tokenizer, the family's sequence length). Budgets are mergefs' own (``10%``: of the experts'
+bytes as stored, float32 here). With ``--sidecars`` the experts' delta sidecars are written
+first (``mergefs compress`` into the work folder's index store, timed) and the budgeted merges
+plan with them; without, they read exact blocks only. Printed per row: method, budget, loss per corpus,
 their mean, the merge's wall time and the expert bytes it read; then a markdown table. The
 load average (1 minute) is printed before and after.
 
@@ -40,6 +43,7 @@ import yaml
 
 import mergefs
 from bench import families
+from mergefs import ops
 from bench.common import evict
 from mergefs import methods as registry
 from mergefs.methods import Scope
@@ -100,10 +104,12 @@ def budget_label(text: str) -> str:
 
 def run(family: Path, spec_name: str, methods: Sequence[str], budgets: Sequence[str],
         work: Path, *, params: Mapping[str, Mapping[str, Any]] | None = None,
+        sidecars: bool = False,
         evaluate: Callable[[Path], dict[str, float]] | None = None,
         emit: Callable[[dict[str, Any]], None] = lambda row: None) -> list[dict[str, Any]]:
-    """Every row: ``index``, then ``reference`` (base, each expert alone), then ``merge`` (or
-    ``skipped``) per method and budget. ``evaluate`` (default :class:`bench.families.MlmLoss`
+    """Every row: ``index`` (and ``compress`` with ``sidecars``: delta sidecars written into
+    the work folder's index store, which budgeted merges then plan with), then ``reference``
+    (base, each expert alone), then ``merge`` (or ``skipped``) per method and budget. ``evaluate`` (default :class:`bench.families.MlmLoss`
     of the family) maps a model folder to corpus -> loss; ``emit`` sees each row as it is made.
     Specs, manifests and the index stay in ``work``; each merge's output is removed once
     evaluated."""
@@ -133,8 +139,13 @@ def run(family: Path, spec_name: str, methods: Sequence[str], budgets: Sequence[
     if specs:
         evict(base, *experts)
         t0 = time.perf_counter()
-        mergefs.open(next(iter(specs.values()))).index()
+        first = mergefs.open(next(iter(specs.values())))
+        first.index()
         add({"row": "index", "cache": "cold", "wall_s": round(time.perf_counter() - t0, 2)})
+        if sidecars:
+            t0 = time.perf_counter()
+            ops.compress(first.spec, progress=False)
+            add({"row": "compress", "wall_s": round(time.perf_counter() - t0, 2)})
     for name, d in (("base", base), *((f"{p.name} alone", p) for p in experts)):
         add({"row": "reference", "method": name, "budget": "-", "loss": evaluate(d)})
     for method, spec_path in specs.items():
@@ -151,6 +162,7 @@ def run(family: Path, spec_name: str, methods: Sequence[str], budgets: Sequence[
             wall = time.perf_counter() - t0
             tot = result.totals
             add({"row": "merge", "method": method, "budget": label, "cache": "cold",
+                 "sidecars": sidecars,
                  "loss": evaluate(out), "wall_s": round(wall, 2),
                  "expert_bytes_read": tot["expert_bytes_read"],
                  "total_expert_bytes": tot["total_expert_bytes"],
@@ -172,7 +184,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         read = f"{r['expert_bytes_read'] / r['total_expert_bytes']:.1%}" \
             if r["row"] == "merge" and r["total_expert_bytes"] else "-"
         wall = f"{r['wall_s']:.2f} s" if "wall_s" in r else "-"
-        cells = [r["method"], r["budget"], *(f"{r['loss'][c]:.3f}" for c in corpora),
+        budget = f"{r['budget']}, sidecars" if r.get("sidecars") and r["budget"] != "full" \
+            else r["budget"]
+        cells = [r["method"], budget, *(f"{r['loss'][c]:.3f}" for c in corpora),
                  f"{r['mean']:.3f}", wall, read]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\n{r['method']}: {r['why']}" for r in rows if r["row"] == "skipped"]
@@ -203,6 +217,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench methods-qua
                    help="comma-separated: full, or a percentage of the expert bytes")
     p.add_argument("--param", action="append", default=[], metavar="METHOD:KEY=VALUE",
                    help="a parameter beyond the defaults (repeatable)")
+    p.add_argument("--sidecars", action="store_true",
+                   help="write delta sidecars (mergefs compress, into the work folder's index "
+                   "store) first: budgeted merges plan with them")
     p.add_argument("--work", type=Path, help="specs, manifests, index (default: a temporary "
                    "folder, removed afterwards)")
     p.add_argument("--json", type=Path, help="also write the rows here")
@@ -216,7 +233,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench methods-qua
     try:
         rows = run(args.family, args.spec, [m for m in args.methods.split(",") if m],
                    [b for b in args.budgets.split(",") if b], work,
-                   params=parse_params(args.param),
+                   params=parse_params(args.param), sidecars=args.sidecars,
                    emit=lambda row: print(json.dumps(row), flush=True))
     finally:
         if args.work is None:

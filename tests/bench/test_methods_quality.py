@@ -136,3 +136,18 @@ def test_rows_measure_the_merges(family: Path, tmp_path: Path) -> None:
     text = mq.table(rows)
     assert "| task_arithmetic | 10% |" in text and "| base | - |" in text
     assert "no_such_method: not in this mergefs" in text
+
+
+def test_sidecars_plan_the_budgeted_rows(family: Path, tmp_path: Path) -> None:
+    """With ``sidecars``, the delta sidecars are written into the work folder's store (not
+    beside the experts) and the 10% merge reads some of them, within the budget."""
+    before = sorted(p.name for p in family.rglob("*"))
+    rows = mq.run(family, "spec-full.yaml", ["task_arithmetic"], ["10%"], tmp_path / "work",
+                  sidecars=True, evaluate=lambda d: {"x": 1.0})
+    assert [r["row"] for r in rows] == ["index", "compress", "reference", "reference",
+                                        "reference", "reference", "merge"]
+    merge = rows[-1]
+    assert merge["sidecars"] and merge["sidecar_bytes_read"] > 0
+    assert merge["expert_bytes_read"] <= 0.10 * merge["total_expert_bytes"]
+    assert sorted(p.name for p in family.rglob("*")) == before  # nothing written into sources
+    assert "| task_arithmetic | 10%, sidecars |" in mq.table(rows)
