@@ -963,6 +963,26 @@ def mlm_loss(model_dir: Path, texts: list[str], *, seq_len: int = 128, seed: int
     return total / max(1, count)
 
 
+class MlmLoss:
+    """Masked-LM loss (:func:`mlm_loss`) of a model on each corpus' held-out passages of a
+    masked-LM MiniLM family (``eval/<corpus>.json``; the family's ``seq_len``), tokenised by
+    ``tokenizer_dir`` (the family's base): the metric of ``python -m bench sidecar`` and
+    ``python -m bench methods-quality``."""
+
+    def __init__(self, family: Path, tokenizer_dir: Path) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        info = json.loads((family / "family.json").read_text())
+        self.seq_len = int(info.get("seq_len", 128))  # as the family's own losses
+        self.texts = {p.stem: json.loads(p.read_text())
+                      for p in sorted((family / "eval").glob("*.json"))}
+
+    def __call__(self, model_dir: Path) -> dict[str, float]:
+        """Corpus -> loss (nats per masked token, rounded to 4 decimals)."""
+        return {c: round(mlm_loss(model_dir, t, seq_len=self.seq_len,
+                                  tokenizer_dir=self.tokenizer_dir), 4)
+                for c, t in self.texts.items()}
+
+
 def split_heldout(texts: list[str], every: int = 10) -> tuple[list[str], list[str]]:
     """(train, held out): every ``every``-th passage is held out."""
     return ([t for k, t in enumerate(texts) if k % every != every - 1],

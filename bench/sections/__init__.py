@@ -27,6 +27,8 @@ SECTIONS: dict[str, str] = {
                  "bytes read, peak RSS, deviation at 10%, 30% and full budgets, cold",
     "methods": "peak RSS and wall time of ties, dare_ties, della, slerp and model_stock, cold, "
                "beside a baseline tree and mergekit-yaml (issue 30)",
+    "methods-quality": "merge methods side by side on a masked-LM MiniLM family: held-out "
+                       "masked-LM loss per domain, full and budgeted, beside base and experts",
     "fuzz-format": "coverage-guided fuzzing of the safetensors header parser (atheris)",
     "families": "make a benchmark family on disk (python -m bench.families)",
 }

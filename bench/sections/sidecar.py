@@ -185,23 +185,6 @@ class Embedder:
         return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float64)
 
 
-class MlmLoss:
-    """Masked-LM loss of a merged model on each corpus' held-out passages (``eval/*.json``)."""
-
-    def __init__(self, family: Path, tokenizer_dir: Path) -> None:
-        self.loss = families.mlm_loss
-        self.tokenizer_dir = tokenizer_dir
-        info = json.loads((family / "family.json").read_text())
-        self.seq_len = int(info.get("seq_len", 128))  # as the family's own losses
-        self.texts = {p.stem: json.loads(p.read_text())
-                      for p in sorted((family / "eval").glob("*.json"))}
-
-    def __call__(self, model_dir: Path) -> dict[str, float]:
-        return {c: round(self.loss(model_dir, t, seq_len=self.seq_len,
-                                   tokenizer_dir=self.tokenizer_dir), 4)
-                for c, t in self.texts.items()}
-
-
 def through_mount(spec_path: Path, budget: int, sources: list[Path], tmp: Path,
                   expect: Path) -> dict[str, Any]:
     """Mount ``spec_path`` at ``budget`` bytes (cold sources), read every file; time and
@@ -418,7 +401,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench sidecar") -
         w0 = load_f64(base_dir)
         embed = Embedder(base_dir) if args.embed_metric else None
         e_full = embed(tmp / "full") if embed else None
-        mlm = MlmLoss(args.family, base_dir) if (args.family / "eval").is_dir() else None
+        mlm = families.MlmLoss(args.family, base_dir) if (args.family / "eval").is_dir() \
+            else None
         if mlm is not None:
             for what, d in (("base", base_dir), ("full merge", tmp / "full")):
                 rows.append({"row": "mlm_loss", "model": what, "loss": mlm(d)})
