@@ -200,7 +200,7 @@ class Engine:
             if memory_bytes is None and spec.memory_bytes is not None and not spec.memory_flag:
                 raise spec_error(spec.source, "memory", str(exc)) from None
             raise MemoryCapError(
-                f"{exc} ({'--memory' if given else 'the default: half of RAM'}; raise it "
+                f"{exc} ({'--memory' if given else 'the default: half of RAM or of the cgroup limit'}; raise it "
                 "with --memory SIZE or the spec's memory: key)") from None
 
     def _needs(self) -> dict[str, needs.Need]:

@@ -1,5 +1,5 @@
-"""The memory cap: the default (half of RAM), the up-front check of every tensor's need
-(:mod:`mergefs.methods.needs`) against it, and :class:`MemoryCap`, which lets units start only
+"""The memory cap: the default (half of RAM, or of a container's cgroup limit when lower), the
+up-front check of every tensor's need (:mod:`mergefs.methods.needs`) against it, and :class:`MemoryCap`, which lets units start only
 while the needs of the units in flight sum to at most the cap. Any thread.
 """
 
@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 from mergefs.core.format import DTYPES
 from mergefs.core.sizes import human_bytes
 from mergefs.methods.needs import Need
 
-#: the default cap: this fraction of the machine's RAM (MemTotal)
+#: the default cap: this fraction of the memory the process may use (MemTotal, or the
+#: cgroup's limit when lower: a container's)
 MEMORY_FRACTION = 0.5
+#: where a container's memory limit is read: cgroup v2, then v1 (the first with a number)
+CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),
+                      Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
 
-def default_cap_bytes() -> int:
-    """``MEMORY_FRACTION`` of the machine's RAM (MemTotal of /proc/meminfo; sysconf elsewhere)."""
+def default_cap_bytes(cgroup_files: Sequence[Path] = CGROUP_LIMIT_FILES) -> int:
+    """``MEMORY_FRACTION`` of the machine's RAM (MemTotal of /proc/meminfo; sysconf
+    elsewhere), or of the cgroup's memory limit (``cgroup_files``) when that is lower."""
     total = 0
     try:
         with open("/proc/meminfo") as fh:
@@ -32,7 +39,23 @@ def default_cap_bytes() -> int:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             total = 8 << 30
+    limit = _cgroup_limit_bytes(cgroup_files)
+    if limit is not None:
+        total = min(total, limit)
     return int(total * MEMORY_FRACTION)
+
+
+def _cgroup_limit_bytes(files: Sequence[Path]) -> int | None:
+    """The first limit among ``files`` ("max", absent or unreadable: none; v1's "unlimited"
+    is a huge number, which the caller's min with RAM discards)."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return None
 
 
 def item_bytes(dtype: str) -> int:

@@ -18,6 +18,7 @@ from families import Family, make_family, write_spec
 
 from mergefs.core.errors import MemoryCapError, SpecError
 from mergefs.methods import needs
+from mergefs.engine import working_set
 from mergefs.engine.merger import _aligned_blocks
 from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
@@ -183,3 +184,22 @@ def test_staged_peak_under_its_need(tmp_path_factory: pytest.TempPathFactory) ->
         peaks[method] = got["peak"]
     whole = _peak(root / "ties.yaml", "whole")
     assert peaks["ties"] < 0.75 * whole["peak"], (peaks, whole)
+
+
+def test_default_cap_heeds_a_cgroup_limit(tmp_path: Path) -> None:
+    """In a container the cgroup's limit, not the host's RAM, is what the merge may use: the
+    default cap is half of the smaller (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``; "max" and v1's huge "unlimited" value mean no limit)."""
+    ram = working_set.default_cap_bytes(cgroup_files=())
+    assert ram > 0
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("1073741824\n")
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == 1 << 29
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "unlimited"
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == ram
+    v1.write_text(str(2 << 30))
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == 1 << 30
+    big = tmp_path / "big"
+    big.write_text(str(ram * 4))  # a limit above RAM: RAM still bounds it
+    assert working_set.default_cap_bytes(cgroup_files=(big,)) == ram
