@@ -4,6 +4,7 @@ refusal, and the peak memory of a staged merge measured against the cap."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,10 +17,10 @@ import numpy as np
 import pytest
 from families import Family, make_family, write_spec
 
-from mergefs.core.errors import MemoryCapError, SpecError
+from mergefs.core.errors import MemoryCapError, SourceChanged, SpecError
 from mergefs.methods import needs
 from mergefs.engine import working_set
-from mergefs.engine.merger import _aligned_blocks
+from mergefs.engine.merger import _aligned_blocks, _Stopped
 from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
 
@@ -203,3 +204,51 @@ def test_default_cap_heeds_a_cgroup_limit(tmp_path: Path) -> None:
     big = tmp_path / "big"
     big.write_text(str(ram * 4))  # a limit above RAM: RAM still bounds it
     assert working_set.default_cap_bytes(cgroup_files=(big,)) == ram
+
+
+def test_a_source_changed_between_the_phases_is_refused(family: Family, tmp_path: Path
+                                                        ) -> None:
+    """Phase 2 re-reads the sources: bytes changed after phase 1 (same size and mtime, so only
+    the index hashes can tell) raise SourceChanged instead of merging old masks with new
+    values."""
+    session = _session(family, tmp_path, "ties")
+    try:
+        eng = session.engine
+        (b0, b1), = eng.units("d.weight")
+        staged = eng.method.staged
+        assert staged is not None
+        f = next(family.experts[0].glob("*.safetensors"))
+        st = f.stat()
+        calls = []
+
+        def keep_then_change(*args: Any) -> Any:
+            calls.append(1)
+            if len(calls) == len(family.experts):  # phase 1 done: flip expert 0's d.weight
+                loc = eng.experts[0].tensors["d.weight"]
+                with open(f, "r+b") as fh:
+                    fh.seek(loc.start)
+                    raw = bytearray(fh.read(loc.end - loc.start))
+                    fh.seek(loc.start)
+                    fh.write(bytes(b ^ 0x5A for b in raw))
+                os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+            return staged.keep(*args)
+
+        eng.method = dataclasses.replace(
+            eng.method, staged=dataclasses.replace(staged, keep=keep_then_change))
+        with pytest.raises(SourceChanged, match="differ from the index"):
+            eng._merge_staged("d.weight", b0, b1)
+    finally:
+        session.close()
+
+
+def test_a_stopped_merge_ends_a_staged_unit(family: Family, tmp_path: Path) -> None:
+    """Ctrl-C (the engine's ``stopped``) ends a staged unit between its steps."""
+    session = _session(family, tmp_path, "ties")
+    try:
+        eng = session.engine
+        (b0, b1), = eng.units("d.weight")
+        eng.stopped.set()
+        with pytest.raises(_Stopped):
+            eng._merge_staged("d.weight", b0, b1)
+    finally:
+        session.close()
