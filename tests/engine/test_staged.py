@@ -209,6 +209,24 @@ def test_default_cap_heeds_a_cgroup_limit(tmp_path: Path) -> None:
     assert working_set.default_cap_bytes(cgroup_files=(big,)) == ram
 
 
+def test_the_cgroup_limit_is_read_where_the_process_is(tmp_path: Path) -> None:
+    """A v1 host mounts the whole hierarchy: the process's limit is under its own cgroup's
+    path (/proc/self/cgroup), not at the root; v2 likewise."""
+    v1 = "4:memory:/jobs/7\n3:cpu,cpuacct:/jobs/7\n"
+    assert working_set.cgroup_limit_files(v1, tmp_path)[0] == \
+        tmp_path / "memory/jobs/7/memory.limit_in_bytes"
+    assert working_set.cgroup_limit_files("0::/user.slice/x\n", tmp_path)[0] == \
+        tmp_path / "user.slice/x/memory.max"
+    own = tmp_path / "memory/jobs/7/memory.limit_in_bytes"
+    own.parent.mkdir(parents=True)
+    own.write_text(str(1 << 30))
+    (tmp_path / "memory/memory.limit_in_bytes").write_text("9223372036854771712")
+    assert working_set.default_cap_bytes(working_set.cgroup_limit_files(v1, tmp_path)) == \
+        1 << 29
+    assert working_set.default_cap_bytes(working_set.cgroup_limit_files("", tmp_path)) == \
+        working_set.default_cap_bytes(cgroup_files=())
+
+
 def test_a_source_changed_between_the_phases_is_refused(family: Family, tmp_path: Path
                                                         ) -> None:
     """Phase 2 re-reads the sources: bytes changed after phase 1 (same size and mtime, so only
