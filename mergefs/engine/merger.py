@@ -199,9 +199,9 @@ class Engine:
             given = memory_bytes is not None or spec.memory_bytes is not None
             if memory_bytes is None and spec.memory_bytes is not None and not spec.memory_flag:
                 raise spec_error(spec.source, "memory", str(exc)) from None
-            raise MemoryCapError(
-                f"{exc} ({'--memory' if given else 'the default: half of RAM or of the cgroup limit'}; raise it "
-                "with --memory SIZE or the spec's memory: key)") from None
+            where = "--memory" if given else "the default: half of RAM or of the cgroup limit"
+            raise MemoryCapError(f"{exc} ({where}; raise it with --memory SIZE or the spec's "
+                                 "memory: key)") from None
 
     def _needs(self) -> dict[str, needs.Need]:
         """Each unit's working set at its peak (mergefs.methods.needs), by unit key."""

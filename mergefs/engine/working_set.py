@@ -1,6 +1,7 @@
 """The memory cap: the default (half of RAM, or of a container's cgroup limit when lower), the
-up-front check of every tensor's need (:mod:`mergefs.methods.needs`) against it, and :class:`MemoryCap`, which lets units start only
-while the needs of the units in flight sum to at most the cap. Any thread.
+up-front check of every tensor's need (:mod:`mergefs.methods.needs`) against it, and
+:class:`MemoryCap`, which lets units start only while the needs of the units in flight sum to
+at most the cap. Any thread.
 """
 
 from __future__ import annotations
