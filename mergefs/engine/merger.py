@@ -199,9 +199,9 @@ class Engine:
             given = memory_bytes is not None or spec.memory_bytes is not None
             if memory_bytes is None and spec.memory_bytes is not None and not spec.memory_flag:
                 raise spec_error(spec.source, "memory", str(exc)) from None
-            raise MemoryCapError(
-                f"{exc} ({'--memory' if given else 'the default: half of RAM'}; raise it "
-                "with --memory SIZE or the spec's memory: key)") from None
+            where = "--memory" if given else "the default: half of RAM or of the cgroup limit"
+            raise MemoryCapError(f"{exc} ({where}; raise it with --memory SIZE or the spec's "
+                                 "memory: key)") from None
 
     def _needs(self) -> dict[str, needs.Need]:
         """Each unit's working set at its peak (mergefs.methods.needs), by unit key."""
@@ -221,9 +221,15 @@ class Engine:
             if any(d not in needs.MERGED_DTYPES for d in dtypes) or \
                     self.out_tensors[name].layout_index is None and name not in self.derived:
                 continue  # passed through as it is
-            staged = self.method.staged is not None and k > 0 and self._fused_form(name) is None
-            path = "whole" if name in self.derived or self.deltas else \
-                "blocks" if self._elementwise(name) else "staged" if staged else "whole"
+            u = self.unit_outputs[name]
+            if name in self.derived or self.deltas or u.ref_only:
+                path = "whole"  # (a base-only unit has no method parameters: it reads the base)
+            elif self._elementwise(name):
+                path = "blocks"
+            elif self.method.staged is not None and k > 0 and self._fused_form(name) is None:
+                path = "staged"
+            else:
+                path = "whole"
             out[name] = needs.tensor_need(
                 self.method, name, int(np.prod(shape, dtype=np.int64)), k,
                 max(working_set.item_bytes(d) for d in dtypes),

@@ -129,8 +129,8 @@ MEMORY = """\
 
 What merging one tensor holds at its peak (`mergefs.methods.needs`), with `n` the tensor's
 elements, `k` the models besides the base, `s` and `o` the source's and the output's bytes per
-element. The memory cap (`--memory`, the spec's `memory:`, default half of RAM) is checked
-against every tensor's need before anything is read, and units start only while the needs of
+element. The memory cap (`--memory`, the spec's `memory:`, default half of RAM or of the
+cgroup's memory limit, the lower) is checked against every tensor's need before anything is read, and units start only while the needs of
 the units in flight fit under it. Whole-tensor units of the generalised task arithmetic rows run
 in two phases: what each model keeps (its selection mask, bit-packed, and the L1 rescale factor)
 from its whole delta, one model at a time, then the merge by blocks of 2^19 elements, each

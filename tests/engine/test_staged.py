@@ -4,6 +4,7 @@ refusal, and the peak memory of a staged merge measured against the cap."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,9 +17,13 @@ import numpy as np
 import pytest
 from families import Family, make_family, write_spec
 
-from mergefs.core.errors import MemoryCapError, SpecError
+from mergefs import cli
+from mergefs.core.errors import MemoryCapError, SourceChanged, SpecError
 from mergefs.methods import needs
-from mergefs.engine.merger import _aligned_blocks
+from mergefs.engine import working_set
+from mergefs.engine.manifest import read_manifest
+from mergefs.engine.merger import _aligned_blocks, _Stopped
+from mergefs.engine.replay import replay
 from mergefs.engine.session import Session
 from mergefs.spec.load import load_spec
 
@@ -183,3 +188,108 @@ def test_staged_peak_under_its_need(tmp_path_factory: pytest.TempPathFactory) ->
         peaks[method] = got["peak"]
     whole = _peak(root / "ties.yaml", "whole")
     assert peaks["ties"] < 0.75 * whole["peak"], (peaks, whole)
+
+
+def test_default_cap_heeds_a_cgroup_limit(tmp_path: Path) -> None:
+    """In a container the cgroup's limit, not the host's RAM, is what the merge may use: the
+    default cap is half of the smaller (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``; "max" and v1's huge "unlimited" value mean no limit)."""
+    ram = working_set.default_cap_bytes(cgroup_files=())
+    assert ram > 0
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("1073741824\n")
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == 1 << 29
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "unlimited"
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == ram
+    v1.write_text(str(2 << 30))
+    assert working_set.default_cap_bytes(cgroup_files=(v2, v1)) == 1 << 30
+    big = tmp_path / "big"
+    big.write_text(str(ram * 4))  # a limit above RAM: RAM still bounds it
+    assert working_set.default_cap_bytes(cgroup_files=(big,)) == ram
+
+
+def test_the_cgroup_limit_is_read_where_the_process_is(tmp_path: Path) -> None:
+    """A v1 host mounts the whole hierarchy: the process's limit is under its own cgroup's
+    path (/proc/self/cgroup), not at the root; v2 likewise."""
+    v1 = "4:memory:/jobs/7\n3:cpu,cpuacct:/jobs/7\n"
+    assert working_set.cgroup_limit_files(v1, tmp_path)[0] == \
+        tmp_path / "memory/jobs/7/memory.limit_in_bytes"
+    assert working_set.cgroup_limit_files("0::/user.slice/x\n", tmp_path)[0] == \
+        tmp_path / "user.slice/x/memory.max"
+    own = tmp_path / "memory/jobs/7/memory.limit_in_bytes"
+    own.parent.mkdir(parents=True)
+    own.write_text(str(1 << 30))
+    (tmp_path / "memory/memory.limit_in_bytes").write_text("9223372036854771712")
+    assert working_set.default_cap_bytes(working_set.cgroup_limit_files(v1, tmp_path)) == \
+        1 << 29
+    assert working_set.default_cap_bytes(working_set.cgroup_limit_files("", tmp_path)) == \
+        working_set.default_cap_bytes(cgroup_files=())
+
+
+def test_a_source_changed_between_the_phases_is_refused(family: Family, tmp_path: Path
+                                                        ) -> None:
+    """Phase 2 re-reads the sources: bytes changed after phase 1 (same size and mtime, so only
+    the index hashes can tell) raise SourceChanged instead of merging old masks with new
+    values."""
+    session = _session(family, tmp_path, "ties")
+    try:
+        eng = session.engine
+        (b0, b1), = eng.units("d.weight")
+        staged = eng.method.staged
+        assert staged is not None
+        f = next(family.experts[0].glob("*.safetensors"))
+        st = f.stat()
+        calls = []
+
+        def keep_then_change(*args: Any) -> Any:
+            calls.append(1)
+            if len(calls) == len(family.experts):  # phase 1 done: flip expert 0's d.weight
+                loc = eng.experts[0].tensors["d.weight"]
+                with open(f, "r+b") as fh:
+                    fh.seek(loc.start)
+                    raw = bytearray(fh.read(loc.end - loc.start))
+                    fh.seek(loc.start)
+                    fh.write(bytes(b ^ 0x5A for b in raw))
+                os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+            return staged.keep(*args)
+
+        eng.method = dataclasses.replace(
+            eng.method, staged=dataclasses.replace(staged, keep=keep_then_change))
+        with pytest.raises(SourceChanged, match="differ from the index"):
+            eng._merge_staged("d.weight", b0, b1)
+    finally:
+        session.close()
+
+
+def test_a_stopped_merge_ends_a_staged_unit(family: Family, tmp_path: Path) -> None:
+    """Ctrl-C (the engine's ``stopped``) ends a staged unit between its steps."""
+    session = _session(family, tmp_path, "ties")
+    try:
+        eng = session.engine
+        (b0, b1), = eng.units("d.weight")
+        eng.stopped.set()
+        with pytest.raises(_Stopped):
+            eng._merge_staged("d.weight", b0, b1)
+    finally:
+        session.close()
+
+
+def test_a_staged_merge_replays(family: Family, tmp_path: Path) -> None:
+    """A staged merge under a budget: its manifest lists each planned byte once (phase 2's
+    re-reads counted apart, not recorded) and replays to the same files."""
+    method, glob, per = CASES["ties_rescale"]
+    spec = write_spec(tmp_path / "s.yaml", family, method, parameters=glob,
+                      model_parameters=[per] * len(family.experts),
+                      extra={"block_size": 256, "budget": "60%",
+                             "index_dir": str(tmp_path / "idx")})
+    manifest, out = tmp_path / "m.jsonl", tmp_path / "out"
+    assert cli.main(["merge", str(spec), str(out), "--manifest", str(manifest)]) == 0
+    totals = read_manifest(manifest).totals
+    assert totals is not None
+    assert totals["expert_bytes_read"] == totals["expert_bytes_planned"] > 0
+    res = replay(manifest, out=tmp_path / "again")
+    assert res.outputs_verified > 0
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files and all((tmp_path / "again" / f).read_bytes() == (out / f).read_bytes()
+                         for f in files)
