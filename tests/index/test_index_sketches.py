@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -175,7 +176,7 @@ def test_the_stated_error_bar_holds(kind: str) -> None:
     time (Chebyshev); it is far rarer in practice, and the measured spread stays below the
     stated standard deviation. Two coefficient sets: a whole merge update, and an error where
     some experts' blocks are omitted."""
-    rng = np.random.default_rng(hash(kind) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))  # str hash() varies per process
     deltas = _shapes(kind, rng)
     layout = _layout()
     coeff_sets = [np.asarray([0.5, 0.3, 0.7])[:, None] * np.ones((3, N_BLOCKS)),
@@ -196,7 +197,10 @@ def test_the_stated_error_bar_holds(kind: str) -> None:
             ratios[s].append((est - true) / sd)
     for s in range(2):
         assert misses[s] <= (1 - CONFIDENCE) * trials, (kind, s, misses[s])
-        assert float(np.sqrt(np.mean(np.square(ratios[s])))) <= 1.0, (kind, s)
+        # the stated deviation bounds the true one, and is attained for nearly parallel
+        # deltas (correlated: measured RMS 0.86-1.01 over 12 seeds); the RMS of 150 draws
+        # has a sampling spread of ~6%, hence the margin
+        assert float(np.sqrt(np.mean(np.square(ratios[s])))) <= 1.2, (kind, s)
         assert abs(float(np.mean(ratios[s]))) < 0.3, (kind, s)  # unbiased (150 draws)
 
 
