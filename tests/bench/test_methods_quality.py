@@ -63,6 +63,15 @@ def _tiny_mlm_family(root: Path) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def _offline_for_this_test_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.families' loss sets HF_HUB_OFFLINE with os.environ.setdefault; set here, it is
+    undone after the test (leaked, it changed the tokenizer_config.json that later tests'
+    mount subprocesses write: transformers saves local_files_only)."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+
+
 @pytest.fixture(scope="module")
 def family(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_mlm_family(tmp_path_factory.mktemp("mlm"))
